@@ -1,0 +1,213 @@
+"""Decoder-only LM in Flax NNX whose attention takes any registered position scheme.
+
+Pre-norm blocks: x + Attn(RMSNorm(x)), then x + SwiGLU(RMSNorm(x)); final RMSNorm; tied or
+untied output head. The decode path carries an explicit cache pytree (one scheme cache per
+layer) and is exact against the parallel forward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from models.registry import get_entry, make_scheme
+from positional.scheme import check_cache_room
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int = 258
+    d_model: int = 256
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 0  # 0 means num_heads (no grouped-query attention)
+    head_dim: int = 0  # 0 means d_model // num_heads
+    mlp_dim: int = 0  # 0 means the SwiGLU convention: 8/3 d_model rounded up to 64
+    scheme: str = "rope"
+    scheme_options: tuple = ()  # (name, value) pairs, hashable; see `from_dict`
+    tie_embeddings: bool = True
+    attention_impl: str = "reference"
+    block_size: int = 512
+    dtype: str = "float32"  # compute dtype; parameters stay float32
+
+    @classmethod
+    def from_dict(cls, d) -> "ModelConfig":
+        d = dict(d)
+        d["scheme_options"] = tuple(sorted(dict(d.get("scheme_options", {})).items()))
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"unknown model config field(s) {sorted(unknown)}; valid: {sorted(known)}")
+        return cls(**d)
+
+    def __post_init__(self):
+        if self.num_heads <= 0 or (self.head_dim == 0 and self.d_model % self.num_heads):
+            raise ValueError(f"model.d_model={self.d_model} is not divisible by model.num_heads="
+                             f"{self.num_heads}; set model.head_dim explicitly")
+        if self.kv_heads <= 0 or self.num_heads % self.kv_heads:
+            raise ValueError(f"model.num_heads={self.num_heads} must be a multiple of "
+                             f"model.num_kv_heads={self.kv_heads}")
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_kv_heads or self.num_heads
+
+    @property
+    def dim_per_head(self) -> int:
+        return self.head_dim or self.d_model // self.num_heads
+
+    @property
+    def hidden_dim(self) -> int:
+        return self.mlp_dim or -(-8 * self.d_model // 3 // 64) * 64
+
+
+def _linear(din, dout, cfg, rngs):
+    return nnx.Linear(din, dout, use_bias=False, dtype=jnp.dtype(cfg.dtype), rngs=rngs,
+                      kernel_init=nnx.initializers.normal(stddev=din ** -0.5))
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        h, kh, d = cfg.num_heads, cfg.kv_heads, cfg.dim_per_head
+        self.scheme = make_scheme(cfg.scheme, num_heads=h, head_dim=d, **dict(cfg.scheme_options))
+        self.q = _linear(cfg.d_model, h * d, cfg, rngs)
+        self.k = _linear(cfg.d_model, kh * d, cfg, rngs)
+        self.v = _linear(cfg.d_model, kh * d, cfg, rngs)
+        self.o = _linear(h * d, cfg.d_model, cfg, rngs)
+        features = get_entry(cfg.scheme).features
+        self.features = features(self.scheme, cfg.d_model, rngs=rngs) if features else None
+
+    def _qkv(self, x):
+        b, t, _ = x.shape
+        d = self.cfg.dim_per_head
+        q = self.q(x).reshape(b, t, self.cfg.num_heads, d)
+        k = self.k(x).reshape(b, t, self.cfg.kv_heads, d)
+        v = self.v(x).reshape(b, t, self.cfg.kv_heads, d)
+        features = self.features(x) if self.features is not None else None
+        return q, k, v, features
+
+    def __call__(self, x, *, positions, segment_ids=None, impl=None):
+        q, k, v, features = self._qkv(x)
+        out = self.scheme.attend(q, k, v, features, positions=positions, segment_ids=segment_ids,
+                                 impl=impl or self.cfg.attention_impl, block_size=self.cfg.block_size)
+        return self.o(out.reshape(*x.shape[:2], -1))
+
+    def decode(self, x, cache):
+        q, k, v, features = self._qkv(x)
+        out, cache = self.scheme.decode_step(cache, q, k, v, features)
+        return self.o(out.reshape(*x.shape[:2], -1)), cache
+
+
+class MLP(nnx.Module):
+    """SwiGLU: W2 (silu(W1 x) * W3 x)."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.gate = _linear(cfg.d_model, cfg.hidden_dim, cfg, rngs)
+        self.up = _linear(cfg.d_model, cfg.hidden_dim, cfg, rngs)
+        self.down = _linear(cfg.hidden_dim, cfg.d_model, cfg, rngs)
+
+    def __call__(self, x):
+        return self.down(nnx.silu(self.gate(x)) * self.up(x))
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        dtype = jnp.dtype(cfg.dtype)
+        self.attn_norm = nnx.RMSNorm(cfg.d_model, epsilon=1e-6, dtype=dtype, rngs=rngs)
+        self.attn = Attention(cfg, rngs=rngs)
+        self.mlp_norm = nnx.RMSNorm(cfg.d_model, epsilon=1e-6, dtype=dtype, rngs=rngs)
+        self.mlp = MLP(cfg, rngs=rngs)
+
+    def __call__(self, x, **kw):
+        x = x + self.attn(self.attn_norm(x), **kw)
+        return x + self.mlp(self.mlp_norm(x))
+
+    def decode(self, x, cache):
+        a, cache = self.attn.decode(self.attn_norm(x), cache)
+        x = x + a
+        return x + self.mlp(self.mlp_norm(x)), cache
+
+
+class DecoderLM(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.embed = nnx.Embed(cfg.vocab_size, cfg.d_model, rngs=rngs,
+                               embedding_init=nnx.initializers.normal(stddev=1.0))
+        self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
+        self.norm = nnx.RMSNorm(cfg.d_model, epsilon=1e-6, dtype=jnp.dtype(cfg.dtype), rngs=rngs)
+        self.head = None if cfg.tie_embeddings else _linear(cfg.d_model, cfg.vocab_size, cfg, rngs)
+
+    def _logits(self, x):
+        x = self.norm(x)
+        if self.head is None:  # tied: scale so logits start O(1) with unit-variance embeddings
+            return self.embed.attend(x) * self.cfg.d_model ** -0.5
+        return self.head(x)
+
+    def __call__(self, tokens, *, positions=None, segment_ids=None, impl=None) -> jax.Array:
+        """tokens [B, T] int -> logits [B, T, vocab] (float32)."""
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+        x = self.embed(tokens).astype(jnp.dtype(self.cfg.dtype))
+        for block in self.blocks:
+            x = block(x, positions=positions, segment_ids=segment_ids, impl=impl)
+        return self._logits(x).astype(jnp.float32)
+
+    def init_cache(self, batch: int, max_len: int) -> list:
+        return [blk.attn.scheme.init_cache(batch, max_len, self.cfg.kv_heads, jnp.dtype(self.cfg.dtype))
+                for blk in self.blocks]
+
+    def decode(self, tokens, cache):
+        """Feed n new tokens [B, n] after what `cache` holds. Returns (logits [B, n, V], cache)."""
+        x = self.embed(tokens).astype(jnp.dtype(self.cfg.dtype))
+        new_cache = []
+        for block, c in zip(self.blocks, cache):
+            x, c = block.decode(x, c)
+            new_cache.append(c)
+        return self._logits(x).astype(jnp.float32), new_cache
+
+
+def cache_len(cache) -> int:
+    return cache[0]["k"].shape[1]
+
+
+def generate(model: DecoderLM, prompt: jax.Array, max_new_tokens: int, *, rng: jax.Array | None = None,
+             temperature: float = 0.0, max_len: int | None = None) -> jax.Array:
+    """Prefill `prompt` [B, P] then sample `max_new_tokens`. Returns [B, P + max_new_tokens].
+
+    temperature 0 is greedy decoding; otherwise tokens are sampled from softmax(logits / T)
+    with `rng` (required). The whole loop is one jitted `lax.scan`.
+    """
+    b, p = prompt.shape
+    max_len = max_len or p + max_new_tokens
+    check_cache_room(max_len, p, max_new_tokens)
+    if temperature > 0 and rng is None:
+        raise ValueError("sampling with temperature > 0 needs an explicit rng key")
+    rng = jax.random.key(0) if rng is None else rng
+    graphdef, state = nnx.split(model)
+    return _generate(graphdef, state, prompt, rng, max_new_tokens, float(temperature), max_len)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 4, 5, 6))
+def _generate(graphdef, state, prompt, rng, max_new_tokens, temperature, max_len):
+    model = nnx.merge(graphdef, state)
+    logits, cache = model.decode(prompt, model.init_cache(prompt.shape[0], max_len))
+
+    def pick(logits, key):
+        if temperature == 0:
+            return jnp.argmax(logits, -1).astype(prompt.dtype)
+        return jax.random.categorical(key, logits / temperature).astype(prompt.dtype)
+
+    def step(carry, key):
+        last_logits, cache = carry
+        token = pick(last_logits, key)
+        logits, cache = model.decode(token[:, None], cache)
+        return (logits[:, -1], cache), token
+
+    keys = jax.random.split(rng, max_new_tokens)
+    _, tokens = jax.lax.scan(step, (logits[:, -1], cache), keys)
+    return jnp.concatenate([prompt, tokens.T], axis=1)

@@ -1,0 +1,126 @@
+"""Rotary position embedding (RoPE) and its context-extension variants.
+
+Frequencies: theta_i = base^(-2i/D), i = 0..D/2-1. Token at position p has its pair i rotated
+by the angle p * theta_i, so q_m . k_n depends on m - n only.
+
+Pair layouts (which dimensions form a rotated pair):
+  "half"        (x[i], x[i + D/2])  as in GPT-NeoX / LLaMA checkpoints;
+  "interleaved" (x[2i], x[2i + 1])  as in the RoFormer paper and GPT-J.
+The two are the same scheme up to a fixed permutation of the head dimensions.
+
+Extensions (`scaling`, with `factor` s and the pretraining length `original_max_len` L):
+  "none"  plain RoPE; changing `base` is the plain base-change extension;
+  "pi"    position interpolation (Chen et al. 2023): theta_i / s;
+  "ntk"   NTK-aware base scaling: base' = base * s^(D / (D - 2));
+  "yarn"  YaRN (Peng et al. 2023): per-pair ramp on r_i = L / wavelength_i,
+          gamma_i = clip((r_i - beta_slow) / (beta_fast - beta_slow), 0, 1),
+          theta_i' = (1 - gamma_i) theta_i / s + gamma_i theta_i,
+          and attention temperature sqrt(1/t) = 0.1 ln s + 1 multiplying q and k.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from positional.scheme import Scheme
+
+SCALINGS = ("none", "pi", "ntk", "yarn")
+LAYOUTS = ("half", "interleaved")
+
+
+def rope_frequencies(head_dim: int, base: float = 10000.0, scaling: str = "none",
+                     factor: float = 1.0, original_max_len: int = 512,
+                     beta_fast: float = 32.0, beta_slow: float = 1.0) -> np.ndarray:
+    """Angular frequencies theta_i, [head_dim // 2] float64 (cast at use)."""
+    if scaling not in SCALINGS:
+        raise ValueError(f"unknown RoPE scaling {scaling!r}; valid: {SCALINGS}")
+    if factor <= 0:
+        raise ValueError(f"RoPE scaling factor must be positive, got {factor}")
+    if scaling == "ntk":
+        base = base * factor ** (head_dim / (head_dim - 2))
+    theta = base ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    if scaling == "pi":
+        theta = theta / factor
+    elif scaling == "yarn":
+        ratio = original_max_len * theta / (2 * math.pi)  # = L / wavelength
+        gamma = np.clip((ratio - beta_slow) / (beta_fast - beta_slow), 0.0, 1.0)
+        theta = (1 - gamma) * theta / factor + gamma * theta
+    return theta
+
+
+def yarn_attention_factor(factor: float) -> float:
+    """sqrt(1/t) of YaRN: multiplies both q and k, so logits scale by its square."""
+    return 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
+
+
+def rotate(x: jax.Array, angles: jax.Array, layout: str = "half") -> jax.Array:
+    """Rotate pairs of x by angles. x: [B, T, H, D]; angles: [B, T, 1 or H, D/2] (fp32).
+
+    The rotation is computed in fp32 and cast back to x's dtype.
+    """
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    xf = x.astype(jnp.float32)
+    if layout == "half":
+        x1, x2 = jnp.split(xf, 2, axis=-1)
+        out = jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
+    elif layout == "interleaved":
+        x1, x2 = xf[..., 0::2], xf[..., 1::2]
+        out = jnp.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1).reshape(xf.shape)
+    else:
+        raise ValueError(f"unknown RoPE layout {layout!r}; valid: {LAYOUTS}")
+    return out.astype(x.dtype)
+
+
+def rope_angles(positions: jax.Array, theta) -> jax.Array:
+    """positions [B, T] -> angles [B, T, 1, D/2] in fp32."""
+    return positions.astype(jnp.float32)[..., None, None] * jnp.asarray(theta, jnp.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class Rope(Scheme):
+    """RoPE on q and k; with `rotate_values`, also the Q/K/V variant ("rope_qkv").
+
+    Q/K/V: values are rotated by R(+p_j theta) and the head output by R(-p_i theta), so the
+    output is sum_j a_ij R((p_j - p_i) theta) v_j: values are transported along the same
+    relative rotation as the scores (accumulated-transformations paper, App. C, variant 2).
+    """
+    base: float = 10000.0
+    scaling: str = "none"
+    factor: float = 1.0
+    original_max_len: int = 512
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    layout: str = "half"
+    rotate_values: bool = False
+
+    needs_even_head_dim = True
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"unknown RoPE layout {self.layout!r}; valid: {LAYOUTS}")
+        rope_frequencies(self.head_dim, self.base, self.scaling, self.factor)  # validates
+
+    @property
+    def theta(self) -> np.ndarray:
+        return rope_frequencies(self.head_dim, self.base, self.scaling, self.factor,
+                                self.original_max_len, self.beta_fast, self.beta_slow)
+
+    def transform(self, q, k, v, features, positions):
+        angles = rope_angles(positions, self.theta)
+        q, k = rotate(q, angles, self.layout), rotate(k, angles, self.layout)
+        if self.scaling == "yarn":
+            q = q * jnp.asarray(yarn_attention_factor(self.factor) ** 2, q.dtype)
+        if self.rotate_values:
+            v = rotate(v, angles, self.layout)
+        return q, k, v
+
+    def transform_out(self, out, features, positions):
+        if not self.rotate_values:
+            return out
+        return rotate(out, -rope_angles(positions, self.theta), self.layout)

@@ -1,0 +1,90 @@
+"""The scheme contract: how a position scheme wraps ordinary causal attention.
+
+A `Scheme` is a frozen dataclass whose fields are its options (so it is hashable and can sit
+on an NNX module as static data). Its hooks, all pure:
+
+  transform(q, k, v, features, positions) -> (q, k, v)   before attention (RoPE, SO(2), ...)
+  transform_out(out, features, positions) -> out         after it (Q/K/V variants rotate back)
+  bias_fn(features) -> BiasFn | None                     additive logit bias (ALiBi, FoX, ...)
+
+From those the base class derives the parallel form `attend` and an exact decode form
+(`init_cache` / `decode_step`) whose cache holds keys and values already transformed. Schemes
+whose transport of a key changes as the sequence grows (PaTH) or that need state of the past
+(accumulated angles) override the decode pair; schemes that change the whole path override
+`attend` too.
+
+Shapes: q [B, T, H, D]; k, v [B, T, K, D]; positions, segment_ids [B, T] int32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from positional.attention import BiasFn, attention
+
+
+@dataclasses.dataclass(frozen=True)
+class Scheme:
+    num_heads: int
+    head_dim: int
+
+    #: rotary schemes rotate pairs of dimensions and need an even head_dim.
+    needs_even_head_dim = False
+    #: scores depend only on position differences (checked by the conformance suite).
+    relative = True
+
+    def __post_init__(self):
+        if self.needs_even_head_dim and self.head_dim % 2:
+            raise ValueError(f"{type(self).__name__} rotates pairs of dimensions, so head_dim must be "
+                             f"even; got head_dim={self.head_dim}")
+
+    # ---- hooks -------------------------------------------------------------------------------
+    def transform(self, q, k, v, features, positions):
+        return q, k, v
+
+    def transform_out(self, out, features, positions):
+        return out
+
+    def bias_fn(self, features) -> BiasFn | None:
+        return None
+
+    # ---- parallel form -----------------------------------------------------------------------
+    def attend(self, q, k, v, features=None, *, positions, segment_ids=None,
+               impl: str = "reference", block_size: int = 512) -> jax.Array:
+        """Causal attention under this scheme. Returns [B, T, H, D]."""
+        q, k, v = self.transform(q, k, v, features, positions)
+        out = attention(q, k, v, bias_fn=self.bias_fn(features), segment_ids=segment_ids,
+                        impl=impl, block_size=block_size)
+        return self.transform_out(out, features, positions)
+
+    # ---- decode form -------------------------------------------------------------------------
+    def init_cache(self, batch: int, max_len: int, num_kv_heads: int, dtype=jnp.float32) -> dict:
+        shape = (batch, max_len, num_kv_heads, self.head_dim)
+        return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype),
+                "index": jnp.zeros((), jnp.int32)}
+
+    def decode_step(self, cache: dict, q, k, v, features=None):
+        """Attend n new tokens (q, k, v: [B, n, ., D]) at positions index..index+n-1.
+
+        n = 1 is one decoding step; n > 1 is a (chunked) prefill. Returns (out, cache).
+        The caller guarantees index + n <= max_len (see `check_cache_room`).
+        """
+        b, n = q.shape[:2]
+        index = cache["index"]
+        positions = jnp.broadcast_to(index + jnp.arange(n, dtype=jnp.int32), (b, n))
+        q, k, v = self.transform(q, k, v, features, positions)
+        ck = jax.lax.dynamic_update_slice_in_dim(cache["k"], k.astype(cache["k"].dtype), index, axis=1)
+        cv = jax.lax.dynamic_update_slice_in_dim(cache["v"], v.astype(cache["v"].dtype), index, axis=1)
+        out = attention(q, ck, cv, bias_fn=self.bias_fn(features), q_offset=index)
+        out = self.transform_out(out, features, positions)
+        return out, {**cache, "k": ck, "v": cv, "index": index + n}
+
+
+def check_cache_room(cache_len: int, index: int, n: int) -> None:
+    """Raise a readable error when n more tokens do not fit in a cache of cache_len."""
+    if index + n > cache_len:
+        raise ValueError(f"sequence too long for the cache: {index} cached + {n} new tokens > "
+                         f"cache length {cache_len}; create the cache with a larger max_len")
