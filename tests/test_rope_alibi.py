@@ -1,0 +1,144 @@
+"""RoPE, its extensions and ALiBi against their definitions, with hand-computed values."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from models.registry import make_scheme
+from positional.alibi import alibi_slopes
+from positional.attention import reference_attention
+from positional.rope import rope_angles, rope_frequencies, rotate, yarn_attention_factor
+
+
+def rope_as_complex(x, positions, theta):
+    """RoFormer's definition: pair (x[2i], x[2i+1]) is the complex number multiplied by e^{i p theta_i}."""
+    z = x[..., 0::2] + 1j * x[..., 1::2]
+    z = z * np.exp(1j * positions[..., None, None] * theta)
+    out = np.empty_like(x)
+    out[..., 0::2], out[..., 1::2] = z.real, z.imag
+    return out
+
+
+def test_interleaved_layout_is_complex_multiplication():
+    x = np.random.default_rng(0).normal(size=(1, 5, 2, 8))
+    pos = np.arange(5)[None] * 3
+    theta = rope_frequencies(8)
+    got = rotate(jnp.asarray(x, jnp.float32), rope_angles(jnp.asarray(pos), theta), "interleaved")
+    np.testing.assert_allclose(got, rope_as_complex(x, pos, theta), atol=1e-5)
+
+
+def test_half_layout_is_interleaved_up_to_a_permutation():
+    x = jax.random.normal(jax.random.key(0), (1, 6, 2, 8))
+    angles = rope_angles(jnp.arange(6)[None], rope_frequencies(8))
+    perm = np.array([0, 4, 1, 5, 2, 6, 3, 7])  # half -> interleaved order of the dimensions
+    half = rotate(x, angles, "half")
+    inter = rotate(x[..., perm], angles, "interleaved")
+    np.testing.assert_allclose(half[..., perm], inter, atol=1e-6)
+
+
+@pytest.mark.parametrize("layout", ["half", "interleaved"])
+@pytest.mark.parametrize("scaling", ["none", "pi", "ntk", "yarn"])
+def test_scores_depend_on_relative_position_only(layout, scaling):
+    q, k = jax.random.normal(jax.random.key(1), (2, 1, 1, 1, 16))
+    theta = rope_frequencies(16, scaling=scaling, factor=4.0)
+
+    def score(m, n):
+        rq = rotate(q, rope_angles(jnp.array([[m]]), theta), layout)
+        rk = rotate(k, rope_angles(jnp.array([[n]]), theta), layout)
+        return float(jnp.sum(rq * rk))
+
+    for m, n in [(5, 2), (9, 0), (40, 40)]:
+        assert score(m, n) == pytest.approx(score(m + 37, n + 37), abs=1e-4)
+    assert score(5, 2) != pytest.approx(score(5, 3), abs=1e-3)
+
+
+def test_frequencies_by_hand():
+    # D = 8, base 10^4: theta = 1, 0.1, 0.01, 0.001.
+    np.testing.assert_allclose(rope_frequencies(8), [1, 0.1, 0.01, 0.001], rtol=1e-12)
+    np.testing.assert_allclose(rope_frequencies(8, base=100.0), [1, 0.1 ** 0.5, 0.1, 0.1 ** 1.5])
+    np.testing.assert_allclose(rope_frequencies(8, scaling="pi", factor=4), [0.25, 0.025, 0.0025, 0.00025])
+    # NTK: base' = 10^4 * 4^(8/6), so theta_1 = base'^(-1/4) = 0.1 * 4^(-1/3).
+    ntk = rope_frequencies(8, scaling="ntk", factor=4)
+    np.testing.assert_allclose(ntk, [1, 0.1 * 4 ** (-1 / 3), 0.01 * 4 ** (-2 / 3), 0.001 / 4])
+    # YaRN, L = 512, s = 4: r = 512 theta / 2pi = 81.487, 8.1487, 0.81487, 0.081487
+    # gamma = clip((r - 1) / 31, 0, 1) = 1, 0.230604, 0, 0.
+    gamma = (512 * 0.1 / (2 * math.pi) - 1) / 31
+    assert gamma == pytest.approx(0.230604, abs=1e-6)
+    np.testing.assert_allclose(rope_frequencies(8, scaling="yarn", factor=4, original_max_len=512),
+                               [1, (1 - gamma) * 0.025 + gamma * 0.1, 0.0025, 0.00025], rtol=1e-12)
+    assert yarn_attention_factor(4.0) == pytest.approx(1.138629, abs=1e-6)
+    assert yarn_attention_factor(1.0) == 1.0
+
+
+def test_ntk_keeps_highest_and_divides_lowest_frequency_by_the_factor():
+    for d, s in [(64, 8.0), (128, 2.5)]:
+        plain, ntk = rope_frequencies(d), rope_frequencies(d, scaling="ntk", factor=s)
+        assert ntk[0] == plain[0]
+        assert ntk[-1] == pytest.approx(plain[-1] / s, rel=1e-12)
+
+
+def test_yarn_scales_logits_by_the_temperature():
+    scheme = make_scheme("rope", num_heads=1, head_dim=8, scaling="yarn", factor=4.0)
+    plain = make_scheme("rope", num_heads=1, head_dim=8, base=10000.0)
+    q, k, v = jax.random.normal(jax.random.key(2), (3, 1, 1, 1, 8))
+    pos = jnp.zeros((1, 1), jnp.int32)  # angle 0: only the temperature differs
+    qy, ky, _ = scheme.transform(q, k, v, None, pos)
+    qp, kp, _ = plain.transform(q, k, v, None, pos)
+    assert float(jnp.sum(qy * ky)) == pytest.approx(float(jnp.sum(qp * kp)) * 1.138629 ** 2, rel=1e-5)
+
+
+def test_rope_qkv_transports_values_by_the_relative_rotation():
+    """out_i = sum_j a_ij R((j - i) theta) v_j with a_ij the RoPE attention weights."""
+    scheme = make_scheme("rope_qkv", num_heads=2, head_dim=8)
+    plain = make_scheme("rope", num_heads=2, head_dim=8)
+    q, k, v = jax.random.normal(jax.random.key(3), (3, 1, 6, 2, 8))
+    pos = jnp.arange(6)[None]
+    got = scheme.attend(q, k, v, positions=pos)
+    qr, kr, _ = plain.transform(q, k, v, None, pos)
+    logits = np.einsum("bihd,bjhd->bhij", qr, kr) / math.sqrt(8)
+    logits = np.where(np.tril(np.ones((6, 6), bool)), logits, -np.inf)
+    a = np.exp(logits - logits.max(-1, keepdims=True))
+    a /= a.sum(-1, keepdims=True)
+    theta = rope_frequencies(8)
+    want = np.zeros((1, 6, 2, 8))
+    for i in range(6):
+        for j in range(i + 1):
+            vj = rotate(v[:, j:j + 1], rope_angles(jnp.array([[j - i]]), theta), "half")
+            want[:, i] += a[:, :, i, j][..., None] * np.asarray(vj[:, 0])
+    np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def test_alibi_slopes_by_hand():
+    np.testing.assert_allclose(alibi_slopes(8), [2.0 ** -k for k in range(1, 9)])
+    np.testing.assert_allclose(alibi_slopes(4), [2.0 ** -k for k in (2, 4, 6, 8)])
+    # Not a power of two (Press et al.): slopes of 4 heads, then every other slope of 8.
+    np.testing.assert_allclose(alibi_slopes(6), [2 ** -2, 2 ** -4, 2 ** -6, 2 ** -8, 2 ** -1, 2 ** -3])
+
+
+def test_alibi_bias_is_minus_slope_times_distance():
+    scheme = make_scheme("alibi", num_heads=4, head_dim=8)
+    q, k, v = jax.random.normal(jax.random.key(4), (3, 1, 5, 4, 8))
+    dist = np.arange(5)[:, None] - np.arange(5)[None, :]
+    bias = -alibi_slopes(4)[:, None, None] * dist[None]
+    got = scheme.attend(q, k, v, positions=jnp.arange(5)[None])
+    want = reference_attention(q, k, v, bias_fn=lambda qi, kj: jnp.asarray(bias, jnp.float32)[None])
+    np.testing.assert_allclose(got, want, atol=1e-6)
+    np.testing.assert_allclose(scheme.bias_fn(None)(jnp.arange(5), jnp.arange(5))[0], bias, atol=1e-6)
+
+
+def test_bad_scheme_options():
+    with pytest.raises(ValueError, match="registered schemes: .*alibi.*rope"):
+        make_scheme("ropee", num_heads=2, head_dim=8)
+    with pytest.raises(ValueError, match="head_dim must be even"):
+        make_scheme("rope", num_heads=2, head_dim=7)
+    with pytest.raises(ValueError, match="options are"):
+        make_scheme("rope", num_heads=2, head_dim=8, bsae=5.0)
+    with pytest.raises(ValueError, match="scaling"):
+        make_scheme("rope", num_heads=2, head_dim=8, scaling="linear")
+    with pytest.raises(ValueError, match="layout"):
+        make_scheme("rope", num_heads=2, head_dim=8, layout="odd")
+    with pytest.raises(ValueError, match="fixes"):
+        make_scheme("rope_qkv", num_heads=2, head_dim=8, rotate_values=False)
