@@ -9,7 +9,7 @@ import pytest
 
 import data
 
-WORDS = ["def", "return", "self", "x", "value", "class", "import", "naïve", "größe", "日本", "é", "🎉", "\t", "\n"]
+WORDS = ["def", "return", "self", "x", "value", "class", "naïve", "größe", "日本", "é", "🎉", "\t", "\n"]
 
 
 def write_corpus(root: str, n_files: int = 120, seed: int = 0) -> dict[str, bytes]:
@@ -21,7 +21,11 @@ def write_corpus(root: str, n_files: int = 120, seed: int = 0) -> dict[str, byte
         rel = f"pkg{i % 4}/sub{i % 3}/mod_{i}" + (".py" if i % 2 else ".txt")
         length = 0 if i == 7 else int(rng.integers(1, 400))
         files[rel] = " ".join(rng.choice(WORDS, size=length)).encode("utf-8")
-    skipped = {"site-packages/pkg/skip.py": b"skip", "pkg0/dist-packages/skip.py": b"skip", "pkg0/data.bin": b"\0"}
+    skipped = {
+        "site-packages/pkg/skip.py": b"skip",
+        "pkg0/dist-packages/skip.py": b"skip",
+        "pkg0/data.bin": b"\0",
+    }
     for rel, content in {**files, **skipped}.items():
         path = os.path.join(root, rel)
         os.makedirs(os.path.dirname(path), exist_ok=True)

@@ -57,13 +57,17 @@ def test_sentencepiece_trains_and_round_trips(tmp_path):
 
 def test_get_tokenizer_caches_sentencepiece(tmp_path):
     assert isinstance(get_tokenizer("byte", str(tmp_path)), ByteTokenizer)
-    tok = get_tokenizer("sentencepiece", str(tmp_path), corpus_id="c/1", train_texts=lambda: TEXTS * 10, vocab_size=300)
+    tok = get_tokenizer(
+        "sentencepiece", str(tmp_path), corpus_id="c/1", train_texts=lambda: TEXTS * 10, vocab_size=300
+    )
     assert os.listdir(tmp_path / "tokenizers") == ["spm-c_1-300.model"]
 
     def must_not_train():
         raise AssertionError("the cached model should be used")
 
-    again = get_tokenizer("sentencepiece", str(tmp_path), corpus_id="c/1", train_texts=must_not_train, vocab_size=300)
+    again = get_tokenizer(
+        "sentencepiece", str(tmp_path), corpus_id="c/1", train_texts=must_not_train, vocab_size=300
+    )
     np.testing.assert_array_equal(again.encode(TEXTS[0]), tok.encode(TEXTS[0]))
 
 

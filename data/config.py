@@ -1,0 +1,36 @@
+"""Defaults of the `config.data` section shared by every experiment."""
+
+from __future__ import annotations
+
+import os
+
+import ml_collections
+
+
+def default_data_config() -> ml_collections.ConfigDict:
+    """The `data` section of an experiment config.
+
+    Fields:
+      name: 'local_text' (a directory of text files), or a prepared TFDS data set:
+        'pg19', 'lm1b', 'c4'.
+      source_dir: for 'local_text'; '' means the running Python's standard library
+        (its *.py files), which every machine with Python has.
+      suffixes: comma-separated file suffixes read from `source_dir` (the standard
+        library corpus is always its *.py files).
+      data_dir: where TFDS files and tokenizer models go: $POSITIONAL_DATA_DIR, else
+        ~/.cache/positional.
+      tokenizer: 'byte' or 'sentencepiece' (trained on the train split, cached in data_dir).
+      spm_vocab_size: vocabulary size of the sentencepiece model.
+    """
+    return ml_collections.ConfigDict(
+        dict(
+            name="local_text",
+            source_dir="",
+            suffixes=".py,.txt,.md,.rst",
+            data_dir=os.environ.get(
+                "POSITIONAL_DATA_DIR", os.path.join(os.path.expanduser("~"), ".cache", "positional")
+            ),
+            tokenizer="byte",
+            spm_vocab_size=8192,
+        )
+    )

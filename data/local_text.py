@@ -1,0 +1,236 @@
+"""Text corpora as TFDS data sets in ArrayRecord files, read by random access without TensorFlow.
+
+`LocalText` turns a directory of text files into a TFDS data set, one example per file:
+{"text": the file's bytes, "path": its path relative to the directory}. The default
+directory is the running Python's standard library (its *.py files, site-packages excluded):
+real text that every machine with Python has, with many files over 64K bytes.
+
+Files are split train / validation / test (90 / 5 / 5) by a SHA-256 of their relative path,
+so the split never depends on file order, the machine or the run. Each directory (and set of
+suffixes) gets its own builder config, named after a hash of its absolute path, so several
+corpora live side by side under one data_dir; the cache is keyed by path, not content, so
+rebuild (delete its folder) after editing the files.
+
+TFDS writes a data set into `incomplete.XXXXXX_<version>` and renames the folder only once
+every split and `dataset_info.json` are written, so a crash mid-prepare leaves no folder
+that reads as prepared; the next call prepares again. Two processes preparing at once each
+write their own temporary folder; the loser of the final rename reuses the winner's data.
+
+Named public TFDS data sets (pg19, lm1b, c4) are read where the user has prepared them in
+ArrayRecord format; they are never downloaded from here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import hashlib
+import os
+import re
+import sysconfig
+from typing import Any, Iterator, Mapping, NamedTuple, Sequence
+
+import ml_collections
+from etils import epath
+import tensorflow_datasets as tfds
+
+from data import DataError
+
+SPLITS = ("train", "validation", "test")
+DEFAULT_SUFFIXES = (".py", ".txt", ".md", ".rst")
+_EXCLUDED_DIRS = ("site-packages", "dist-packages")
+# Cumulative split boundaries on a uniform [0, 1) hash: 90% train, 5% validation, 5% test.
+_SPLIT_BOUNDS = ((0.90, "train"), (0.95, "validation"), (1.0, "test"))
+
+
+def stdlib_dir() -> str:
+    """The running interpreter's standard library directory."""
+    return sysconfig.get_paths()["stdlib"]
+
+
+def split_of(relative_path: str) -> str:
+    """The split ('train', 'validation' or 'test') a document belongs to, by path hash."""
+    digest = hashlib.sha256(relative_path.encode("utf-8")).digest()
+    u = int.from_bytes(digest[:8], "big") / 2**64
+    return next(split for bound, split in _SPLIT_BOUNDS if u < bound)
+
+
+def find_documents(source_dir: str, suffixes: Sequence[str]) -> list[str]:
+    """Sorted relative paths ('/'-separated) of the files under `source_dir` with a suffix in
+    `suffixes`, skipping installed packages (site-packages, dist-packages) and symlinked dirs.
+    """
+    if not os.path.isdir(source_dir):
+        raise DataError(
+            f"Text source directory {source_dir!r} does not exist. Set config.data.source_dir to a "
+            "directory of text files, or to '' for the Python standard library."
+        )
+    paths = []
+    for root, dirs, files in os.walk(source_dir):
+        dirs[:] = [d for d in dirs if d not in _EXCLUDED_DIRS]
+        rel_root = os.path.relpath(root, source_dir)
+        for file in files:
+            if file.endswith(tuple(suffixes)):
+                rel = file if rel_root == "." else os.path.join(rel_root, file)
+                paths.append(rel.replace(os.sep, "/"))
+    if not paths:
+        raise DataError(
+            f"Text source directory {source_dir!r} has no files ending in {', '.join(suffixes)}. "
+            "Put text files there, or change config.data.suffixes / config.data.source_dir."
+        )
+    return sorted(paths)
+
+
+@dataclasses.dataclass(eq=False)
+class LocalTextConfig(tfds.core.BuilderConfig):
+    """A directory of text files; build it with `local_text_config`."""
+
+    source_dir: str = ""
+    suffixes: tuple[str, ...] = DEFAULT_SUFFIXES
+
+
+def local_text_config(source_dir: str = "", suffixes: Sequence[str] = DEFAULT_SUFFIXES) -> LocalTextConfig:
+    """The builder config of a directory; '' means the standard library with suffix .py.
+
+    Its name, `<dir name>-<hash of absolute path and suffixes>`, keeps corpora apart in the cache.
+    """
+    if source_dir:
+        label = os.path.basename(source_dir.rstrip("/"))
+        source_dir = os.path.abspath(os.path.expanduser(source_dir))
+    else:
+        source_dir, label, suffixes = stdlib_dir(), "stdlib", (".py",)
+    suffixes = tuple(sorted(set(suffixes)))
+    key = hashlib.sha256(f"{source_dir}\n{','.join(suffixes)}".encode("utf-8")).hexdigest()[:10]
+    label = re.sub(r"[^A-Za-z0-9_]+", "_", label) or "dir"
+    return LocalTextConfig(
+        name=f"{label}-{key}",
+        description=f"Files ending in {', '.join(suffixes)} under {source_dir}.",
+        source_dir=source_dir,
+        suffixes=suffixes,
+    )
+
+
+class LocalText(tfds.core.GeneratorBasedBuilder):
+    """One example per text file: {'text': bytes, 'path': relative path}."""
+
+    VERSION = tfds.core.Version("1.0.0")
+    RELEASE_NOTES = {"1.0.0": "First version."}
+
+    @tfds.core.utils.classproperty
+    @classmethod
+    def code_path(cls) -> epath.Path:
+        # TFDS 4.9.10 finds a builder's file through the `importlib_resources` backport, which
+        # it installs only for Python < 3.9; telling it directly avoids that import.
+        return epath.Path(__file__)
+
+    def _info(self) -> tfds.core.DatasetInfo:
+        return tfds.core.DatasetInfo(
+            builder=self,
+            description=self.builder_config.description,
+            features=tfds.features.FeaturesDict({"text": tfds.features.Text(), "path": tfds.features.Text()}),
+        )
+
+    def _split_generators(self, dl_manager: tfds.download.DownloadManager) -> dict[str, Iterator]:
+        config = self.builder_config
+        by_split = {split: [] for split in SPLITS}
+        for path in find_documents(config.source_dir, config.suffixes):
+            by_split[split_of(path)].append(path)
+        empty = [split for split, paths in by_split.items() if not paths]
+        if empty:
+            raise DataError(
+                f"{config.source_dir!r} has too few files ({sum(map(len, by_split.values()))}) to fill "
+                f"every split (empty: {', '.join(empty)}); each file goes to train / validation / "
+                "test with probability 0.90 / 0.05 / 0.05. Use a directory with more files."
+            )
+        return {split: self._generate_examples(paths) for split, paths in by_split.items()}
+
+    def _generate_examples(self, paths: list[str]) -> Iterator[tuple[str, dict[str, Any]]]:
+        for path in paths:
+            with open(os.path.join(self.builder_config.source_dir, path), "rb") as f:
+                # Raw bytes: some files are not UTF-8, and the byte tokenizer wants them exact.
+                yield path, {"text": f.read(), "path": path}
+
+
+def prepare(data_dir: str, source_dir: str = "", suffixes: Sequence[str] = DEFAULT_SUFFIXES) -> LocalText:
+    """Prepares (once; later calls only read metadata) and returns the builder of a directory."""
+    config = local_text_config(source_dir, suffixes)
+    builder = LocalText(config=config, data_dir=data_dir, file_format="array_record")
+    if builder.is_prepared():
+        return builder
+    try:
+        builder.download_and_prepare()
+    except OSError:
+        # Another process finished first and its rename took the folder; use its data.
+        builder = LocalText(config=config, data_dir=data_dir, file_format="array_record")
+        if not builder.is_prepared():
+            raise
+    return builder
+
+
+@dataclasses.dataclass(frozen=True)
+class NamedDataset:
+    tfds_name: str  # with its config, e.g. 'c4/en'
+    text_key: str
+    splits: Mapping[str, str]  # our split -> the data set's split
+
+
+NAMED_DATASETS = {
+    "pg19": NamedDataset("pg19", "book_text", {"train": "train", "validation": "validation", "test": "test"}),
+    # lm1b has no validation split: its test split serves as both.
+    "lm1b": NamedDataset("lm1b", "text", {"train": "train", "validation": "test", "test": "test"}),
+    # c4 publishes no test split: its validation split serves as both.
+    "c4": NamedDataset("c4/en", "text", {"train": "train", "validation": "validation", "test": "validation"}),
+}
+DATASETS = ("local_text", *NAMED_DATASETS)
+
+
+class TextSource(NamedTuple):
+    """One split of a corpus, read by random access."""
+
+    records: Sequence[Mapping[str, Any]]  # a tfds ArrayRecord data source: len() and [i]
+    text_key: str
+    path_key: str | None  # a key giving documents a fixed order, if the corpus has one
+    corpus_id: str  # names the corpus in caches (tokenizer models)
+
+
+def _prepare_command(tfds_name: str, data_dir: str) -> str:
+    return f"tfds build {tfds_name} --file_format=array_record --data_dir={data_dir}"
+
+
+def _named_split(dataset: NamedDataset, data_dir: str, split: str) -> Sequence[Mapping[str, Any]]:
+    # Look for a prepared version ourselves: asking TFDS about an absent data set creates
+    # empty folders and may try to download it.
+    if not glob.glob(os.path.join(data_dir, dataset.tfds_name, "*", "dataset_info.json")):
+        raise DataError(
+            f"Data set {dataset.tfds_name!r} is not prepared in {data_dir}. Prepare it on a machine "
+            f"with network access (and copy {data_dir} here if needed):\n"
+            f"  {_prepare_command(dataset.tfds_name, data_dir)}"
+        )
+    try:
+        return tfds.data_source(
+            dataset.tfds_name, data_dir=data_dir, split=dataset.splits[split], download=False
+        )
+    except NotImplementedError as e:  # prepared as TFRecord, which has no random access
+        raise DataError(
+            f"Data set {dataset.tfds_name!r} in {data_dir} is not in ArrayRecord format. Rebuild it:\n"
+            f"  {_prepare_command(dataset.tfds_name, data_dir)}"
+        ) from e
+
+
+def open_split(config: ml_collections.ConfigDict, split: str) -> TextSource:
+    """One split ('train', 'validation' or 'test') of the corpus `config` (the `data` section)
+    names, preparing a local text corpus on first use.
+    """
+    if split not in SPLITS:
+        raise ValueError(f"Unknown split {split!r}; valid splits: {', '.join(SPLITS)}.")
+    if config.name == "local_text":
+        suffixes = [s.strip() for s in config.suffixes.split(",") if s.strip()]
+        name = prepare(config.data_dir, config.source_dir, suffixes).builder_config.name
+        records = tfds.data_source(
+            f"local_text/{name}", data_dir=config.data_dir, split=split, download=False
+        )
+        return TextSource(records, "text", "path", name)
+    if config.name in NAMED_DATASETS:
+        dataset = NAMED_DATASETS[config.name]
+        records = _named_split(dataset, config.data_dir, split)
+        return TextSource(records, dataset.text_key, None, dataset.tfds_name.replace("/", "-"))
+    raise ValueError(f"Unknown data set {config.name!r}; valid names: {', '.join(DATASETS)}.")

@@ -1,0 +1,173 @@
+"""Grain input pipelines: tokenized documents, packed training batches, evaluation streams.
+
+Every function takes `config`, the `data` section of an experiment config
+(`data.default_data_config()`).
+
+Packing is concatenate-then-split: documents (each ending in EOS) are laid end to end and
+cut into rows of `seq_len` tokens, so there is no padding. A document that does not fit in
+the rest of a row continues at the start of the next row, and its positions continue there
+(e.g. 512, 513, ...) rather than restart: positions always count tokens from the start of the
+document, so attention never sees a document's start where there is none. A row can thus
+carry positions >= seq_len; relative schemes do not notice, and a scheme that needs
+positions below seq_len can use `arange(seq_len)` instead.
+
+Grain's own `ConcatThenSplitIterDataset` (grain 0.2.18) restarts positions at each row and
+cannot restore a state that went through JSON (its `remainder_slices` tuples come back as
+lists and read as a remainder), which orbax checkpointing does, so packing is the small
+iterator below; its state is two JSON numbers on top of grain's.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Iterator
+
+import grain
+import ml_collections
+import numpy as np
+
+from data import local_text, tokenizers
+
+# Sentencepiece trains on at most this many characters of the train split (taken in the
+# split's stored order): more costs minutes and changes little.
+SPM_TRAIN_CHARS = 20_000_000
+# Whole documents can be large (books); a few in flight are enough to keep packing fed.
+READ_OPTIONS = grain.ReadOptions(num_threads=4, prefetch_buffer_size=32)
+
+
+def tokenizer(config: ml_collections.ConfigDict) -> tokenizers.Tokenizer:
+    """The tokenizer `config` names; a sentencepiece model is trained on the train split the
+    first time and cached in `config.data_dir`.
+    """
+
+    def train_texts() -> Iterator[bytes]:
+        source = local_text.open_split(config, "train")
+        chars = 0
+        for record in source.records:
+            if chars >= SPM_TRAIN_CHARS:
+                return
+            text = record[source.text_key]
+            chars += len(text)
+            yield text
+
+    spm = config.tokenizer == "sentencepiece"
+    return tokenizers.get_tokenizer(
+        config.tokenizer,
+        config.data_dir,
+        corpus_id=local_text.open_split(config, "train").corpus_id if spm else "",
+        train_texts=train_texts,
+        vocab_size=config.spm_vocab_size,
+    )
+
+
+def _tokenize(tok: tokenizers.Tokenizer, text_key: str, record: dict[str, Any]) -> np.ndarray:
+    ids = tok.encode(record[text_key])
+    return np.concatenate([ids, np.array([tok.eos_id], dtype=np.int32)])
+
+
+def documents(config: ml_collections.ConfigDict, split: str) -> grain.MapDataset:
+    """The documents of `split`, tokenized, each int32[n] ending in EOS, in stored order."""
+    source = local_text.open_split(config, split)
+    tokenize = functools.partial(_tokenize, tokenizer(config), source.text_key)
+    return grain.MapDataset.source(source.records).map(tokenize)
+
+
+class _PackIterator(grain.DatasetIterator):
+    """Rows {'tokens', 'segment_ids', 'positions'}: int32[seq_len] each; see the module doc."""
+
+    def __init__(self, parent: grain.DatasetIterator, seq_len: int):
+        super().__init__(parent)
+        self._seq_len = seq_len
+        self._doc_state = parent.get_state()  # the parent's state before the current document
+        self._doc = np.zeros(0, np.int32)  # the current document
+        self._offset = 0  # how many of its tokens were already emitted
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        row = {k: np.zeros(self._seq_len, np.int32) for k in ("tokens", "segment_ids", "positions")}
+        filled, segment = 0, 0
+        while filled < self._seq_len:
+            if self._offset == len(self._doc):
+                state = self._parent.get_state()
+                try:
+                    self._doc = next(self._parent)
+                except StopIteration:
+                    if filled == 0:
+                        raise
+                    break  # a finite input ends in one padded row (segment id 0)
+                self._doc_state, self._offset = state, 0
+            n = min(self._seq_len - filled, len(self._doc) - self._offset)
+            segment += 1
+            row["tokens"][filled : filled + n] = self._doc[self._offset : self._offset + n]
+            row["segment_ids"][filled : filled + n] = segment
+            row["positions"][filled : filled + n] = np.arange(self._offset, self._offset + n)
+            filled += n
+            self._offset += n
+        return row
+
+    def get_state(self) -> dict[str, Any]:
+        return {"parent": self._doc_state, "offset": self._offset}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        # Re-read the document that was being cut; the rows before `offset` were emitted.
+        self._parent.set_state(state["parent"])
+        self._doc_state, self._offset = state["parent"], state["offset"]
+        self._doc = next(self._parent, np.zeros(0, np.int32))
+
+
+class PackIterDataset(grain.IterDataset):
+    """Packs a stream of int32[n] documents into rows of `seq_len` tokens (concatenate, then
+    split; see the module doc). Elements: {'tokens', 'segment_ids', 'positions'}: int32[seq_len].
+    """
+
+    def __init__(self, parent: grain.IterDataset, seq_len: int):
+        super().__init__(parent)
+        self._seq_len = seq_len
+
+    def __iter__(self) -> grain.DatasetIterator:
+        return _PackIterator(self._parent.__iter__(), self._seq_len)
+
+
+def train_loader(
+    config: ml_collections.ConfigDict,
+    *,
+    seed: int,
+    batch_size: int,
+    seq_len: int,
+    shard_index: int = 0,
+    num_shards: int = 1,
+) -> grain.DatasetIterator:
+    """An endless iterator of packed training batches with exact resume.
+
+    Yields {'tokens', 'segment_ids', 'positions'}: int32[batch_size, seq_len]. Segment ids
+    number the documents of a row 1, 2, ... (0 is padding, which an endless stream never
+    has); positions count tokens from each document's start. Documents are shuffled with
+    `seed` (in [0, 2**32)), differently but deterministically in every epoch. Process
+    `shard_index` of `num_shards` reads every num_shards-th document, and `batch_size` is
+    per process. `get_state()` is JSON-serialisable; `set_state` on a fresh loader with
+    the same arguments continues exactly where the state was taken.
+    """
+    docs = documents(config, "train")[shard_index::num_shards].shuffle(seed).repeat()
+    rows = PackIterDataset(docs.to_iter_dataset(READ_OPTIONS), seq_len)
+    return iter(rows.batch(batch_size, drop_remainder=True))
+
+
+def eval_stream(
+    config: ml_collections.ConfigDict, split: str = "validation", max_tokens: int | None = None
+) -> np.ndarray:
+    """The documents of `split` tokenized and concatenated, each followed by EOS: int32[n].
+
+    A fixed order (by path for local text, stored order for TFDS data sets), so the eval loop
+    can slice the same windows out of it on every machine; reading stops after `max_tokens`.
+    """
+    source = local_text.open_split(config, split)
+    tok = tokenizer(config)
+    records = (source.records[i] for i in range(len(source.records)))
+    if source.path_key is not None:
+        records = iter(sorted(records, key=lambda record: record[source.path_key]))
+    pieces, total = [], 0
+    for record in records:
+        if max_tokens is not None and total >= max_tokens:
+            break
+        pieces.append(_tokenize(tok, source.text_key, record))
+        total += len(pieces[-1])
+    return np.concatenate(pieces or [np.zeros(0, np.int32)])[:max_tokens]

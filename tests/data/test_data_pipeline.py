@@ -1,0 +1,158 @@
+"""data/pipeline.py: packing, loader determinism and exact resume, documents, eval stream."""
+
+from __future__ import annotations
+
+import json
+
+import grain
+import numpy as np
+import pytest
+
+from data import local_text, pipeline
+from data.tokenizers import ByteTokenizer
+
+
+def unpack(rows: dict[str, np.ndarray]) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Splits packed rows [N, L] back into (tokens, positions) pieces, one per segment."""
+    pieces = []
+    for tokens, segments, positions in zip(rows["tokens"], rows["segment_ids"], rows["positions"]):
+        for segment in range(1, segments.max() + 1):
+            mask = segments == segment
+            pieces.append((tokens[mask], positions[mask]))
+    return pieces
+
+
+def docs_of(rows: dict[str, np.ndarray]) -> list[np.ndarray]:
+    """The documents in a packed stream: a new one starts wherever a position is 0."""
+    tokens = rows["tokens"][rows["segment_ids"] > 0]
+    starts = np.flatnonzero(rows["positions"][rows["segment_ids"] > 0] == 0)
+    return np.split(tokens, starts[1:])
+
+
+def stack(batches: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    return {k: np.concatenate([b[k] for b in batches]) for k in batches[0]}
+
+
+@pytest.mark.parametrize("seq_len", [1, 5, 16, 100])
+def test_packing_keeps_every_token_in_order(seq_len):
+    rng = np.random.default_rng(seq_len)
+    docs = [rng.integers(2, 258, size=n).astype(np.int32) for n in rng.integers(1, 40, size=30)]
+    rows = list(pipeline.PackIterDataset(grain.MapDataset.source(docs).to_iter_dataset(), seq_len))
+    rows = {k: np.stack([r[k] for r in rows]) for k in rows[0]}
+    assert all(v.shape == (len(rows["tokens"]), seq_len) and v.dtype == np.int32 for v in rows.values())
+
+    # Segment ids number a row's pieces 1, 2, ... left to right; only the last row has padding (0).
+    segments = rows["segment_ids"]
+    assert np.all(np.diff(segments[:-1], axis=1) >= 0) and np.all(segments[:-1, 0] == 1)
+    for row in segments:
+        assert set(np.unique(row[row > 0])) == set(range(1, row.max() + 1))
+    padding = segments == 0
+    assert not padding[:-1].any() and padding.sum() == segments.size - sum(map(len, docs))
+    assert np.all(padding[-1, seq_len - padding[-1].sum() :]) and np.all(rows["tokens"][padding] == 0)
+
+    # Pieces, in order, are consecutive slices of the documents with positions counting from
+    # each document's start: they restart at 0 at a document start and continue across rows.
+    pieces = unpack(rows)
+    np.testing.assert_array_equal(np.concatenate([t for t, _ in pieces]), np.concatenate(docs))
+    np.testing.assert_array_equal(
+        np.concatenate([p for _, p in pieces]), np.concatenate([np.arange(len(d)) for d in docs])
+    )
+    for _, positions in pieces:
+        np.testing.assert_array_equal(positions, np.arange(positions[0], positions[0] + len(positions)))
+    assert all(np.array_equal(a, b) for a, b in zip(docs_of(rows), docs))
+
+
+def test_documents_end_in_eos_and_decode_to_the_files(corpus, corpus_config):
+    _, files = corpus
+    docs = pipeline.documents(corpus_config, "validation")
+    records = local_text.open_split(corpus_config, "validation").records
+    assert len(docs) == len(records) > 0
+    for i in range(len(docs)):
+        doc = docs[i]
+        assert doc.dtype == np.int32
+        assert doc[-1] == ByteTokenizer.eos_id and ByteTokenizer.eos_id not in doc[:-1]
+        assert ByteTokenizer().decode(doc).encode("utf-8") == files[records[i]["path"].decode()]
+
+
+def take(loader, n: int) -> list[dict[str, np.ndarray]]:
+    return [next(loader) for _ in range(n)]
+
+
+def test_loader_batches_are_deterministic_per_seed(corpus_config):
+    first = take(pipeline.train_loader(corpus_config, seed=0, batch_size=3, seq_len=64), 5)
+    again = take(pipeline.train_loader(corpus_config, seed=0, batch_size=3, seq_len=64), 5)
+    other = take(pipeline.train_loader(corpus_config, seed=1, batch_size=3, seq_len=64), 5)
+    for batch in first:
+        assert set(batch) == {"tokens", "segment_ids", "positions"}
+        assert all(v.shape == (3, 64) and v.dtype == np.int32 for v in batch.values())
+        assert np.all(batch["segment_ids"] > 0)  # an endless stream has no padding
+    assert all(np.array_equal(a[k], b[k]) for a, b in zip(first, again) for k in a)
+    assert not np.array_equal(stack(first)["tokens"], stack(other)["tokens"])
+
+
+def test_every_epoch_is_every_train_document_once_in_a_new_order(corpus, corpus_config):
+    _, files = corpus
+    train = sorted(text for path, text in files.items() if local_text.split_of(path) == "train")
+    tokens_per_epoch = sum(len(t) + 1 for t in train)  # + EOS
+    loader = pipeline.train_loader(corpus_config, seed=3, batch_size=4, seq_len=128)
+    docs = docs_of(stack(take(loader, 2 * tokens_per_epoch // (4 * 128) + 2)))
+    texts = [ByteTokenizer().decode(d).encode("utf-8") for d in docs]
+    epoch1, epoch2 = texts[: len(train)], texts[len(train) : 2 * len(train)]
+    assert sorted(epoch1) == train and sorted(epoch2) == train
+    assert epoch1 != epoch2
+
+
+def test_loader_resumes_exactly_from_a_json_state(corpus_config):
+    # seq_len 48: most batches end inside a document, so the state holds an offset into it.
+    loader = pipeline.train_loader(corpus_config, seed=5, batch_size=2, seq_len=48)
+    batches, states = [], []
+    for _ in range(7):
+        batches.append(next(loader))
+        states.append(json.loads(json.dumps(loader.get_state())))
+    for resume_after in range(1, 6):
+        resumed = pipeline.train_loader(corpus_config, seed=5, batch_size=2, seq_len=48)
+        resumed.set_state(states[resume_after - 1])
+        for expected in batches[resume_after:]:
+            got = next(resumed)
+            assert all(np.array_equal(got[k], expected[k]) for k in expected)
+    assert any(state["offset"] > 0 for state in states)
+
+
+def test_shards_read_disjoint_documents(corpus, corpus_config):
+    _, files = corpus
+    train = sorted(text for path, text in files.items() if local_text.split_of(path) == "train")
+    seen = []
+    for shard in range(2):
+        docs = pipeline.documents(corpus_config, "train")[shard::2]
+        shard_tokens = sum(len(docs[i]) for i in range(len(docs)))
+        loader = pipeline.train_loader(
+            corpus_config, seed=0, batch_size=2, seq_len=512, shard_index=shard, num_shards=2
+        )
+        shard_docs = docs_of(stack(take(loader, shard_tokens // (2 * 512) + 1)))[: len(docs)]
+        seen += [ByteTokenizer().decode(d).encode("utf-8") for d in shard_docs]
+    assert sorted(seen) == train
+
+
+def test_eval_stream_is_the_split_by_path_with_eos(corpus, corpus_config):
+    _, files = corpus
+    expected = []
+    for path in sorted(p for p in files if local_text.split_of(p) == "validation"):
+        expected += [ByteTokenizer().encode(files[path]), [ByteTokenizer.eos_id]]
+    expected = np.concatenate(expected).astype(np.int32)
+    stream = pipeline.eval_stream(corpus_config)
+    assert stream.dtype == np.int32
+    np.testing.assert_array_equal(stream, expected)
+    np.testing.assert_array_equal(pipeline.eval_stream(corpus_config, max_tokens=50), expected[:50])
+
+
+def test_sentencepiece_pipeline(corpus, corpus_config):
+    _, files = corpus
+    config = corpus_config.copy_and_resolve_references()
+    config.tokenizer, config.spm_vocab_size = "sentencepiece", 320
+    tok = pipeline.tokenizer(config)
+    assert tok.vocab_size <= 320
+    doc = pipeline.documents(config, "test")[0]
+    path = local_text.open_split(config, "test").records[0]["path"].decode()
+    assert doc[-1] == tok.eos_id and tok.decode(doc) == files[path].decode("utf-8")
+    batch = next(pipeline.train_loader(config, seed=0, batch_size=2, seq_len=32))
+    assert batch["tokens"].max() < tok.vocab_size
