@@ -211,3 +211,21 @@ def _generate(graphdef, state, prompt, rng, max_new_tokens, temperature, max_len
     keys = jax.random.split(rng, max_new_tokens)
     _, tokens = jax.lax.scan(step, (logits[:, -1], cache), keys)
     return jnp.concatenate([prompt, tokens.T], axis=1)
+
+
+def token_nll(model: DecoderLM, tokens, *, segment_ids=None, positions=None, impl=None):
+    """Next-token negative log-likelihood of rows of tokens.
+
+    tokens [B, T + 1]: the model reads tokens[:, :-1] and predicts tokens[:, 1:]. Returns
+    (nll [B, T] float32, weight [B, T] float32), weight 0 where the target starts another
+    document or is padding (segment id 0).
+    """
+    seg_in = None if segment_ids is None else segment_ids[:, :-1]
+    pos_in = None if positions is None else positions[:, :-1]
+    logits = model(tokens[:, :-1], positions=pos_in, segment_ids=seg_in, impl=impl)
+    targets = tokens[:, 1:]
+    nll = -jnp.take_along_axis(jax.nn.log_softmax(logits), targets[..., None], axis=-1)[..., 0]
+    if segment_ids is None:
+        return nll, jnp.ones_like(nll)
+    weight = (segment_ids[:, 1:] == segment_ids[:, :-1]) & (segment_ids[:, 1:] != 0)
+    return nll, weight.astype(jnp.float32)

@@ -1,0 +1,54 @@
+"""Base config every experiment starts from: a small byte-level LM on the embedded corpus.
+
+Use: `train.py --config configs/default.py[:scheme] --config.train.steps=500 ...`
+The optional `:scheme` argument picks `model.scheme` (any registered name).
+"""
+
+import ml_collections
+
+from data import default_data_config
+
+
+def get_config(scheme: str | None = None) -> ml_collections.ConfigDict:
+    c = ml_collections.ConfigDict()
+    c.seed = 0
+    c.workdir = ""  # '' means runs/<config name>-<scheme>
+
+    c.model = ml_collections.ConfigDict(dict(
+        vocab_size=0,  # 0: taken from the tokenizer
+        d_model=256, num_layers=4, num_heads=4, num_kv_heads=0, head_dim=0, mlp_dim=0,
+        scheme=scheme or "rope",
+        scheme_options=ml_collections.ConfigDict({}),  # e.g. {'base': 5e5, 'scaling': 'yarn'}
+        tie_embeddings=True,
+        attention_impl="reference",  # 'reference' | 'blockwise' (| 'pallas' where a scheme has one)
+        block_size=512,
+        dtype="float32",
+    ))
+
+    c.data = default_data_config()
+    c.seq_len = 256  # training length: tokens the model attends over per row
+    c.batch_size = 16  # global batch, rows
+
+    c.train = ml_collections.ConfigDict(dict(
+        steps=2000, lr=3e-3, min_lr_ratio=0.1, warmup_steps=100,
+        weight_decay=0.1, b1=0.9, b2=0.95, grad_clip=1.0,
+        log_every=20, checkpoint_every=500, keep_checkpoints=2,
+        eval_every=0, eval_tokens=65536,  # validation loss at the training length; 0 = off
+    ))
+    # Continue from another run's parameters (fresh optimizer and step counter): the
+    # pretrain-then-extend workflow. A directory of checkpoints; its latest complete one is used.
+    c.init_from = ""
+
+    # Mesh axis sizes; -1 takes the remaining devices. Batch is split over data x fsdp,
+    # parameters and optimizer state over fsdp.
+    c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1))
+
+    c.eval = ml_collections.ConfigDict(dict(
+        multipliers=(0.5, 1, 2, 4, 8, 16),  # evaluation lengths as multiples of seq_len
+        tokens=32768,  # tokens scored at every length (the same tokens for every length)
+        stride=0,  # 0: non-overlapping windows; else sliding windows advancing by `stride`
+        batch_size=4,
+        blockwise_from=2048,  # lengths from here on use blockwise attention
+        split="validation",
+    ))
+    return c

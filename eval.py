@@ -1,0 +1,222 @@
+"""The shared eval loop: perplexity of held-out text at many lengths, for one or several runs.
+
+    python eval.py --workdirs=runs/rope,runs/alibi --out=runs/compare --max_multiplier=16
+
+For every length L (multiples of each run's training length) the same N target tokens of the
+held-out stream are scored, in windows of L tokens (non-overlapping, or sliding with a
+stride, where each window scores only the tokens the previous one did not). Writes
+`results.json`, `results.md` (perplexity and ratio ppl(L) / ppl(train length)) and
+`results.png` into --out.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from absl import app, flags
+from flax import nnx
+
+from models.lm import DecoderLM, token_nll
+
+
+def eval_lengths(train_len: int, multipliers) -> list[int]:
+    return sorted({max(1, int(round(m * train_len))) for m in multipliers})
+
+
+def scoring_plan(n_tokens: int, length: int, stride: int):
+    """Windows that together score targets 1..N of the stream exactly once.
+
+    Returns (starts [W], first_scored [W]): window w reads stream[start : start + length + 1]
+    and scores its targets from index first_scored on. N = n_tokens rounded up to a whole
+    number of windows (non-overlapping) or strides (sliding).
+    """
+    if stride <= 0 or stride >= length:
+        n_windows = max(1, -(-n_tokens // length))
+        return np.arange(n_windows) * length, np.zeros(n_windows, np.int64)
+    n_extra = max(0, -(-(n_tokens - length) // stride))
+    starts = np.arange(n_extra + 1) * stride
+    first = np.where(starts == 0, 0, length - stride)
+    return starts, first
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "impl"))
+def _window_nll(graphdef, state, tokens, first_scored, impl):
+    model = nnx.merge(graphdef, state)
+    nll, _ = token_nll(model, tokens, impl=impl)
+    scored = jnp.arange(nll.shape[1])[None] >= first_scored[:, None]
+    return jnp.sum(jnp.where(scored, nll, 0.0)), jnp.sum(scored)
+
+
+def perplexity(model: DecoderLM, stream: np.ndarray, length: int, n_tokens: int, *,
+               stride: int = 0, batch_size: int = 4, impl: str = "reference") -> dict:
+    """Perplexity of `model` on the first ~n_tokens targets of `stream`, windows of `length`."""
+    starts, first = scoring_plan(n_tokens, length, stride)
+    if starts[-1] + length + 1 > len(stream):
+        raise ValueError(f"the held-out stream has {len(stream)} tokens; length {length} with "
+                         f"{n_tokens} scored tokens needs {starts[-1] + length + 1}. Lower eval.tokens "
+                         "or the largest length, or use a larger corpus")
+    graphdef, state = nnx.split(model)
+    total, count, t0 = 0.0, 0, time.perf_counter()
+    for i in range(0, len(starts), batch_size):
+        rows = np.stack([stream[s:s + length + 1] for s in starts[i:i + batch_size]])
+        nll, n = _window_nll(graphdef, state, jnp.asarray(rows), jnp.asarray(first[i:i + batch_size]), impl)
+        total, count = total + float(nll), count + int(n)
+    return {"length": length, "ppl": math.exp(total / count), "nll": total / count, "tokens": count,
+            "seconds": time.perf_counter() - t0, "impl": impl}
+
+
+def perplexity_at(config, model, length, n_tokens) -> float:
+    """Validation perplexity at one length with a run's own eval settings (used during training)."""
+    stream = _stream(config, n_tokens + length + 1)
+    impl = "blockwise" if length >= config.eval.blockwise_from else config.model.attention_impl
+    return perplexity(model, stream, length, n_tokens, batch_size=config.eval.batch_size, impl=impl)["ppl"]
+
+
+@functools.lru_cache(maxsize=4)
+def _stream_cached(data_json: str, split: str, max_tokens: int) -> np.ndarray:
+    from data import pipeline
+    return pipeline.eval_stream(ml_collections.ConfigDict(json.loads(data_json)), split, max_tokens)
+
+
+def _stream(config, max_tokens: int) -> np.ndarray:
+    return _stream_cached(config.data.to_json(), config.eval.split, max_tokens)
+
+
+# ---- runs on disk --------------------------------------------------------------------------
+
+def load_run(workdir: str):
+    """(config, model with the latest complete checkpoint's parameters, step) of a training run."""
+    from train import init_state, load_params, make_mesh
+    path = os.path.join(workdir, "config.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{workdir!r} is not a training run directory (no config.json); "
+                                "pass the --config.workdir of a train.py run")
+    with open(path) as f:
+        config = ml_collections.ConfigDict(json.load(f))
+    config.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1))
+    from data import pipeline
+    vocab = config.model.vocab_size or pipeline.tokenizer(config.data).vocab_size
+    graphdef, rest, _, _, state = init_state(config, vocab, make_mesh(config))
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                            state["params"])
+    step, params = load_params(workdir, abstract)
+    return config, nnx.merge(graphdef, params, rest), step
+
+
+def evaluate_runs(workdirs, *, multipliers=None, max_multiplier=None, tokens=None, stride=None,
+                  log=print) -> dict:
+    """Evaluate every run at the same lengths (multiples of the first run's training length)."""
+    runs = [(w, *load_run(w)) for w in workdirs]
+    base = runs[0][1]
+    ev = base.eval
+    multipliers = list(multipliers or ev.multipliers)
+    if max_multiplier:
+        multipliers = [m for m in multipliers if m <= max_multiplier]
+        m = max(multipliers) * 2
+        while m <= max_multiplier:
+            multipliers.append(m)
+            m *= 2
+    lengths = eval_lengths(base.seq_len, multipliers)
+    tokens = tokens or ev.tokens
+    stride = ev.stride if stride is None else stride
+    stream = _stream(base, tokens + max(lengths) + 1 + max(lengths))
+    results = {"lengths": lengths, "tokens": tokens, "stride": stride, "runs": {}}
+    for workdir, config, model, step in runs:
+        name = os.path.basename(os.path.normpath(workdir))
+        rows = []
+        for length in lengths:
+            impl = "blockwise" if length >= ev.blockwise_from else config.model.attention_impl
+            r = perplexity(model, stream, length, tokens, stride=stride, batch_size=ev.batch_size, impl=impl)
+            rows.append(r)
+            log(f"{name:>16s}  L={length:>6d}  ppl={r['ppl']:9.3f}  ({r['seconds']:.1f}s, {impl})")
+        train_ppl = next((r["ppl"] for r in rows if r["length"] == config.seq_len), None)
+        for r in rows:
+            r["ratio"] = r["ppl"] / train_ppl if train_ppl else None
+        results["runs"][name] = {"workdir": workdir, "step": step, "scheme": config.model.scheme,
+                                 "train_len": config.seq_len, "results": rows}
+    return results
+
+
+def markdown_table(results: dict) -> str:
+    lengths = results["lengths"]
+    head = "| run | scheme | " + " | ".join(f"{n}" for n in lengths) + " |"
+    lines = [head, "|" + "---|" * (len(lengths) + 2)]
+    for name, run in results["runs"].items():
+        cells = [f"{r['ppl']:.3f} ({r['ratio']:.2f}x)" if r["ratio"] else f"{r['ppl']:.3f}"
+                 for r in run["results"]]
+        lines.append(f"| {name} | {run['scheme']} | " + " | ".join(cells) + " |")
+    return ("Perplexity by evaluation length (ratio to the training length in brackets); "
+            f"{results['tokens']} scored tokens per length, stride {results['stride'] or 'none'}.\n\n"
+            + "\n".join(lines) + "\n")
+
+
+def plot(results: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for name, run in results["runs"].items():
+        x = [r["length"] for r in run["results"]]
+        axes[0].plot(x, [r["ppl"] for r in run["results"]], marker="o", label=name)
+        if run["results"][0]["ratio"]:
+            axes[1].plot(x, [r["ratio"] for r in run["results"]], marker="o", label=name)
+    for ax, label in zip(axes, ("perplexity", "ppl(L) / ppl(train length)")):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("evaluation length (tokens)")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+        train_len = next(iter(results["runs"].values()))["train_len"]
+        ax.axvline(train_len, color="gray", ls="--", lw=1)
+    axes[0].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_report(results: dict, out: str) -> str:
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "results.json"), "w") as f:
+        json.dump(results, f, indent=2)
+    table = markdown_table(results)
+    with open(os.path.join(out, "results.md"), "w") as f:
+        f.write(table)
+    plot(results, os.path.join(out, "results.png"))
+    return table
+
+
+# ---- command line --------------------------------------------------------------------------
+
+flags.DEFINE_list("workdirs", [], "training run directories to evaluate and compare")
+flags.DEFINE_string("out", "runs/eval", "where results.json / .md / .png go")
+flags.DEFINE_float("max_multiplier", 0, "largest length as a multiple of the training length "
+                   "(0: the run's eval.multipliers)")
+flags.DEFINE_integer("tokens", 0, "scored tokens per length (0: the run's eval.tokens)")
+flags.DEFINE_integer("stride", -1, "sliding-window stride (0: non-overlapping; -1: the run's)")
+
+
+def main(argv):
+    del argv
+    from train import run_cli
+    FLAGS = flags.FLAGS
+    if not FLAGS.workdirs:
+        print("error: pass --workdirs=run1[,run2,...]", file=sys.stderr)
+        sys.exit(1)
+    results = run_cli(lambda: evaluate_runs(
+        FLAGS.workdirs, max_multiplier=FLAGS.max_multiplier or None, tokens=FLAGS.tokens or None,
+        stride=None if FLAGS.stride < 0 else FLAGS.stride))
+    print(write_report(results, FLAGS.out))
+    print(f"wrote {FLAGS.out}/results.json, results.md, results.png")
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,337 @@
+"""Train a decoder LM with any registered position scheme.
+
+    python train.py --config configs/default.py:alibi --config.train.steps=500 \
+        --config.workdir=runs/alibi
+
+Resumes from the latest complete checkpoint in `<workdir>/checkpoints` when there is one, so
+rerunning the same command after a crash or preemption continues the exact same run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+from absl import app, flags, logging
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+from ml_collections import config_flags
+
+from data import DataError
+from models.lm import DecoderLM, ModelConfig, token_nll
+
+
+class TrainingError(Exception):
+    """A run that cannot go on; the message says why and where the last good state is."""
+
+
+# ---- set-up --------------------------------------------------------------------------------
+
+def workdir_of(config) -> str:
+    return config.workdir or os.path.join("runs", config.model.scheme)
+
+
+def model_config(config, vocab_size: int) -> ModelConfig:
+    d = config.model.to_dict()
+    d["vocab_size"] = d["vocab_size"] or vocab_size
+    return ModelConfig.from_dict(d)
+
+
+def make_mesh(config) -> jax.sharding.Mesh:
+    n = jax.device_count()
+    sizes = dict(config.mesh)
+    free = [a for a, s in sizes.items() if s == -1]
+    fixed = math.prod(s for s in sizes.values() if s != -1)
+    if len(free) > 1 or n % fixed:
+        raise ValueError(f"mesh {sizes} does not fit {n} devices (at most one axis may be -1)")
+    for a in free:
+        sizes[a] = n // fixed
+    if math.prod(sizes.values()) != n:
+        raise ValueError(f"mesh {sizes} uses {math.prod(sizes.values())} devices, but there are {n}")
+    # Auto axes: the partitioner propagates shardings from the annotated inputs and outputs.
+    return jax.make_mesh(tuple(sizes.values()), tuple(sizes),
+                         axis_types=(jax.sharding.AxisType.Auto,) * len(sizes))
+
+
+def param_sharding(mesh, x) -> NamedSharding:
+    """FSDP: split the largest dimension divisible by the fsdp axis; replicate small arrays."""
+    n = mesh.shape["fsdp"]
+    spec = [None] * x.ndim
+    dims = sorted(range(x.ndim), key=lambda i: -x.shape[i])
+    for i in dims:
+        if n > 1 and x.shape[i] % n == 0:
+            spec[i] = "fsdp"
+            break
+    return NamedSharding(mesh, P(*spec))
+
+
+def make_optimizer(cfg) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0, cfg.lr, cfg.warmup_steps, max(cfg.steps, cfg.warmup_steps + 1), cfg.lr * cfg.min_lr_ratio)
+    # Decay matrices only: norms' scales and 1-D parameters keep their values.
+    return optax.chain(
+        optax.clip_by_global_norm(cfg.grad_clip),
+        optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay,
+                    mask=lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)),
+    ), schedule
+
+
+def init_state(config, vocab_size, mesh):
+    """Model structure and a sharded train state {'params', 'opt_state', 'step'}."""
+    model = DecoderLM(model_config(config, vocab_size), rngs=nnx.Rngs(config.seed))
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    params = nnx.to_pure_dict(params)
+    params = jax.tree.map(lambda x: jax.device_put(x, param_sharding(mesh, x)), params)
+    tx, schedule = make_optimizer(config.train)
+    opt_state = jax.jit(tx.init)(params)
+    state = {"params": params, "opt_state": opt_state, "step": jnp.zeros((), jnp.int32)}
+    return graphdef, rest, tx, schedule, state
+
+
+def make_train_step(graphdef, rest, tx, config, state_shardings, batch_sharding):
+    impl = config.model.attention_impl
+
+    def loss_fn(params, batch):
+        model = nnx.merge(graphdef, params, rest)
+        nll, w = token_nll(model, batch["tokens"], segment_ids=batch["segment_ids"],
+                           positions=batch["positions"], impl=impl)
+        return jnp.sum(nll * w) / jnp.maximum(jnp.sum(w), 1.0)
+
+    def step(state, batch):
+        loss, grads = jax.value_and_grad(loss_fn)(state["params"], batch)
+        updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
+        params = optax.apply_updates(state["params"], updates)
+        metrics = {"loss": loss, "grad_norm": optax.global_norm(grads)}
+        return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
+
+    return jax.jit(step, in_shardings=(state_shardings, batch_sharding),
+                   out_shardings=(state_shardings, None), donate_argnums=0)
+
+
+# ---- checkpoints ---------------------------------------------------------------------------
+
+def checkpoint_manager(directory: str, keep: int = 2, create: bool = True) -> ocp.CheckpointManager:
+    # Synchronous saves: a save has finished (and was renamed into place atomically by orbax)
+    # before training continues, so a crash can only ever lose the save in progress.
+    options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=create,
+                                           enable_async_checkpointing=False)
+    return ocp.CheckpointManager(os.path.abspath(directory), options=options)
+
+
+def save(manager, state, loader_state: dict, meta: dict) -> None:
+    step = int(state["step"])
+    manager.save(step, args=ocp.args.Composite(
+        state=ocp.args.StandardSave(state), loader=ocp.args.JsonSave(loader_state),
+        meta=ocp.args.JsonSave(meta)), force=True)
+
+
+def restore_latest(manager, abstract_state, items=("state", "loader", "meta")):
+    """Restore the newest checkpoint that reads back completely, or None if there is none.
+
+    A checkpoint that fails to restore (partially written, corrupted) is skipped with a
+    warning and the one before it is used.
+    """
+    args = {"state": ocp.args.StandardRestore(abstract_state), "loader": ocp.args.JsonRestore(),
+            "meta": ocp.args.JsonRestore()}
+    for step in sorted(manager.all_steps(), reverse=True):
+        try:
+            restored = manager.restore(step, args=ocp.args.Composite(**{k: args[k] for k in items}))
+            return step, restored
+        except Exception as e:  # noqa: BLE001 - any unreadable checkpoint is skipped, loudly
+            logging.warning("skipping incomplete or unreadable checkpoint at step %d in %s: %s",
+                            step, manager.directory, str(e).splitlines()[0] if str(e) else type(e).__name__)
+            print(f"warning: skipping unreadable checkpoint at step {step} ({manager.directory})",
+                  file=sys.stderr)
+    return None
+
+
+def load_params(directory: str, abstract_params):
+    """Parameters of the latest complete checkpoint in `directory` (for eval and init_from)."""
+    if not os.path.isdir(os.path.join(directory, "checkpoints")) and not os.path.isdir(directory):
+        raise FileNotFoundError(f"checkpoint directory {directory!r} does not exist")
+    ckpt_dir = os.path.join(directory, "checkpoints")
+    ckpt_dir = ckpt_dir if os.path.isdir(ckpt_dir) else directory
+    manager = checkpoint_manager(ckpt_dir, create=False)
+    abstract = {"params": abstract_params}
+    found = restore_latest(manager, abstract, items=("state",)) if manager.all_steps() else None
+    # StandardRestore with a partial tree restores the subtree we ask for.
+    if found is None:
+        raise FileNotFoundError(f"no complete checkpoint in {ckpt_dir!r}")
+    step, restored = found
+    return step, restored["state"]["params"]
+
+
+# ---- the loop ------------------------------------------------------------------------------
+
+class _Stop:
+    """Set by SIGTERM/SIGINT; the loop saves a checkpoint at the next step boundary and exits."""
+
+    def __init__(self):
+        self.signal = None
+
+    def __call__(self, signum, frame):
+        self.signal = signal.Signals(signum).name
+
+
+def train(config: ml_collections.ConfigDict) -> dict:
+    """Run (or resume) training. Returns a summary dict. Raises TrainingError on divergence."""
+    from data import pipeline  # grain and TFDS are imported only when data is needed
+
+    workdir = workdir_of(config)
+    os.makedirs(workdir, exist_ok=True)
+    tokenizer = pipeline.tokenizer(config.data)
+    mesh = make_mesh(config)
+    n_batch_shards = mesh.shape["data"] * mesh.shape["fsdp"]
+    if config.batch_size % n_batch_shards:
+        raise ValueError(f"batch_size={config.batch_size} is not divisible by the {n_batch_shards} "
+                         "data x fsdp devices")
+    graphdef, rest, tx, schedule, state = init_state(config, tokenizer.vocab_size, mesh)
+    state_shardings = jax.tree.map(lambda x: x.sharding, state)
+    batch_sharding = NamedSharding(mesh, P(("data", "fsdp")))
+    train_step = make_train_step(graphdef, rest, tx, config, state_shardings, batch_sharding)
+
+    loader = pipeline.train_loader(config.data, seed=config.seed, batch_size=config.batch_size,
+                                   seq_len=config.seq_len + 1)
+    manager = checkpoint_manager(os.path.join(workdir, "checkpoints"), config.train.keep_checkpoints)
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+    found = restore_latest(manager, abstract)
+    if found is not None:
+        step0, restored = found
+        state = restored["state"]
+        loader.set_state(restored["loader"])
+        print(f"resumed from step {step0} in {workdir}")
+    elif config.init_from:
+        step0 = 0
+        src_step, params = load_params(config.init_from, abstract["params"])
+        state = {**state, "params": params}
+        print(f"initialised parameters from {config.init_from} (step {src_step})")
+    else:
+        step0 = 0
+    with open(os.path.join(workdir, "config.json"), "w") as f:
+        f.write(config.to_json_best_effort(indent=2))
+
+    stop = _Stop()
+    previous = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGINT)}
+    metrics_path = os.path.join(workdir, "metrics.jsonl")
+    writer = _tensorboard(workdir)
+    steps = config.train.steps
+    tokens_per_step = config.batch_size * config.seq_len
+    progress = _progress(step0, steps)
+    last_good = manager.latest_step()
+    t_log, n_log, history = time.perf_counter(), 0, []
+    try:
+        for step in range(step0 + 1, steps + 1):
+            batch = {k: jax.device_put(np.asarray(v), batch_sharding) for k, v in next(loader).items()}
+            new_state, metrics = train_step(state, batch)
+            loss = float(metrics["loss"])  # one host sync per step: the NaN guard needs it
+            if not math.isfinite(loss):
+                raise TrainingError(
+                    f"loss became {loss} at step {step}; nothing was saved after it. Last good "
+                    f"checkpoint: step {last_good} in {manager.directory}. Lower train.lr or "
+                    "raise train.warmup_steps and rerun (it resumes from that checkpoint).")
+            state = new_state
+            history.append(loss)
+            n_log += 1
+            progress(step, loss)
+            if step % config.train.log_every == 0 or step == steps:
+                elapsed = time.perf_counter() - t_log
+                record = {"step": step, "loss": loss, "grad_norm": float(metrics["grad_norm"]),
+                          "lr": float(schedule(step - 1)), "tokens_per_s": n_log * tokens_per_step / elapsed,
+                          "time": time.time()}
+                if config.train.eval_every and step % config.train.eval_every == 0:
+                    record["val_loss"] = _validation_loss(config, graphdef, rest, state["params"])
+                _log(metrics_path, writer, record)
+                progress.tokens_per_s = record["tokens_per_s"]
+                t_log, n_log = time.perf_counter(), 0
+            if step % config.train.checkpoint_every == 0 or step == steps or stop.signal:
+                save(manager, state, loader.get_state(), {"step": step, "loss": loss})
+                last_good = step
+            if stop.signal:
+                print(f"\nstopped by {stop.signal} at step {step}; checkpoint saved in "
+                      f"{manager.directory}. Rerun the same command to resume.")
+                break
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+        progress.close()
+        if writer is not None:
+            writer.close()
+        manager.close()
+    return {"workdir": workdir, "step": int(state["step"]), "losses": history,
+            "interrupted": stop.signal is not None}
+
+
+def _validation_loss(config, graphdef, rest, params) -> float:
+    from eval import perplexity_at
+    model = nnx.merge(graphdef, params, rest)
+    return math.log(perplexity_at(config, model, config.seq_len, config.train.eval_tokens))
+
+
+def _log(path, writer, record):
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+    if writer is not None:
+        for k, v in record.items():
+            if k not in ("step", "time"):
+                writer.add_scalar(k, v, record["step"])
+        writer.flush()
+
+
+def _tensorboard(workdir):
+    try:
+        from tensorboardX import SummaryWriter
+    except ImportError:  # TensorBoard logging is optional
+        return None
+    return SummaryWriter(os.path.join(workdir, "tensorboard"))
+
+
+def _progress(start, total):
+    """A progress bar with loss and tokens/s on stderr (tqdm), or nothing when not a tty."""
+    from tqdm import tqdm
+    bar = tqdm(total=total, initial=start, disable=not sys.stderr.isatty(), unit="step",
+               dynamic_ncols=True)
+
+    def update(step, loss):
+        bar.update(step - bar.n)
+        bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{update.tokens_per_s:,.0f}", refresh=False)
+
+    update.tokens_per_s = 0.0
+    update.close = bar.close
+    return update
+
+
+# ---- command line --------------------------------------------------------------------------
+
+_CONFIG = config_flags.DEFINE_config_file("config", "configs/default.py", "experiment config")
+
+
+def run_cli(fn):
+    """Run fn(); expected failures print one readable line and exit non-zero."""
+    try:
+        return fn()
+    except (TrainingError, DataError, ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
+
+
+def main(argv):
+    del argv
+    logging.set_verbosity(logging.WARNING)  # orbax is chatty at INFO
+    summary = run_cli(lambda: train(_CONFIG.value))
+    losses = summary["losses"]
+    if losses:
+        print(f"done: step {summary['step']}, final loss {losses[-1]:.4f}, workdir {summary['workdir']}")
+
+
+if __name__ == "__main__":
+    app.run(main)
