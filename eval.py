@@ -206,7 +206,9 @@ flags.DEFINE_integer("stride", -1, "sliding-window stride (0: non-overlapping; -
 
 def main(argv):
     del argv
+    from absl import logging
     from train import run_cli
+    logging.set_verbosity(logging.WARNING)
     FLAGS = flags.FLAGS
     if not FLAGS.workdirs:
         print("error: pass --workdirs=run1[,run2,...]", file=sys.stderr)

@@ -135,36 +135,42 @@ def save(manager, state, loader_state: dict, meta: dict) -> None:
         meta=ocp.args.JsonSave(meta)), force=True)
 
 
-def restore_latest(manager, abstract_state, items=("state", "loader", "meta")):
+def restore_latest(manager, abstract_state, partial: bool = False):
     """Restore the newest checkpoint that reads back completely, or None if there is none.
 
-    A checkpoint that fails to restore (partially written, corrupted) is skipped with a
-    warning and the one before it is used.
+    Returns (step, {'state', 'loader', 'meta'}). With `partial`, only the subtree given in
+    `abstract_state` is read (e.g. {'params': ...}) and only 'state' is returned. A checkpoint
+    that fails to restore (partially written, corrupted) is skipped with a warning and the
+    one before it is used.
     """
-    args = {"state": ocp.args.StandardRestore(abstract_state), "loader": ocp.args.JsonRestore(),
-            "meta": ocp.args.JsonRestore()}
+    if partial:
+        restore_args = ocp.checkpoint_utils.construct_restore_args(abstract_state)
+        args = {"state": ocp.args.PyTreeRestore(item=abstract_state, restore_args=restore_args,
+                                                partial_restore=True)}
+    else:
+        args = {"state": ocp.args.StandardRestore(abstract_state), "loader": ocp.args.JsonRestore(),
+                "meta": ocp.args.JsonRestore()}
     for step in sorted(manager.all_steps(), reverse=True):
         try:
-            restored = manager.restore(step, args=ocp.args.Composite(**{k: args[k] for k in items}))
-            return step, restored
+            return step, manager.restore(step, args=ocp.args.Composite(**args))
         except Exception as e:  # noqa: BLE001 - any unreadable checkpoint is skipped, loudly
-            logging.warning("skipping incomplete or unreadable checkpoint at step %d in %s: %s",
-                            step, manager.directory, str(e).splitlines()[0] if str(e) else type(e).__name__)
-            print(f"warning: skipping unreadable checkpoint at step {step} ({manager.directory})",
-                  file=sys.stderr)
+            reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+            print(f"warning: skipping unreadable checkpoint at step {step} in {manager.directory}: "
+                  f"{reason[:200]}", file=sys.stderr)
     return None
 
 
 def load_params(directory: str, abstract_params):
-    """Parameters of the latest complete checkpoint in `directory` (for eval and init_from)."""
-    if not os.path.isdir(os.path.join(directory, "checkpoints")) and not os.path.isdir(directory):
-        raise FileNotFoundError(f"checkpoint directory {directory!r} does not exist")
+    """(step, parameters) of the latest complete checkpoint of a run (for eval and init_from).
+
+    `directory` is a run's workdir or its `checkpoints` folder.
+    """
     ckpt_dir = os.path.join(directory, "checkpoints")
     ckpt_dir = ckpt_dir if os.path.isdir(ckpt_dir) else directory
-    manager = checkpoint_manager(ckpt_dir, create=False)
-    abstract = {"params": abstract_params}
-    found = restore_latest(manager, abstract, items=("state",)) if manager.all_steps() else None
-    # StandardRestore with a partial tree restores the subtree we ask for.
+    if not os.path.isdir(ckpt_dir):
+        raise FileNotFoundError(f"checkpoint directory {directory!r} does not exist")
+    found = restore_latest(checkpoint_manager(ckpt_dir, create=False), {"params": abstract_params},
+                           partial=True)
     if found is None:
         raise FileNotFoundError(f"no complete checkpoint in {ckpt_dir!r}")
     step, restored = found
