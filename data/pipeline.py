@@ -5,11 +5,10 @@ Every function takes `config`, the `data` section of an experiment config
 
 Packing is concatenate-then-split: documents (each ending in EOS) are laid end to end and
 cut into rows of `seq_len` tokens, so there is no padding. A document that does not fit in
-the rest of a row continues at the start of the next row, and its positions continue there
-(e.g. 512, 513, ...) rather than restart: positions always count tokens from the start of the
-document, so attention never sees a document's start where there is none. A row can thus
-carry positions >= seq_len; relative schemes do not notice, and a scheme that needs
-positions below seq_len can use `arange(seq_len)` instead.
+the rest of a row continues at the start of the next row. Positions count tokens from the
+start of each piece of a document within its row, so they restart at 0 in a continuation
+row and every position seen in training is below `seq_len`: a model trained at length L never
+meets a larger position index, which is what length-extrapolation studies assume.
 
 Grain's own `ConcatThenSplitIterDataset` (grain 0.2.18) restarts positions at each row and
 cannot restore a state that went through JSON (its `remainder_slices` tuples come back as
@@ -99,7 +98,7 @@ class _PackIterator(grain.DatasetIterator):
             segment += 1
             row["tokens"][filled : filled + n] = self._doc[self._offset : self._offset + n]
             row["segment_ids"][filled : filled + n] = segment
-            row["positions"][filled : filled + n] = np.arange(self._offset, self._offset + n)
+            row["positions"][filled : filled + n] = np.arange(n)
             filled += n
             self._offset += n
         return row
@@ -140,7 +139,7 @@ def train_loader(
 
     Yields {'tokens', 'segment_ids', 'positions'}: int32[batch_size, seq_len]. Segment ids
     number the documents of a row 1, 2, ... (0 is padding, which an endless stream never
-    has); positions count tokens from each document's start. Documents are shuffled with
+    has); positions count tokens from the start of each piece of a document in its row. Documents are shuffled with
     `seed` (in [0, 2**32)), differently but deterministically in every epoch. Process
     `shard_index` of `num_shards` reads every num_shards-th document, and `batch_size` is
     per process. `get_state()` is JSON-serialisable; `set_state` on a fresh loader with
