@@ -1,0 +1,28 @@
+# `make demo` and `make test` are the whole set-up on a machine with Python 3.11+.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo demo-fast test test-slow clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) demo.py
+
+demo-fast: $(STAMP)
+	$(PY) demo.py --fast
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+test-slow: $(STAMP)
+	$(PY) -m pytest -q -m slow
+
+clean:
+	rm -rf runs .pytest_cache

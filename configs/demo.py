@@ -1,0 +1,28 @@
+"""The demo: small byte-level LMs on the embedded corpus (the Python standard library), trained
+at length 256 and evaluated from 128 to 4,096 tokens (16x).
+
+    python train.py --config configs/demo.py:alibi          # one scheme
+    python train.py --config configs/demo.py:rope,fast      # the ~2-minute smoke version
+    make demo                                               # all demo schemes + comparison
+
+Every scheme gets the same model, data order, seed and step budget.
+"""
+
+from configs import default
+
+
+def get_config(arg: str = "rope"):
+    scheme, *options = arg.split(",")
+    c = default.get_config(scheme)
+    c.model.update(d_model=128, num_layers=3, num_heads=4)
+    c.seq_len, c.batch_size = 256, 16
+    c.train.update(steps=450, warmup_steps=50, lr=3e-3, log_every=25, checkpoint_every=150)
+    c.eval.update(multipliers=(0.5, 1, 2, 4, 8, 16), tokens=16384, batch_size=4)
+    c.workdir = f"runs/demo/{scheme}"
+    if "fast" in options:
+        c.model.update(d_model=64, num_layers=2)
+        c.seq_len, c.batch_size = 128, 8
+        c.train.update(steps=60, warmup_steps=10, log_every=20, checkpoint_every=60)
+        c.eval.update(tokens=2048)
+        c.workdir = f"runs/demo-fast/{scheme}"
+    return c
