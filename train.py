@@ -91,10 +91,10 @@ def init_state(config, vocab_size, mesh):
     model = DecoderLM(model_config(config, vocab_size), rngs=nnx.Rngs(config.seed))
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     params = nnx.to_pure_dict(params)
-    params = jax.tree.map(lambda x: jax.device_put(x, param_sharding(mesh, x)), params)
     tx, schedule = make_optimizer(config.train)
-    opt_state = jax.jit(tx.init)(params)
-    state = {"params": params, "opt_state": opt_state, "step": jnp.zeros((), jnp.int32)}
+    state = {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32)}
+    # Optimizer moments have their parameter's shape, hence its sharding; counters replicate.
+    state = jax.tree.map(lambda x: jax.device_put(x, param_sharding(mesh, x)), state)
     return graphdef, rest, tx, schedule, state
 
 
@@ -111,7 +111,8 @@ def make_train_step(graphdef, rest, tx, config, state_shardings, batch_sharding)
         loss, grads = jax.value_and_grad(loss_fn)(state["params"], batch)
         updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
-        metrics = {"loss": loss, "grad_norm": optax.global_norm(grads)}
+        finite = jnp.all(jnp.stack([jnp.isfinite(x).all() for x in jax.tree.leaves(params)]))
+        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "params_finite": finite}
         return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
 
     return jax.jit(step, in_shardings=(state_shardings, batch_sharding),
@@ -240,9 +241,10 @@ def train(config: ml_collections.ConfigDict) -> dict:
             batch = {k: jax.device_put(np.asarray(v), batch_sharding) for k, v in next(loader).items()}
             new_state, metrics = train_step(state, batch)
             loss = float(metrics["loss"])  # one host sync per step: the NaN guard needs it
-            if not math.isfinite(loss):
+            if not (math.isfinite(loss) and bool(metrics["params_finite"])):
+                what = f"loss became {loss}" if not math.isfinite(loss) else "parameters became nan/inf"
                 raise TrainingError(
-                    f"loss became {loss} at step {step}; nothing was saved after it. Last good "
+                    f"{what} at step {step}; nothing was saved after it. Last good "
                     f"checkpoint: step {last_good} in {manager.directory}. Lower train.lr or "
                     "raise train.warmup_steps and rerun (it resumes from that checkpoint).")
             state = new_state
@@ -258,6 +260,7 @@ def train(config: ml_collections.ConfigDict) -> dict:
                     record["val_loss"] = _validation_loss(config, graphdef, rest, state["params"])
                 _log(metrics_path, writer, record)
                 progress.tokens_per_s = record["tokens_per_s"]
+                progress.log(record)
                 t_log, n_log = time.perf_counter(), 0
             if step % config.train.checkpoint_every == 0 or step == steps or stop.signal:
                 save(manager, state, loader.get_state(), {"step": step, "loss": loss})
@@ -311,8 +314,14 @@ def _progress(start, total):
         bar.update(step - bar.n)
         bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{update.tokens_per_s:,.0f}", refresh=False)
 
+    def log_line(record):  # without a terminal, one line per logged step instead
+        if bar.disable:
+            print(f"step {record['step']}/{total}  loss {record['loss']:.4f}  "
+                  f"{record['tokens_per_s']:,.0f} tok/s", flush=True)
+
     update.tokens_per_s = 0.0
     update.close = bar.close
+    update.log = log_line
     return update
 
 
