@@ -5,7 +5,7 @@ h reads key/value head h // (H // K)). Query t sits at absolute index `q_offset 
 index s, and query i sees key j iff j <= i (and, with segment ids, both are in the same
 segment). `q_offset` lets the same function serve decoding, where S is the cache length.
 
-Schemes that change the score pass `bias_fn(qi, kj) -> [B or 1, H, len(qi), len(kj)]`, an
+Schemes that change the score pass `bias_fn(qi, kj) -> [B or 1, H or 1, len(qi), len(kj)]`, an
 additive logit bias evaluated on index vectors, so the blockwise version only ever builds one
 block of it. Scores, softmax statistics and the output accumulation are fp32 whatever the
 input dtype; the output has q's dtype.
@@ -49,6 +49,7 @@ def _scores(qb, kb, qi, kj, bias_fn, scale):
     s = jnp.einsum("btkgd,bskd->bkgts", qb, kb, preferred_element_type=jnp.float32) * scale
     if bias_fn is not None:
         bias = bias_fn(qi, kj).astype(jnp.float32)
+        bias = jnp.broadcast_to(bias, (bias.shape[0], kh * g, tq, kj.shape[0]))
         s = s + bias.reshape(bias.shape[0], kh, g, tq, kj.shape[0])
     return s
 
