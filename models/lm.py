@@ -163,6 +163,9 @@ class DecoderLM(nnx.Module):
 
     def decode(self, tokens, cache):
         """Feed n new tokens [B, n] after what `cache` holds. Returns (logits [B, n, V], cache)."""
+        index = cache[0]["index"]
+        if not isinstance(index, jax.core.Tracer):  # under jit the caller checks (see generate)
+            check_cache_room(cache_len(cache), int(index), tokens.shape[1])
         x = self.embed(tokens).astype(jnp.dtype(self.cfg.dtype))
         new_cache = []
         for block, c in zip(self.blocks, cache):

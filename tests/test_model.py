@@ -84,6 +84,10 @@ def test_bad_model_inputs():
     m = model()
     with pytest.raises(ValueError, match="too long for the cache"):
         generate(m, tokens(t=5), 10, max_len=12)
+    cache = m.init_cache(2, 6)
+    _, cache = m.decode(tokens(t=5), cache)
+    with pytest.raises(ValueError, match="5 cached \\+ 2 new tokens > cache length 6"):
+        m.decode(tokens(t=2), cache)
     with pytest.raises(ValueError, match="rng"):
         generate(m, tokens(t=5), 2, temperature=0.7)
     with pytest.raises(ValueError, match="registered schemes"):

@@ -149,6 +149,7 @@ def test_sharded_training_on_8_devices_matches_one_device(tiny_run, tmp_path):
     ("--config.model.head_dim=7", "head_dim must be even"),
     ("--config.data.source_dir=/no/such/dir", "/no/such/dir"),
     ("--config.mesh.data=3", "does not fit 1 devices"),
+    ("--config.init_from=/no/such/run", "/no/such/run' does not exist"),
 ])
 def test_bad_input_exits_with_one_readable_line(tmp_path, flag, message):
     run = cli("train.py", "--config", "configs/default.py", *overrides(tiny_config(tmp_path)), flag)
