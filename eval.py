@@ -161,6 +161,7 @@ def markdown_table(results: dict) -> str:
 
 def plot(results: dict, path: str) -> None:
     import matplotlib
+    import matplotlib.ticker
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
@@ -172,6 +173,8 @@ def plot(results: dict, path: str) -> None:
     for ax, label in zip(axes, ("perplexity", "ppl(L) / ppl(train length)")):
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
+        ax.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+        ax.yaxis.set_minor_formatter(matplotlib.ticker.ScalarFormatter())
         ax.set_xlabel("evaluation length (tokens)")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
