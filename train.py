@@ -22,7 +22,7 @@ import ml_collections
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
-from absl import app, flags, logging
+from absl import app, logging
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 from ml_collections import config_flags

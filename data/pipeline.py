@@ -139,11 +139,11 @@ def train_loader(
 
     Yields {'tokens', 'segment_ids', 'positions'}: int32[batch_size, seq_len]. Segment ids
     number the documents of a row 1, 2, ... (0 is padding, which an endless stream never
-    has); positions count tokens from the start of each piece of a document in its row. Documents are shuffled with
-    `seed` (in [0, 2**32)), differently but deterministically in every epoch. Process
-    `shard_index` of `num_shards` reads every num_shards-th document, and `batch_size` is
-    per process. `get_state()` is JSON-serialisable; `set_state` on a fresh loader with
-    the same arguments continues exactly where the state was taken.
+    has); positions count tokens from the start of each piece of a document in its row.
+    Documents are shuffled with `seed` (in [0, 2**32)), differently but deterministically in
+    every epoch. Process `shard_index` of `num_shards` reads every num_shards-th document,
+    and `batch_size` is per process. `get_state()` is JSON-serialisable; `set_state` on a
+    fresh loader with the same arguments continues exactly where the state was taken.
     """
     docs = documents(config, "train")[shard_index::num_shards].shuffle(seed).repeat()
     rows = PackIterDataset(docs.to_iter_dataset(READ_OPTIONS), seq_len)

@@ -108,7 +108,7 @@ def blockwise_attention(q, k, v, *, bias_fn: BiasFn | None = None, segment_ids=N
 
         def key_block(carry, ik):
             def update(carry):
-                o, m, l = carry
+                o, m, row_sum = carry
                 k0 = ik * bk
                 kb = jax.lax.dynamic_slice_in_dim(kp, k0, bk, axis=1)
                 vb = jax.lax.dynamic_slice_in_dim(vp, k0, bk, axis=1)
@@ -119,9 +119,9 @@ def blockwise_attention(q, k, v, *, bias_fn: BiasFn | None = None, segment_ids=N
                 m_new = jnp.maximum(m, s.max(-1))
                 p = jnp.exp(s - m_new[..., None])
                 corr = jnp.exp(m - m_new)
-                l_new = l * corr + p.sum(-1)
+                row_sum_new = row_sum * corr + p.sum(-1)
                 o_new = o * corr[..., None] + jnp.einsum("bkgts,bskd->bkgtd", p, vb.astype(jnp.float32))
-                return o_new, m_new, l_new
+                return o_new, m_new, row_sum_new
 
             # A key block strictly after the last query of this block contributes nothing.
             visible = ik * bk <= q_offset + q0 + bq - 1
@@ -130,8 +130,8 @@ def blockwise_attention(q, k, v, *, bias_fn: BiasFn | None = None, segment_ids=N
         init = (jnp.zeros((b, kh, g, bq, d), jnp.float32),
                 jnp.full((b, kh, g, bq), MASKED, jnp.float32),
                 jnp.zeros((b, kh, g, bq), jnp.float32))
-        (o, _, l), _ = jax.lax.scan(key_block, init, jnp.arange(nk))
-        return o / l[..., None]  # l >= 1 for every real query: it always sees itself
+        (o, _, row_sum), _ = jax.lax.scan(key_block, init, jnp.arange(nk))
+        return o / row_sum[..., None]  # >= 1 for every real query: it always sees itself
 
     o = jax.lax.map(jax.checkpoint(query_block), jnp.arange(nq))  # [nq, B, K, G, bq, D]
     o = jnp.moveaxis(o, 0, 3).reshape(b, kh, g, nq * bq, d)[:, :, :, :t]

@@ -11,7 +11,7 @@ from flax import nnx
 
 from eval import evaluate_runs, load_run, perplexity, scoring_plan, write_report
 from models.lm import DecoderLM, ModelConfig, token_nll
-from test_train import cli
+from tiny_setup import cli
 
 
 @pytest.mark.parametrize("n_tokens,length,stride", [(100, 10, 0), (95, 10, 0), (100, 10, 3),

@@ -2,10 +2,8 @@
 
 import os
 import re
-import subprocess
-import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tiny_setup import ROOT, cli
 
 
 def test_readme_notebook_snippet_runs():
@@ -16,8 +14,7 @@ def test_readme_notebook_snippet_runs():
 
 
 def test_fast_demo_trains_evaluates_and_reports(tmp_path):
-    run = subprocess.run([sys.executable, os.path.join(ROOT, "demo.py"), "--fast"], cwd=tmp_path,
-                         capture_output=True, text=True, timeout=600)
+    run = cli(os.path.join(ROOT, "demo.py"), "--fast", cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
     for scheme in ("rope", "alibi", "nope"):
         assert f"| {scheme} | {scheme} |" in run.stdout

@@ -13,21 +13,13 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import tiny_config
+from tiny_setup import ROOT, cli, tiny_config
 from train import TrainingError, checkpoint_manager, load_params, train
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def losses_of(workdir):
     with open(os.path.join(workdir, "metrics.jsonl")) as f:
         return {r["step"]: r["loss"] for r in map(json.loads, f)}
-
-
-def cli(*args, env=None, **kw):
-    """Run a project entry point in a subprocess from the repository root."""
-    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True,
-                          env={**os.environ, **(env or {})}, timeout=300, **kw)
 
 
 def overrides(config):
@@ -97,7 +89,8 @@ def test_partial_checkpoint_is_skipped_with_a_warning(tiny_run, tmp_path, capsys
 def test_nan_guard_stops_and_keeps_the_last_good_checkpoint(tmp_path):
     config = tiny_config(tmp_path, steps=30, lr=1e30, warmup_steps=1, grad_clip=1e30, checkpoint_every=1,
                          weight_decay=0.0)
-    with pytest.raises(TrainingError, match=r"(loss|parameters) became (nan|inf).*Last good checkpoint: step (\d+)") as e:
+    pattern = r"(loss|parameters) became (nan|inf).*Last good checkpoint: step (\d+)"
+    with pytest.raises(TrainingError, match=pattern) as e:
         train(config)
     last_good = int(str(e.value).split("Last good checkpoint: step ")[1].split()[0])
     manager = checkpoint_manager(tmp_path / "checkpoints", create=False)
