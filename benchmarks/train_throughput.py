@@ -1,0 +1,122 @@
+"""Training-step throughput of every registered position scheme, as a ratio to RoPE.
+
+    python benchmarks/train_throughput.py                   # all schemes, 16 x 256 tokens
+    python benchmarks/train_throughput.py --schemes rope,alibi --steps 10 --rounds 3
+
+Each scheme gets the default model (configs/default.py, byte vocab 258) and a jitted step like
+train.py's: forward + backward through `token_nll`, then the AdamW update from
+`train.make_optimizer`. Random token batches stand in for data, since the data pipeline is not
+what is measured. All schemes are compiled first, then timed in interleaved rounds (the order
+rotates each round) so that load from other jobs on a shared machine falls on all of them
+alike; the median round per scheme is reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+# train.py sits at the repository root, outside the installed packages.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import optax  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from configs.default import get_config  # noqa: E402
+from models.lm import DecoderLM, token_nll  # noqa: E402
+from models.registry import REGISTRY  # noqa: E402
+from train import make_optimizer, model_config  # noqa: E402
+
+VOCAB = 258
+BASELINE = "rope"
+
+
+def make_step(scheme: str, impl: str) -> tuple[Callable, tuple]:
+    """A jitted (state, tokens) -> (state, loss) for the default model with `scheme`."""
+    config = get_config(scheme)
+    model = DecoderLM(model_config(config, VOCAB), rngs=nnx.Rngs(config.seed))
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    params = nnx.to_pure_dict(params)
+    tx, _ = make_optimizer(config.train)
+
+    def loss_fn(params, tokens):
+        nll, _ = token_nll(nnx.merge(graphdef, params, rest), tokens, impl=impl)
+        return nll.mean()
+
+    def step(state, tokens):
+        params, opt_state = state
+        loss, grads = jax.value_and_grad(loss_fn)(params, tokens)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return (optax.apply_updates(params, updates), opt_state), loss
+
+    return jax.jit(step, donate_argnums=0), (params, jax.jit(tx.init)(params))
+
+
+def time_steps(step: Callable, state, batches: list, n: int):
+    """Run n steps, cycling through batches; returns (state, seconds)."""
+    t0 = time.perf_counter()
+    for i in range(n):
+        state, loss = step(state, batches[i % len(batches)])
+    jax.block_until_ready((state, loss))
+    return state, time.perf_counter() - t0
+
+
+def markdown(results: dict[str, list[float]]) -> str:
+    base = statistics.median(results[BASELINE]) if BASELINE in results else None
+    lines = [f"| scheme | tokens/s (median) | min - max over rounds | ratio to {BASELINE} |",
+             "|---|---:|---:|---:|"]
+    for name, rates in results.items():
+        med = statistics.median(rates)
+        ratio = f"{med / base:.2f}" if base else "n/a"
+        lines.append(f"| {name} | {med:,.0f} | {min(rates):,.0f} - {max(rates):,.0f} | {ratio} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict[str, list[float]]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--schemes", default=",".join(REGISTRY), help="comma-separated registry names")
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--steps", type=int, default=10, help="timed steps per scheme per round")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps after compiling")
+    p.add_argument("--impl", default="reference", help="attention impl, as model.attention_impl")
+    args = p.parse_args(argv)
+    schemes = args.schemes.split(",")
+    unknown = [s for s in schemes if s not in REGISTRY]
+    if unknown:
+        raise SystemExit(f"unknown scheme(s) {unknown}; registered: {', '.join(REGISTRY)}")
+
+    key = jax.random.key(0)
+    # A few distinct batches, made once, so no step waits on data and no step reuses a cache.
+    batches = [jax.random.randint(k, (args.batch, args.seq_len + 1), 0, VOCAB, jnp.int32)
+               for k in jax.random.split(key, 4)]
+    steps, states = {}, {}
+    for s in schemes:
+        t0 = time.perf_counter()
+        steps[s], states[s] = make_step(s, args.impl)
+        states[s], _ = time_steps(steps[s], states[s], batches, 1 + args.warmup)  # compile + warm up
+        print(f"# {s}: compile + {args.warmup} warm-up steps {time.perf_counter() - t0:.1f} s",
+              file=sys.stderr, flush=True)
+
+    tokens = args.batch * args.seq_len * args.steps
+    results: dict[str, list[float]] = {s: [] for s in schemes}
+    for r in range(args.rounds):
+        for s in schemes[r % len(schemes):] + schemes[:r % len(schemes)]:
+            states[s], seconds = time_steps(steps[s], states[s], batches, args.steps)
+            results[s].append(tokens / seconds)
+
+    print(f"batch {args.batch} x seq_len {args.seq_len}, impl {args.impl}, {args.steps} steps x "
+          f"{args.rounds} rounds, jax {jax.__version__} on {jax.devices()[0].platform}\n")
+    print(markdown(results))
+    return results
+
+
+if __name__ == "__main__":
+    main()
