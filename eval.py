@@ -49,16 +49,20 @@ def scoring_plan(n_tokens: int, length: int, stride: int):
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "impl"))
-def _window_nll(graphdef, state, tokens, first_scored, impl):
+def _window_nll(graphdef, state, tokens, first_scored, rng, impl):
     model = nnx.merge(graphdef, state)
-    nll, _ = token_nll(model, tokens, impl=impl)
+    nll, _ = token_nll(model, tokens, impl=impl, rng=rng)
     scored = jnp.arange(nll.shape[1])[None] >= first_scored[:, None]
     return jnp.sum(jnp.where(scored, nll, 0.0)), jnp.sum(scored)
 
 
 def perplexity(model: DecoderLM, stream: np.ndarray, length: int, n_tokens: int, *,
-               stride: int = 0, batch_size: int = 4, impl: str = "reference") -> dict:
-    """Perplexity of `model` on the first ~n_tokens targets of `stream`, windows of `length`."""
+               stride: int = 0, batch_size: int = 4, impl: str = "reference", seed: int = 0) -> dict:
+    """Perplexity of `model` on the first ~n_tokens targets of `stream`, windows of `length`.
+
+    Schemes with random features get a fresh draw for every batch of windows, from `seed`:
+    the same draws for every model evaluated with the same seed.
+    """
     starts, first = scoring_plan(n_tokens, length, stride)
     if starts[-1] + length + 1 > len(stream):
         raise ValueError(f"the held-out stream has {len(stream)} tokens; length {length} with "
@@ -68,7 +72,9 @@ def perplexity(model: DecoderLM, stream: np.ndarray, length: int, n_tokens: int,
     total, count, t0 = 0.0, 0, time.perf_counter()
     for i in range(0, len(starts), batch_size):
         rows = np.stack([stream[s:s + length + 1] for s in starts[i:i + batch_size]])
-        nll, n = _window_nll(graphdef, state, jnp.asarray(rows), jnp.asarray(first[i:i + batch_size]), impl)
+        rng = jax.random.fold_in(jax.random.key(seed), i)
+        nll, n = _window_nll(graphdef, state, jnp.asarray(rows), jnp.asarray(first[i:i + batch_size]), rng,
+                             impl)
         total, count = total + float(nll), count + int(n)
     return {"length": length, "ppl": math.exp(total / count), "nll": total / count, "tokens": count,
             "seconds": time.perf_counter() - t0, "impl": impl}
@@ -135,7 +141,9 @@ def evaluate_runs(workdirs, *, multipliers=None, max_multiplier=None, tokens=Non
         rows = []
         for length in lengths:
             impl = "blockwise" if length >= ev.blockwise_from else config.model.attention_impl
-            r = perplexity(model, stream, length, tokens, stride=stride, batch_size=ev.batch_size, impl=impl)
+            # Past blockwise_from, fewer rows per call keep activation memory about constant.
+            rows = max(1, min(ev.batch_size, ev.batch_size * ev.blockwise_from // length))
+            r = perplexity(model, stream, length, tokens, stride=stride, batch_size=rows, impl=impl)
             rows.append(r)
             log(f"{name:>16s}  L={length:>6d}  ppl={r['ppl']:9.3f}  ({r['seconds']:.1f}s, {impl})")
         train_ppl = next((r["ppl"] for r in rows if r["length"] == config.seq_len), None)

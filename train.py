@@ -43,6 +43,10 @@ def workdir_of(config) -> str:
 
 def model_config(config, vocab_size: int) -> ModelConfig:
     d = config.model.to_dict()
+    if d["vocab_size"] and d["vocab_size"] < vocab_size:
+        raise ValueError(f"model.vocab_size={d['vocab_size']} is smaller than the tokenizer's vocabulary "
+                         f"({vocab_size}): embeddings and per-token tables (learned step angles) must "
+                         "cover every token id; leave it 0 to take the tokenizer's")
     d["vocab_size"] = d["vocab_size"] or vocab_size
     return ModelConfig.from_dict(d)
 
@@ -101,14 +105,16 @@ def init_state(config, vocab_size, mesh):
 def make_train_step(graphdef, rest, tx, config, state_shardings, batch_sharding):
     impl = config.model.attention_impl
 
-    def loss_fn(params, batch):
+    def loss_fn(params, batch, rng):
         model = nnx.merge(graphdef, params, rest)
         nll, w = token_nll(model, batch["tokens"], segment_ids=batch["segment_ids"],
-                           positions=batch["positions"], impl=impl)
+                           positions=batch["positions"], impl=impl, rng=rng)
         return jnp.sum(nll * w) / jnp.maximum(jnp.sum(w), 1.0)
 
     def step(state, batch):
-        loss, grads = jax.value_and_grad(loss_fn)(state["params"], batch)
+        # Random position features get a fresh draw every step, reproducible from the seed.
+        rng = jax.random.fold_in(jax.random.key(config.seed), state["step"])
+        loss, grads = jax.value_and_grad(loss_fn)(state["params"], batch, rng)
         updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
         finite = jnp.all(jnp.stack([jnp.isfinite(x).all() for x in jax.tree.leaves(params)]))

@@ -80,25 +80,30 @@ class Attention(nnx.Module):
         self.v = _linear(cfg.d_model, kh * d, cfg, rngs)
         self.o = _linear(h * d, cfg.d_model, cfg, rngs)
         features = get_entry(cfg.scheme).features
-        self.features = features(self.scheme, cfg.d_model, rngs=rngs) if features else None
+        self.features = features(self.scheme, cfg, rngs=rngs) if features else None
 
-    def _qkv(self, x):
+    def _qkv(self, x, tokens, index, segment_ids, rng):
         b, t, _ = x.shape
         d = self.cfg.dim_per_head
         q = self.q(x).reshape(b, t, self.cfg.num_heads, d)
         k = self.k(x).reshape(b, t, self.cfg.kv_heads, d)
         v = self.v(x).reshape(b, t, self.cfg.kv_heads, d)
-        features = self.features(x) if self.features is not None else None
+        features = None
+        if self.features is not None:
+            features = self.features(x, tokens=tokens, index=index, segment_ids=segment_ids, rng=rng)
         return q, k, v, features
 
-    def __call__(self, x, *, positions, segment_ids=None, impl=None):
-        q, k, v, features = self._qkv(x)
+    def __call__(self, x, *, tokens, positions, segment_ids=None, impl=None, rng=None):
+        index = jnp.broadcast_to(jnp.arange(x.shape[1], dtype=jnp.int32), x.shape[:2])
+        q, k, v, features = self._qkv(x, tokens, index, segment_ids, rng)
         out = self.scheme.attend(q, k, v, features, positions=positions, segment_ids=segment_ids,
                                  impl=impl or self.cfg.attention_impl, block_size=self.cfg.block_size)
         return self.o(out.reshape(*x.shape[:2], -1))
 
-    def decode(self, x, cache):
-        q, k, v, features = self._qkv(x)
+    def decode(self, x, cache, *, tokens, rng=None):
+        b, n = tokens.shape
+        index = jnp.broadcast_to(cache["index"] + jnp.arange(n, dtype=jnp.int32), (b, n))
+        q, k, v, features = self._qkv(x, tokens, index, None, rng)
         out, cache = self.scheme.decode_step(cache, q, k, v, features)
         return self.o(out.reshape(*x.shape[:2], -1)), cache
 
@@ -127,8 +132,8 @@ class Block(nnx.Module):
         x = x + self.attn(self.attn_norm(x), **kw)
         return x + self.mlp(self.mlp_norm(x))
 
-    def decode(self, x, cache):
-        a, cache = self.attn.decode(self.attn_norm(x), cache)
+    def decode(self, x, cache, **kw):
+        a, cache = self.attn.decode(self.attn_norm(x), cache, **kw)
         x = x + a
         return x + self.mlp(self.mlp_norm(x)), cache
 
@@ -148,30 +153,43 @@ class DecoderLM(nnx.Module):
             return self.embed.attend(x) * self.cfg.d_model ** -0.5
         return self.head(x)
 
-    def __call__(self, tokens, *, positions=None, segment_ids=None, impl=None) -> jax.Array:
-        """tokens [B, T] int -> logits [B, T, vocab] (float32)."""
+    def __call__(self, tokens, *, positions=None, segment_ids=None, impl=None, rng=None) -> jax.Array:
+        """tokens [B, T] int -> logits [B, T, vocab] (float32).
+
+        `rng` feeds schemes with random features (a different key per layer is derived from
+        it); pass a fresh one per forward pass. Other schemes ignore it.
+        """
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
         x = self.embed(tokens).astype(jnp.dtype(self.cfg.dtype))
-        for block in self.blocks:
-            x = block(x, positions=positions, segment_ids=segment_ids, impl=impl)
+        for i, block in enumerate(self.blocks):
+            x = block(x, tokens=tokens, positions=positions, segment_ids=segment_ids, impl=impl,
+                      rng=_layer_key(rng, i))
         return self._logits(x).astype(jnp.float32)
 
     def init_cache(self, batch: int, max_len: int) -> list:
         return [blk.attn.scheme.init_cache(batch, max_len, self.cfg.kv_heads, jnp.dtype(self.cfg.dtype))
                 for blk in self.blocks]
 
-    def decode(self, tokens, cache):
-        """Feed n new tokens [B, n] after what `cache` holds. Returns (logits [B, n, V], cache)."""
+    def decode(self, tokens, cache, rng=None):
+        """Feed n new tokens [B, n] after what `cache` holds. Returns (logits [B, n, V], cache).
+
+        Schemes with random features draw them from (rng, position): use one rng for a whole
+        sequence so decoding sees the angles the parallel forward with that rng sees.
+        """
         index = cache[0]["index"]
         if not isinstance(index, jax.core.Tracer):  # under jit the caller checks (see generate)
             check_cache_room(cache_len(cache), int(index), tokens.shape[1])
         x = self.embed(tokens).astype(jnp.dtype(self.cfg.dtype))
         new_cache = []
-        for block, c in zip(self.blocks, cache):
-            x, c = block.decode(x, c)
+        for i, (block, c) in enumerate(zip(self.blocks, cache)):
+            x, c = block.decode(x, c, tokens=tokens, rng=_layer_key(rng, i))
             new_cache.append(c)
         return self._logits(x).astype(jnp.float32), new_cache
+
+
+def _layer_key(rng, layer: int):
+    return None if rng is None else jax.random.fold_in(rng, layer)
 
 
 def cache_len(cache) -> int:
@@ -183,14 +201,14 @@ def generate(model: DecoderLM, prompt: jax.Array, max_new_tokens: int, *, rng: j
     """Prefill `prompt` [B, P] then sample `max_new_tokens`. Returns [B, P + max_new_tokens].
 
     temperature 0 is greedy decoding; otherwise tokens are sampled from softmax(logits / T)
-    with `rng` (required). The whole loop is one jitted `lax.scan`.
+    with `rng` (required), which also feeds schemes with random features. The whole loop is
+    one jitted `lax.scan`.
     """
     b, p = prompt.shape
     max_len = max_len or p + max_new_tokens
     check_cache_room(max_len, p, max_new_tokens)
     if temperature > 0 and rng is None:
         raise ValueError("sampling with temperature > 0 needs an explicit rng key")
-    rng = jax.random.key(0) if rng is None else rng
     graphdef, state = nnx.split(model)
     return _generate(graphdef, state, prompt, rng, max_new_tokens, float(temperature), max_len)
 
@@ -198,7 +216,8 @@ def generate(model: DecoderLM, prompt: jax.Array, max_new_tokens: int, *, rng: j
 @functools.partial(jax.jit, static_argnums=(0, 4, 5, 6))
 def _generate(graphdef, state, prompt, rng, max_new_tokens, temperature, max_len):
     model = nnx.merge(graphdef, state)
-    logits, cache = model.decode(prompt, model.init_cache(prompt.shape[0], max_len))
+    feature_rng, sample_rng = (None, jax.random.key(0)) if rng is None else jax.random.split(rng)
+    logits, cache = model.decode(prompt, model.init_cache(prompt.shape[0], max_len), feature_rng)
 
     def pick(logits, key):
         if temperature == 0:
@@ -208,15 +227,15 @@ def _generate(graphdef, state, prompt, rng, max_new_tokens, temperature, max_len
     def step(carry, key):
         last_logits, cache = carry
         token = pick(last_logits, key)
-        logits, cache = model.decode(token[:, None], cache)
+        logits, cache = model.decode(token[:, None], cache, feature_rng)
         return (logits[:, -1], cache), token
 
-    keys = jax.random.split(rng, max_new_tokens)
+    keys = jax.random.split(sample_rng, max_new_tokens)
     _, tokens = jax.lax.scan(step, (logits[:, -1], cache), keys)
     return jnp.concatenate([prompt, tokens.T], axis=1)
 
 
-def token_nll(model: DecoderLM, tokens, *, segment_ids=None, positions=None, impl=None):
+def token_nll(model: DecoderLM, tokens, *, segment_ids=None, positions=None, impl=None, rng=None):
     """Next-token negative log-likelihood of rows of tokens.
 
     tokens [B, T + 1]: the model reads tokens[:, :-1] and predicts tokens[:, 1:]. Returns
@@ -225,7 +244,7 @@ def token_nll(model: DecoderLM, tokens, *, segment_ids=None, positions=None, imp
     """
     seg_in = None if segment_ids is None else segment_ids[:, :-1]
     pos_in = None if positions is None else positions[:, :-1]
-    logits = model(tokens[:, :-1], positions=pos_in, segment_ids=seg_in, impl=impl)
+    logits = model(tokens[:, :-1], positions=pos_in, segment_ids=seg_in, impl=impl, rng=rng)
     targets = tokens[:, 1:]
     nll = -jnp.take_along_axis(jax.nn.log_softmax(logits), targets[..., None], axis=-1)[..., 0]
     if segment_ids is None:

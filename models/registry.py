@@ -1,9 +1,11 @@
 """The scheme registry: the one place every part of the codebase looks a scheme up by name.
 
 An entry names the pure `Scheme` class from `positional/`, the options it fixes, and the NNX
-module (if any) that computes the scheme's per-token features from the layer input. The
-features module is built as `features(scheme, d_model, rngs=rngs)` and called as
-`features(x) -> pytree` with x [B, T, d_model].
+module (if any) that computes the scheme's per-token features (see models/features.py for
+how it is built and called).
+
+A name may add score-bias schemes to a scheme with "+": "so2_learned_qkv+alibi" is the SO(2)
+transport with ALiBi's bias on its logits. User options apply to the first scheme.
 
 Adding a scheme: one file in `positional/`, a features module if it learns anything, and one
 `register(...)` line here. The conformance suite in `tests/` then covers it.
@@ -14,10 +16,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
+from models.features import StepAngles
 from positional.alibi import Alibi
 from positional.nope import NoPE
 from positional.rope import Rope
 from positional.scheme import Scheme
+from positional.so2 import SO2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,24 +42,43 @@ def register(name: str, entry: Entry) -> None:
 
 
 def get_entry(name: str) -> Entry:
-    if name not in REGISTRY:
-        raise ValueError(f"unknown position scheme {name!r}; registered schemes: "
+    """The entry of a registered name; for "a+b", the entry of a (whose features the layer uses)."""
+    first = name.split("+")[0]
+    if first not in REGISTRY:
+        raise ValueError(f"unknown position scheme {first!r}; registered schemes: "
                          f"{', '.join(sorted(REGISTRY))}")
-    return REGISTRY[name]
+    return REGISTRY[first]
+
+
+def _is_bias_only(entry: Entry) -> bool:
+    cls = entry.scheme_cls
+    return entry.features is None and all(
+        getattr(cls, hook) is getattr(Scheme, hook)
+        for hook in ("transform", "transform_out", "attend", "init_cache", "decode_step"))
 
 
 def make_scheme(name: str, *, num_heads: int, head_dim: int, **options) -> Scheme:
     """Build the named scheme with user options (e.g. RoPE's base, scaling, factor)."""
-    entry = get_entry(name)
-    fields = {f.name for f in dataclasses.fields(entry.scheme_cls)} - {"num_heads", "head_dim"}
+    first, *added = name.split("+")
+    entry = get_entry(first)
+    fields = {f.name for f in dataclasses.fields(entry.scheme_cls)} - {"num_heads", "head_dim", "biases"}
     unknown = set(options) - fields
     if unknown:
-        raise ValueError(f"scheme {name!r} has no option(s) {sorted(unknown)}; "
+        raise ValueError(f"scheme {first!r} has no option(s) {sorted(unknown)}; "
                          f"its options are: {sorted(fields - set(entry.fixed)) or 'none'}")
     fixed = set(options) & set(entry.fixed)
     if fixed:
-        raise ValueError(f"scheme {name!r} fixes option(s) {sorted(fixed)}; choose another scheme")
-    return entry.scheme_cls(num_heads=num_heads, head_dim=head_dim, **entry.fixed, **options)
+        raise ValueError(f"scheme {first!r} fixes option(s) {sorted(fixed)}; choose another scheme")
+    biases = []
+    for part in added:
+        part_entry = get_entry(part)
+        if not _is_bias_only(part_entry):
+            raise ValueError(f"{name!r}: only score-bias schemes can be added with '+', and {part!r} "
+                             f"is not one; bias-only schemes: "
+                             f"{', '.join(n for n, e in sorted(REGISTRY.items()) if _is_bias_only(e))}")
+        biases.append(make_scheme(part, num_heads=num_heads, head_dim=head_dim))
+    return entry.scheme_cls(num_heads=num_heads, head_dim=head_dim, biases=tuple(biases),
+                            **entry.fixed, **options)
 
 
 register("nope", Entry(NoPE, doc="no position information"))
@@ -64,3 +87,9 @@ register("rope", Entry(Rope, doc="rotary embedding; options: base, scaling (none
                                  "factor, original_max_len, layout"))
 register("rope_qkv", Entry(Rope, fixed={"rotate_values": True},
                            doc="rotary on q, k and v, head output rotated back"))
+for _steps in ("random", "learned", "hidden"):
+    for _qkv in (False, True):
+        register(f"so2_{_steps}_{'qkv' if _qkv else 'qk'}",
+                 Entry(SO2, fixed={"steps": _steps, "rotate_values": _qkv}, features=StepAngles,
+                       doc=f"accumulated SO(2) transport, {_steps} step angles, "
+                           f"{'q/k/v' if _qkv else 'q/k'}"))

@@ -7,6 +7,9 @@ on an NNX module as static data). Its hooks, all pure:
   transform_out(out, features, positions) -> out         after it (Q/K/V variants rotate back)
   bias_fn(features) -> BiasFn | None                     additive logit bias (ALiBi, FoX, ...)
 
+`biases` holds score-bias schemes added to this one's logits (a registry name such as
+"so2_learned_qkv+alibi"), so a transport can be combined with explicit far-mass control.
+
 From those the base class derives the parallel form `attend` and an exact decode form
 (`init_cache` / `decode_step`) whose cache holds keys and values already transformed. Schemes
 whose transport of a key changes as the sequence grows (PaTH) or that need state of the past
@@ -30,6 +33,7 @@ from positional.attention import BiasFn, attention
 class Scheme:
     num_heads: int
     head_dim: int
+    biases: tuple = ()  # bias-only schemes whose logit biases are added to this one's
 
     #: rotary schemes rotate pairs of dimensions and need an even head_dim.
     needs_even_head_dim = False
@@ -51,12 +55,19 @@ class Scheme:
     def bias_fn(self, features) -> BiasFn | None:
         return None
 
+    def score_bias(self, features) -> BiasFn | None:
+        """This scheme's bias plus those of `biases`, as one BiasFn (or None)."""
+        fns = [f for f in (self.bias_fn(features), *(b.bias_fn(None) for b in self.biases)) if f]
+        if len(fns) <= 1:
+            return fns[0] if fns else None
+        return lambda qi, kj: sum(f(qi, kj) for f in fns)
+
     # ---- parallel form -----------------------------------------------------------------------
     def attend(self, q, k, v, features=None, *, positions, segment_ids=None,
                impl: str = "reference", block_size: int = 512) -> jax.Array:
         """Causal attention under this scheme. Returns [B, T, H, D]."""
         q, k, v = self.transform(q, k, v, features, positions)
-        out = attention(q, k, v, bias_fn=self.bias_fn(features), segment_ids=segment_ids,
+        out = attention(q, k, v, bias_fn=self.score_bias(features), segment_ids=segment_ids,
                         impl=impl, block_size=block_size)
         return self.transform_out(out, features, positions)
 
@@ -78,7 +89,7 @@ class Scheme:
         q, k, v = self.transform(q, k, v, features, positions)
         ck = jax.lax.dynamic_update_slice_in_dim(cache["k"], k.astype(cache["k"].dtype), index, axis=1)
         cv = jax.lax.dynamic_update_slice_in_dim(cache["v"], v.astype(cache["v"].dtype), index, axis=1)
-        out = attention(q, ck, cv, bias_fn=self.bias_fn(features), q_offset=index)
+        out = attention(q, ck, cv, bias_fn=self.score_bias(features), q_offset=index)
         out = self.transform_out(out, features, positions)
         return out, {**cache, "k": ck, "v": cv, "index": index + n}
 

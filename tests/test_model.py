@@ -35,12 +35,13 @@ def test_model_is_causal():
 def test_decode_equals_parallel_forward(scheme):
     m = model(scheme)
     x = tokens()
-    parallel = m(x)
+    rng = jax.random.key(5)  # used by schemes with random features, the same for the whole sequence
+    parallel = m(x, rng=rng)
     cache = m.init_cache(2, 20)
-    logits, cache = m.decode(x[:, :6], cache)  # prefill
+    logits, cache = m.decode(x[:, :6], cache, rng)  # prefill
     steps = [logits]
     for t in range(6, x.shape[1]):
-        logits, cache = m.decode(x[:, t:t + 1], cache)
+        logits, cache = m.decode(x[:, t:t + 1], cache, rng)
         steps.append(logits)
     np.testing.assert_allclose(jnp.concatenate(steps, 1), parallel, atol=5e-5)
     assert int(cache[0]["index"]) == x.shape[1]

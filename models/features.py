@@ -1,0 +1,59 @@
+"""Per-token features of the learned or random position schemes (the scheme contract, part 1).
+
+A features module is built as `Module(scheme, cfg, rngs=rngs)` and called as
+`module(x, *, tokens, index, segment_ids, rng)` with x [B, T, d_model]; tokens, index (each
+token's index in the sequence: 0..T-1 in the parallel form, the cache slot when decoding) and
+segment_ids [B, T]; `rng` a per-layer key (or None). It returns the pytree the scheme's hooks
+read.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from positional import so2
+from positional.rope import rope_frequencies
+
+
+class StepAngles(nnx.Module):
+    """SO(2) step angles psi_t [B, T, nb] and their accumulation theta (positional/so2.py).
+
+    scheme.steps selects the source:
+      "random":  psi ~ Uniform(-f_b, f_b), f_b the RoPE frequencies (base 10^4), i.i.d. per
+                 token and block, shared by the heads, a fresh draw for every forward pass from
+                 the `rng` the caller passes (training step, evaluation window); with
+                 scheme.draw_seed >= 0 the draw is fixed instead.
+      "learned": psi_t = omega + g[token_t], g a learned vocab x nb table, per layer (as in the
+                 paper). omega = f_b, fixed: a learned omega would be redundant with adding the
+                 same vector to every row of g. g starts at 0, so the model starts as RoPE-like
+                 position-only transport and learns how much each token advances each block.
+      "hidden":  psi_t = omega + W h_t, a projection of the layer input (not in the paper: the
+                 step reads the context, not only the token id); W starts at 0, as g does.
+    """
+
+    def __init__(self, scheme, cfg, *, rngs: nnx.Rngs):
+        self.scheme = scheme
+        nb = scheme.head_dim // 2
+        self.omega = jnp.asarray(rope_frequencies(scheme.head_dim), jnp.float32)
+        if scheme.steps == "learned":
+            self.table = nnx.Param(jnp.zeros((cfg.vocab_size, nb), jnp.float32))
+        elif scheme.steps == "hidden":
+            self.proj = nnx.Linear(cfg.d_model, nb, use_bias=False, rngs=rngs,
+                                   kernel_init=nnx.initializers.zeros_init())
+
+    def __call__(self, x, *, tokens, index, segment_ids=None, rng=None):
+        steps = self.scheme.steps
+        if steps == "random":
+            if self.scheme.draw_seed >= 0:
+                rng = jax.random.key(self.scheme.draw_seed)
+            elif rng is None:
+                raise ValueError("random step angles are drawn afresh every forward pass: pass "
+                                 "rng=..., or set the scheme option draw_seed to fix the draw")
+            psi = so2.uniform_steps(rng, so2.index_in_segment(index, segment_ids), self.omega)
+        elif steps == "learned":
+            psi = self.omega + self.table[...][tokens]
+        else:
+            psi = self.omega + self.proj(x).astype(jnp.float32)
+        return {"psi": psi, "theta": so2.accumulate(psi, segment_ids)}

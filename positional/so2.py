@@ -1,0 +1,130 @@
+"""Accumulated token-dependent SO(2) transport ("Why do accumulated transformations extrapolate?").
+
+Each token t emits step angles psi_t [nb] (one per 2-D block, nb = head_dim / 2). The
+transport to token i is the exclusive prefix Theta_i = sum_{t < i} psi_t (reset at document
+boundaries), so the route from key j to query i is P_{j->i} = R(Theta_j - Theta_i): it holds
+the steps of tokens j..i-1, including the source's, excluding the query's own.
+
+As in the paper, queries and keys are rotated by R(-Theta) before an ordinary attention call,
+q~_i . k~_j = q_i . R(Theta_i - Theta_j) k_j; the Q/K/V variant also pre-rotates values by
+R(+Theta_j) and post-rotates each head output by R(-Theta_i), so the output is
+sum_j a_ij P_{j->i} v_j. Angles are fp32 and wrapped into [-pi, pi) at every addition of the
+scan, so their error does not grow with position. Position-only steps psi_t = -f (f the RoPE
+frequencies) give Theta_i = -i f and reproduce RoPE exactly.
+
+Shapes: psi, theta [B, T, nb]; q [B, T, H, D]; k, v [B, T, K, D]; segment_ids [B, T].
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+
+from positional.rope import rope_frequencies, rotate
+from positional.scheme import Scheme
+
+
+STEP_SOURCES = ("random", "learned", "hidden")
+
+
+def wrap(angle: jax.Array) -> jax.Array:
+    """Map angles into [-pi, pi)."""
+    return jnp.mod(angle + math.pi, 2 * math.pi) - math.pi
+
+
+def accumulate(psi: jax.Array, segment_ids: jax.Array | None = None, axis: int = 1) -> jax.Array:
+    """Exclusive, segment-reset, wrapped prefix sum of step angles: Theta [B, T, nb] in fp32.
+
+    Theta_i = sum of psi_t over t < i in the same segment (0 at each segment start).
+    """
+    psi = psi.astype(jnp.float32)
+    if segment_ids is None:
+        start = jnp.zeros(psi.shape[:2], bool).at[:, 0].set(True)
+    else:
+        start = jnp.concatenate([jnp.ones_like(segment_ids[:, :1], bool),
+                                 segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
+    # Shift right inside each segment: token i receives psi_{i-1}, segment starts receive 0.
+    shifted = jnp.where(start[..., None], 0.0, jnp.roll(psi, 1, axis=1))
+    reset = jnp.broadcast_to(start[..., None], psi.shape)
+
+    def combine(a, b):  # segmented sum: b's running value restarts where b saw a segment start
+        (va, ra), (vb, rb) = a, b
+        return jnp.where(rb, vb, wrap(va + vb)), ra | rb
+
+    theta, _ = jax.lax.associative_scan(combine, (shifted, reset), axis=axis)
+    return theta
+
+
+def index_in_segment(index: jax.Array, segment_ids: jax.Array | None) -> jax.Array:
+    """Each token's index counted from the start of its segment: [B, T] int32."""
+    if segment_ids is None:
+        return index
+    start = jnp.concatenate([jnp.ones_like(segment_ids[:, :1], bool),
+                             segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
+    return index - jax.lax.cummax(jnp.where(start, index, 0), axis=1)
+
+
+def uniform_steps(key: jax.Array, draw_index: jax.Array, frequencies: jax.Array) -> jax.Array:
+    """psi ~ Uniform(-f_b, f_b), i.i.d. per row, token and block: [B, T, nb].
+
+    The draw for a token is a function of (key, its row, draw_index), with draw_index its
+    index in its document (`index_in_segment`), so the parallel form, the decode form and a
+    packed row see the same angles, and shifting position ids changes nothing.
+    """
+    def one(row, position):
+        k = jax.random.fold_in(jax.random.fold_in(key, row), position)
+        return jax.random.uniform(k, frequencies.shape, jnp.float32, -1.0, 1.0)
+
+    rows = jnp.broadcast_to(jnp.arange(draw_index.shape[0])[:, None], draw_index.shape)
+    return jax.vmap(jax.vmap(one))(rows, draw_index) * frequencies
+
+
+@dataclasses.dataclass(frozen=True)
+class SO2(Scheme):
+    """Rotation of q, k (and v, out) by accumulated angles; `features` = {'psi', 'theta'}.
+
+    The features module supplies psi [B, T, nb] and theta = accumulate(psi, segment_ids);
+    the decode form keeps the running angle after the last cached token.
+    """
+    steps: str = "learned"  # where psi comes from: "random" | "learned" | "hidden" (models/features.py)
+    rotate_values: bool = False
+    layout: str = "half"
+    draw_seed: int = -1  # random steps: >= 0 fixes the draw instead of a fresh one per forward pass
+
+    needs_even_head_dim = True
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.steps not in STEP_SOURCES:
+            raise ValueError(f"unknown SO(2) step source steps={self.steps!r}; valid: {STEP_SOURCES}")
+
+    def transform(self, q, k, v, features, positions):
+        minus = -features["theta"][:, :, None, :]
+        q, k = rotate(q, minus, self.layout), rotate(k, minus, self.layout)
+        if self.rotate_values:
+            v = rotate(v, -minus, self.layout)
+        return q, k, v
+
+    def transform_out(self, out, features, positions):
+        if not self.rotate_values:
+            return out
+        return rotate(out, -features["theta"][:, :, None, :], self.layout)
+
+    def init_cache(self, batch, max_len, num_kv_heads, dtype=jnp.float32):
+        return {**super().init_cache(batch, max_len, num_kv_heads, dtype),
+                "theta": jnp.zeros((batch, self.head_dim // 2), jnp.float32)}
+
+    def decode_step(self, cache, q, k, v, features=None):
+        # The new tokens' local prefix (from 0) moves by the angle accumulated so far.
+        theta = wrap(cache["theta"][:, None] + features["theta"])
+        out, new = super().decode_step(cache, q, k, v, {**features, "theta": theta})
+        new["theta"] = wrap(theta[:, -1] + features["psi"][:, -1].astype(jnp.float32))
+        return out, new
+
+
+def rope_steps(head_dim: int, shape) -> jax.Array:
+    """Position-only steps psi = -f that make SO(2) transport equal to RoPE: [*shape, nb]."""
+    return jnp.broadcast_to(-jnp.asarray(rope_frequencies(head_dim), jnp.float32), (*shape, head_dim // 2))
