@@ -85,9 +85,12 @@ def rope_angles(positions: jax.Array, theta) -> jax.Array:
 class Rope(Scheme):
     """RoPE on q and k; with `rotate_values`, also the Q/K/V variant ("rope_qkv").
 
-    Q/K/V: values are rotated by R(+p_j theta) and the head output by R(-p_i theta), so the
-    output is sum_j a_ij R((p_j - p_i) theta) v_j: values are transported along the same
-    relative rotation as the scores (accumulated-transformations paper, App. C, variant 2).
+    Q/K/V (accumulated-transformations paper, App. C, variant 2): values are rotated by
+    R(-p_j theta) and the head output by R(+p_i theta), so the output is
+    sum_j a_ij R((p_i - p_j) theta) v_j. This is the paper's convention, where q and k are
+    rotated by R(-Theta) and values by R(+Theta) with Theta = -p theta: the value route is the
+    inverse of the score's rotation (they differ only in the sign of the sine terms), and
+    `rope_qkv` equals SO(2) transport with position-only steps exactly (tests/test_so2.py).
     """
     base: float = 10000.0
     scaling: str = "none"
@@ -117,10 +120,10 @@ class Rope(Scheme):
         if self.scaling == "yarn":
             q = q * jnp.asarray(yarn_attention_factor(self.factor) ** 2, q.dtype)
         if self.rotate_values:
-            v = rotate(v, angles, self.layout)
+            v = rotate(v, -angles, self.layout)
         return q, k, v
 
     def transform_out(self, out, features, positions):
         if not self.rotate_values:
             return out
-        return rotate(out, -rope_angles(positions, self.theta), self.layout)
+        return rotate(out, rope_angles(positions, self.theta), self.layout)

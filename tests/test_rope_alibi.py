@@ -91,7 +91,7 @@ def test_yarn_scales_logits_by_the_temperature():
 
 
 def test_rope_qkv_transports_values_by_the_relative_rotation():
-    """out_i = sum_j a_ij R((j - i) theta) v_j with a_ij the RoPE attention weights."""
+    """out_i = sum_j a_ij R((i - j) theta) v_j with a_ij the RoPE attention weights."""
     scheme = make_scheme("rope_qkv", num_heads=2, head_dim=8)
     plain = make_scheme("rope", num_heads=2, head_dim=8)
     q, k, v = jax.random.normal(jax.random.key(3), (3, 1, 6, 2, 8))
@@ -106,7 +106,7 @@ def test_rope_qkv_transports_values_by_the_relative_rotation():
     want = np.zeros((1, 6, 2, 8))
     for i in range(6):
         for j in range(i + 1):
-            vj = rotate(v[:, j:j + 1], rope_angles(jnp.array([[j - i]]), theta), "half")
+            vj = rotate(v[:, j:j + 1], rope_angles(jnp.array([[i - j]]), theta), "half")
             want[:, i] += a[:, :, i, j][..., None] * np.asarray(vj[:, 0])
     np.testing.assert_allclose(got, want, atol=1e-5)
 
