@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.registry import get_entry, make_scheme
+from positional.attention import attention_weights
 from positional.scheme import check_cache_room
 
 
@@ -251,3 +252,26 @@ def token_nll(model: DecoderLM, tokens, *, segment_ids=None, positions=None, imp
         return nll, jnp.ones_like(nll)
     weight = (segment_ids[:, 1:] == segment_ids[:, :-1]) & (segment_ids[:, 1:] != 0)
     return nll, weight.astype(jnp.float32)
+
+
+def attention_internals(model: DecoderLM, tokens, *, rng=None) -> list[dict]:
+    """What each layer's attention does on `tokens` [B, T], for the probes.
+
+    Per layer: 'weights' [B, H, T, T] (softmax weights after the scheme's transform and bias),
+    'v' [B, T, H, D] (values before transport, repeated over grouped query heads) and the
+    scheme's 'features'.
+    """
+    b, t = tokens.shape
+    index = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    x = model.embed(tokens).astype(jnp.dtype(model.cfg.dtype))
+    layers = []
+    for i, block in enumerate(model.blocks):
+        attn, key = block.attn, _layer_key(rng, i)
+        q, k, v, features = attn._qkv(block.attn_norm(x), tokens, index, None, key)
+        q, k, _ = attn.scheme.transform(q, k, v, features, index)
+        w = attention_weights(q, k, bias_fn=attn.scheme.score_bias(features))
+        layers.append({"weights": w.reshape(b, -1, t, t),
+                       "v": jnp.repeat(v, attn.cfg.num_heads // attn.cfg.kv_heads, axis=2),
+                       "features": features})
+        x = block(x, tokens=tokens, positions=index, rng=key)
+    return layers

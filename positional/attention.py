@@ -54,21 +54,26 @@ def _scores(qb, kb, qi, kj, bias_fn, scale):
     return s
 
 
+def attention_weights(q, k, *, bias_fn: BiasFn | None = None, segment_ids=None, q_offset=0,
+                      scale: float | None = None) -> jax.Array:
+    """Softmax attention weights [B, K, G, T, S] (fp32), query head h = k * G + g."""
+    b, t, h, d = q.shape
+    kh = k.shape[2]
+    scale = d ** -0.5 if scale is None else scale
+    qi = q_offset + jnp.arange(t)
+    kj = jnp.arange(k.shape[1])
+    s = _scores(q.reshape(b, t, kh, h // kh, d), k, qi, kj, bias_fn, scale)
+    mask = _mask(qi, kj, segment_ids, segment_ids)[:, :, None]
+    return jax.nn.softmax(jnp.where(mask, s, MASKED), axis=-1)
+
+
 def reference_attention(q, k, v, *, bias_fn: BiasFn | None = None, segment_ids=None,
                         q_offset=0, scale: float | None = None) -> jax.Array:
     """Obviously correct causal attention; materialises the [B, H, T, S] score matrix."""
     _check_shapes(q, k, v, segment_ids)
-    b, t, h, d = q.shape
-    kh = k.shape[2]
-    scale = d ** -0.5 if scale is None else scale
-    qg = q.reshape(b, t, kh, h // kh, d)
-    qi = q_offset + jnp.arange(t)
-    kj = jnp.arange(k.shape[1])
-    s = _scores(qg, k, qi, kj, bias_fn, scale)
-    mask = _mask(qi, kj, segment_ids, segment_ids)[:, :, None]
-    p = jax.nn.softmax(jnp.where(mask, s, MASKED), axis=-1)
+    p = attention_weights(q, k, bias_fn=bias_fn, segment_ids=segment_ids, q_offset=q_offset, scale=scale)
     o = jnp.einsum("bkgts,bskd->btkgd", p, v.astype(jnp.float32))
-    return o.reshape(b, t, h, d).astype(q.dtype)
+    return o.reshape(q.shape).astype(q.dtype)
 
 
 def blockwise_attention(q, k, v, *, bias_fn: BiasFn | None = None, segment_ids=None,

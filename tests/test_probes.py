@@ -1,0 +1,72 @@
+"""Transport probes on inputs whose answers are known in closed form."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from models.lm import DecoderLM, ModelConfig, attention_internals
+from positional import so2
+from positional.probes import transport
+
+
+def uniform_psi(a, shape=(256, 257, 2), seed=0):
+    return jax.random.uniform(jax.random.key(seed), shape, minval=-a, maxval=a)
+
+
+@pytest.mark.parametrize("a", [0.5, 2.0])
+def test_spectral_gap_and_route_decay_match_sinc_powers(a):
+    psi = uniform_psi(a)
+    beta = math.sin(a) / a
+    tol = 4 / math.sqrt(psi.shape[0] * (psi.shape[1] - 4))  # 4 standard errors of a mean phasor
+    np.testing.assert_allclose(transport.spectral_gap(psi), abs(beta), atol=tol)
+    decay = transport.route_decay(so2.accumulate(psi), [0, 1, 2, 4])
+    np.testing.assert_allclose(decay, np.abs(beta) ** np.array([0, 1, 2, 4])[:, None] * np.ones(2),
+                               atol=tol)
+
+
+def causal_uniform(t):
+    w = np.tril(np.ones((t, t))) / np.arange(1, t + 1)[:, None]
+    return jnp.asarray(w[None, None])
+
+
+def test_mass_by_distance_and_far_mass_by_hand():
+    t = 8
+    w = causal_uniform(t)
+    want = [np.mean([1 / (i + 1) for i in range(d, t)]) for d in range(t)]
+    np.testing.assert_allclose(transport.mass_by_distance(w), want, rtol=1e-6)
+    # Query i >= 3 puts (i - 2) / (i + 1) of its mass on keys at distance >= 3.
+    want_far = np.mean([(i - 2) / (i + 1) for i in range(3, t)])
+    assert float(transport.far_mass(w, 3)) == pytest.approx(want_far, rel=1e-6)
+
+
+def test_value_cancellation():
+    t, d = 64, 8
+    w = causal_uniform(t)
+    v = jnp.ones((1, t, 1, d))  # coherent values: every far value points the same way
+    none = transport.value_cancellation(w, v, jnp.zeros((1, t, d // 2)), window=8)
+    assert float(none["ratio"]) == pytest.approx(1.0, abs=1e-6)
+    scrambled = so2.accumulate(uniform_psi(3.0, (1, t, d // 2)))
+    assert float(transport.value_cancellation(w, v, scrambled, window=8)["ratio"]) < 0.5
+
+
+@pytest.mark.parametrize("scheme", ["rope", "so2_learned_qk", "alibi"])
+def test_attention_internals_reproduce_the_layer(scheme):
+    m = DecoderLM(ModelConfig(vocab_size=30, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                              scheme=scheme), rngs=nnx.Rngs(0))
+    tokens = jax.random.randint(jax.random.key(1), (2, 10), 0, 30)
+    layers = attention_internals(m, tokens)
+    assert len(layers) == 2
+    w = layers[0]["weights"]
+    np.testing.assert_allclose(w.sum(-1), 1.0, atol=1e-5)
+    assert float(jnp.abs(jnp.triu(w[0, 0], 1)).max()) == 0.0
+    # Layer 0's attention output is the weights applied to its values (no value transport).
+    blk = m.blocks[0]
+    h = blk.attn_norm(m.embed(tokens))
+    index = jnp.broadcast_to(jnp.arange(10), (2, 10))
+    q, k, v, f = blk.attn._qkv(h, tokens, index, None, None)
+    out = blk.attn.scheme.attend(q, k, v, f, positions=index)
+    np.testing.assert_allclose(jnp.einsum("bhij,bjhd->bihd", w, layers[0]["v"]), out, atol=1e-5)
