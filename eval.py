@@ -205,6 +205,92 @@ def write_report(results: dict, out: str) -> str:
     return table
 
 
+# ---- transport probes ----------------------------------------------------------------------
+
+ROUTE_LENGTHS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+
+def probe_runs(workdirs, *, length: int, windows: int = 2, log=print) -> dict:
+    """The transport probes (positional/probes/transport.py) on held-out text, per run and layer.
+
+    Attention-mass probes apply to every scheme; the spectral gap, route decay and value
+    cancellation to schemes with step angles (features 'psi' / 'theta').
+    """
+    from models.lm import attention_internals
+    from positional.probes import transport
+    results = {"length": length, "windows": windows, "runs": {}}
+    for workdir in workdirs:
+        config, model, step = load_run(workdir)
+        stream = _stream(config, windows * length + 1)
+        tokens = jnp.asarray(stream[:windows * length].reshape(windows, length))
+        far_windows = sorted({max(1, config.seq_len // 4), config.seq_len,
+                              min(4 * config.seq_len, length // 2)})
+        layers = []
+        for i, layer in enumerate(attention_internals(model, tokens, rng=jax.random.key(0))):
+            w, feats = layer["weights"], layer["features"]
+            rec = {"far_mass": {n: float(transport.far_mass(w, n)) for n in far_windows},
+                   "mass_by_distance": np.asarray(transport.mass_by_distance(w)).tolist()}
+            if isinstance(feats, dict) and "theta" in feats:
+                lengths = [n for n in ROUTE_LENGTHS if n < length]
+                decay = transport.route_decay(feats["theta"], lengths)
+                cancel = transport.value_cancellation(w, layer["v"], feats["theta"], config.seq_len,
+                                                      model.blocks[i].attn.scheme.layout)
+                rec.update(spectral_gap=np.asarray(transport.spectral_gap(feats["psi"])).tolist(),
+                           route_decay={n: float(d.max()) for n, d in zip(lengths, decay)},
+                           value_ratio=float(cancel["ratio"]))
+            layers.append(rec)
+        name = os.path.basename(os.path.normpath(workdir))
+        results["runs"][name] = {"workdir": workdir, "step": step, "scheme": config.model.scheme,
+                                 "train_len": config.seq_len, "layers": layers}
+        log(f"probed {name}")
+    return results
+
+
+def probe_report(results: dict, out: str) -> str:
+    """probes.json, probes.md (one row per run and layer) and probes.png."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "probes.json"), "w") as f:
+        json.dump(results, f, indent=2)
+    lines = ["| run | layer | far mass (window: mass) | spectral gap min / median | "
+             "norm of E[P_n], n = 16 / 128 | far value norm, transported / identity |",
+             "|---|---|---|---|---|---|"]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for name, run in results["runs"].items():
+        for i, rec in enumerate(run["layers"]):
+            far = ", ".join(f"{n}: {m:.3f}" for n, m in rec["far_mass"].items())
+            gap = decay = ratio = "-"
+            if "spectral_gap" in rec:
+                g = np.asarray(rec["spectral_gap"])
+                gap = f"{g.min():.3f} / {np.median(g):.3f}"
+                decay = " / ".join(f"{rec['route_decay'].get(n, float('nan')):.3f}" for n in (16, 128))
+                ratio = f"{rec['value_ratio']:.3f}"
+            lines.append(f"| {name} | {i} | {far} | {gap} | {decay} | {ratio} |")
+        mass = np.mean([rec["mass_by_distance"] for rec in run["layers"]], axis=0)
+        axes[0].loglog(np.arange(1, len(mass)), mass[1:], label=name)
+        decays = [rec["route_decay"] for rec in run["layers"] if "route_decay" in rec]
+        if decays:
+            n = sorted(decays[0], key=int)
+            axes[1].semilogx([int(k) for k in n], np.mean([[d[k] for k in n] for d in decays], axis=0),
+                             marker="o", label=name)
+    axes[0].set(xlabel="distance i - j", ylabel="mean attention weight (layer mean)")
+    axes[1].set(xlabel="route length n", ylabel="||E[P_n]||_op (layer mean)")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, "probes.png"), dpi=120)
+    plt.close(fig)
+    table = (f"Transport probes on {results['windows']} held-out windows of {results['length']} tokens; "
+             "far mass over queries past the window.\n\n" + "\n".join(lines) + "\n")
+    with open(os.path.join(out, "probes.md"), "w") as f:
+        f.write(table)
+    return table
+
+
 # ---- command line --------------------------------------------------------------------------
 
 flags.DEFINE_list("workdirs", [], "training run directories to evaluate and compare")
@@ -213,6 +299,8 @@ flags.DEFINE_float("max_multiplier", 0, "largest length as a multiple of the tra
                    "(0: the run's eval.multipliers)")
 flags.DEFINE_integer("tokens", 0, "scored tokens per length (0: the run's eval.tokens)")
 flags.DEFINE_integer("stride", -1, "sliding-window stride (0: non-overlapping; -1: the run's)")
+flags.DEFINE_integer("probe_length", 0, "instead of perplexity, run the transport probes on "
+                     "windows of this many tokens (writes probes.json / .md / .png)")
 
 
 def main(argv):
@@ -224,6 +312,10 @@ def main(argv):
     if not FLAGS.workdirs:
         print("error: pass --workdirs=run1[,run2,...]", file=sys.stderr)
         sys.exit(1)
+    if FLAGS.probe_length:
+        results = run_cli(lambda: probe_runs(FLAGS.workdirs, length=FLAGS.probe_length))
+        print(probe_report(results, FLAGS.out))
+        return
     results = run_cli(lambda: evaluate_runs(
         FLAGS.workdirs, max_multiplier=FLAGS.max_multiplier or None, tokens=FLAGS.tokens or None,
         stride=None if FLAGS.stride < 0 else FLAGS.stride))

@@ -77,3 +77,14 @@ def test_cli_compares_runs_and_reports_missing_ones(tiny_run, tmp_path):
     missing = cli("eval.py", f"--workdirs={tmp_path / 'nope'}", f"--out={out}")
     assert missing.returncode != 0 and "Traceback" not in missing.stderr
     assert "not a training run directory" in missing.stderr.strip().splitlines()[-1]
+
+
+def test_probe_command_reports_every_layer(tiny_run, tmp_path):
+    config, _ = tiny_run
+    run = cli("eval.py", f"--workdirs={config.workdir}", f"--out={tmp_path}", "--probe_length=64")
+    assert run.returncode == 0, run.stderr[-2000:]
+    probes = json.load(open(tmp_path / "probes.json"))
+    layers = probes["runs"]["rope"]["layers"]
+    assert len(layers) == 2 and set(layers[0]["far_mass"]) == {"8", "32"}
+    assert all(0 <= m <= 1 for rec in layers for m in rec["far_mass"].values())
+    assert "| rope | 1 |" in run.stdout and (tmp_path / "probes.png").exists()

@@ -57,8 +57,8 @@ def test_angles_at_65536_tokens_match_float64(dtype):
 def test_first_moment_decays_as_sinc_power(a):
     """E[cos Theta_n] = (sin a / a)^n for i.i.d. Uniform(-a, a) steps (notes, Sec. 4)."""
     n_samples, n_max = 20000, 12
-    psi = so2.uniform_steps(jax.random.key(1), jnp.broadcast_to(jnp.arange(n_max + 1), (n_samples, n_max + 1)),
-                            jnp.full((1,), a))
+    index = jnp.broadcast_to(jnp.arange(n_max + 1), (n_samples, n_max + 1))
+    psi = so2.uniform_steps(jax.random.key(1), index, jnp.full((1,), a))
     cos = np.cos(np.asarray(so2.accumulate(psi)[..., 0], np.float64))
     for n in (1, 3, 6, 12):
         want = (math.sin(a) / a) ** n
@@ -139,7 +139,7 @@ def test_bad_so2_inputs():
         make_scheme("so2_learned_qk", num_heads=2, head_dim=9)
     with pytest.raises(ValueError, match="steps"):
         so2.SO2(num_heads=2, head_dim=8, steps="brownian")
-    with pytest.raises(ValueError, match="only score-bias schemes.*'rope' is not one; bias-only schemes: alibi"):
+    with pytest.raises(ValueError, match="only score-bias.*'rope' is not one; bias-only schemes: alibi"):
         make_scheme("so2_learned_qk+rope", num_heads=2, head_dim=8)
     with pytest.raises(ValueError, match="registered schemes"):
         make_scheme("so2_learned_qk+alibii", num_heads=2, head_dim=8)
@@ -161,7 +161,8 @@ def test_random_scheme_without_rng_says_how_to_fix_it():
                   rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="pass rng=.*draw_seed"):
         m(jnp.zeros((1, 4), jnp.int32))
-    fixed = DecoderLM(ModelConfig(vocab_size=20, d_model=16, num_layers=1, num_heads=2, scheme="so2_random_qk",
-                                  scheme_options=(("draw_seed", 3),)), rngs=nnx.Rngs(0))
+    cfg = ModelConfig(vocab_size=20, d_model=16, num_layers=1, num_heads=2, scheme="so2_random_qk",
+                      scheme_options=(("draw_seed", 3),))
+    fixed = DecoderLM(cfg, rngs=nnx.Rngs(0))
     x = jnp.arange(4)[None]
     np.testing.assert_array_equal(fixed(x), fixed(x))
