@@ -45,13 +45,15 @@ def make_step(scheme: str, impl: str) -> tuple[Callable, tuple]:
     params = nnx.to_pure_dict(params)
     tx, _ = make_optimizer(config.train)
 
-    def loss_fn(params, tokens):
-        nll, _ = token_nll(nnx.merge(graphdef, params, rest), tokens, impl=impl)
+    def loss_fn(params, tokens, rng):
+        nll, _ = token_nll(nnx.merge(graphdef, params, rest), tokens, impl=impl, rng=rng)
         return nll.mean()
 
     def step(state, tokens):
         params, opt_state = state
-        loss, grads = jax.value_and_grad(loss_fn)(params, tokens)
+        # A fresh key per step, as train.py draws it: random schemes pay for their draws.
+        rng = jax.random.fold_in(jax.random.key(0), opt_state[1][0].count)
+        loss, grads = jax.value_and_grad(loss_fn)(params, tokens, rng)
         updates, opt_state = tx.update(grads, opt_state, params)
         return (optax.apply_updates(params, updates), opt_state), loss
 

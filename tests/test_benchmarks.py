@@ -3,6 +3,8 @@
 import importlib.util
 from pathlib import Path
 
+import pytest
+
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
@@ -29,3 +31,17 @@ def test_long_context_runs(capsys):
     assert by_impl["reference"]["skipped"].startswith("skipped")
     assert by_impl["blockwise"]["seconds"] > 0 and by_impl["blockwise"]["peak"] > 0
     assert "| 512 | blockwise |" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_blockwise_forward_at_65536_tokens_fits_in_4_gib():
+    """The project's long-context target: the default model, one row, peak RSS < 4 GiB."""
+    rows = load("long_context").main(["--lengths", "65536", "--impls", "blockwise"])
+    assert rows[0]["peak"] < 4 * 2 ** 30, rows[0]
+
+
+def test_random_position_schemes_train_in_the_benchmark(capsys):
+    results = load("train_throughput").main(
+        ["--schemes", "rope,so2_random_qkv", "--batch", "2", "--seq-len", "32", "--steps", "1", "--rounds", "1",
+         "--warmup", "0"])
+    assert min(results["so2_random_qkv"]) > 0

@@ -15,7 +15,7 @@ from models.lm import Attention, ModelConfig
 from models.registry import REGISTRY
 from positional.attention import IMPLEMENTATIONS
 
-SCHEMES = sorted(REGISTRY)
+SCHEMES = sorted(REGISTRY) + ["rope+alibi", "so2_learned_qkv+alibi"]  # and composed with a bias
 T = 12
 RNG = jax.random.key(42)  # schemes with random features draw them from (RNG, row, position)
 
