@@ -142,8 +142,8 @@ def evaluate_runs(workdirs, *, multipliers=None, max_multiplier=None, tokens=Non
         for length in lengths:
             impl = "blockwise" if length >= ev.blockwise_from else config.model.attention_impl
             # Past blockwise_from, fewer rows per call keep activation memory about constant.
-            rows = max(1, min(ev.batch_size, ev.batch_size * ev.blockwise_from // length))
-            r = perplexity(model, stream, length, tokens, stride=stride, batch_size=rows, impl=impl)
+            n_rows = max(1, min(ev.batch_size, ev.batch_size * ev.blockwise_from // length))
+            r = perplexity(model, stream, length, tokens, stride=stride, batch_size=n_rows, impl=impl)
             rows.append(r)
             log(f"{name:>16s}  L={length:>6d}  ppl={r['ppl']:9.3f}  ({r['seconds']:.1f}s, {impl})")
         train_ppl = next((r["ppl"] for r in rows if r["length"] == config.seq_len), None)
