@@ -14,7 +14,7 @@ import time
 
 from absl import logging
 
-DEMO_SCHEMES = ("rope", "alibi", "nope")
+DEMO_SCHEMES = ("rope", "alibi", "nope", "so2_learned_qkv")
 
 
 def main(argv=None) -> str:

@@ -16,7 +16,7 @@ def get_config(arg: str = "rope"):
     c = default.get_config(scheme)
     c.model.update(d_model=128, num_layers=3, num_heads=4)
     c.seq_len, c.batch_size = 256, 16
-    c.train.update(steps=450, warmup_steps=50, lr=3e-3, log_every=25, checkpoint_every=150)
+    c.train.update(steps=400, warmup_steps=50, lr=3e-3, log_every=25, checkpoint_every=200)
     c.eval.update(multipliers=(0.5, 1, 2, 4, 8, 16), tokens=16384, batch_size=4)
     c.workdir = f"runs/demo/{scheme}"
     if "fast" in options:

@@ -16,7 +16,7 @@ def test_readme_notebook_snippet_runs():
 def test_fast_demo_trains_evaluates_and_reports(tmp_path):
     run = cli(os.path.join(ROOT, "demo.py"), "--fast", cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
-    for scheme in ("rope", "alibi", "nope"):
+    for scheme in ("rope", "alibi", "nope", "so2_learned_qkv"):
         assert f"| {scheme} | {scheme} |" in run.stdout
     out = tmp_path / "runs" / "demo-fast" / "compare"
     assert (out / "results.png").exists() and (out / "results.json").exists()
