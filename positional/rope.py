@@ -76,6 +76,20 @@ def rotate(x: jax.Array, angles: jax.Array, layout: str = "half") -> jax.Array:
     return out.astype(x.dtype)
 
 
+def rotate_qkv(q, k, v, angles, layout: str, values: bool):
+    """The rotary transport: q, k rotated by `angles`; with `values`, v by `-angles`.
+
+    Paired with `rotate_out`, the head output is sum_j a_ij R(angle_i - angle_j) v_j.
+    """
+    q, k = rotate(q, angles, layout), rotate(k, angles, layout)
+    return q, k, rotate(v, -angles, layout) if values else v
+
+
+def rotate_out(out, angles, layout: str, values: bool):
+    """Undo the value rotation at the query: out rotated by +angles (only with `values`)."""
+    return rotate(out, angles, layout) if values else out
+
+
 def rope_angles(positions: jax.Array, theta) -> jax.Array:
     """positions [B, T] -> angles [B, T, 1, D/2] in fp32."""
     return positions.astype(jnp.float32)[..., None, None] * jnp.asarray(theta, jnp.float32)
@@ -116,14 +130,10 @@ class Rope(Scheme):
 
     def transform(self, q, k, v, features, positions):
         angles = rope_angles(positions, self.theta)
-        q, k = rotate(q, angles, self.layout), rotate(k, angles, self.layout)
+        q, k, v = rotate_qkv(q, k, v, angles, self.layout, self.rotate_values)
         if self.scaling == "yarn":
             q = q * jnp.asarray(yarn_attention_factor(self.factor) ** 2, q.dtype)
-        if self.rotate_values:
-            v = rotate(v, -angles, self.layout)
         return q, k, v
 
     def transform_out(self, out, features, positions):
-        if not self.rotate_values:
-            return out
-        return rotate(out, rope_angles(positions, self.theta), self.layout)
+        return rotate_out(out, rope_angles(positions, self.theta), self.layout, self.rotate_values)

@@ -23,7 +23,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from positional.rope import rope_frequencies, rotate
+from positional.rope import rope_frequencies, rotate_out, rotate_qkv
 from positional.scheme import Scheme
 
 
@@ -132,16 +132,10 @@ class SO2(Scheme):
             raise ValueError(f"unknown SO(2) step source steps={self.steps!r}; valid: {STEP_SOURCES}")
 
     def transform(self, q, k, v, features, positions):
-        minus = -features["theta"][:, :, None, :]
-        q, k = rotate(q, minus, self.layout), rotate(k, minus, self.layout)
-        if self.rotate_values:
-            v = rotate(v, -minus, self.layout)
-        return q, k, v
+        return rotate_qkv(q, k, v, -features["theta"][:, :, None, :], self.layout, self.rotate_values)
 
     def transform_out(self, out, features, positions):
-        if not self.rotate_values:
-            return out
-        return rotate(out, -features["theta"][:, :, None, :], self.layout)
+        return rotate_out(out, -features["theta"][:, :, None, :], self.layout, self.rotate_values)
 
     def init_cache(self, batch, max_len, num_kv_heads, dtype=jnp.float32):
         # The running angle after the last cached token, as an exact (hi, lo) pair.

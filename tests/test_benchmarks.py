@@ -42,6 +42,6 @@ def test_blockwise_forward_at_65536_tokens_fits_in_4_gib():
 
 def test_random_position_schemes_train_in_the_benchmark(capsys):
     results = load("train_throughput").main(
-        ["--schemes", "rope,so2_random_qkv", "--batch", "2", "--seq-len", "32", "--steps", "1", "--rounds", "1",
-         "--warmup", "0"])
+        ["--schemes", "rope,so2_random_qkv", "--batch", "2", "--seq-len", "32", "--steps", "1",
+         "--rounds", "1", "--warmup", "0"])
     assert min(results["so2_random_qkv"]) > 0
