@@ -269,7 +269,8 @@ def attention_internals(model: DecoderLM, tokens, *, rng=None) -> list[dict]:
         attn, key = block.attn, _layer_key(rng, i)
         q, k, v, features = attn._qkv(block.attn_norm(x), tokens, index, None, key)
         q, k, _ = attn.scheme.transform(q, k, v, features, index)
-        w = attention_weights(q, k, bias_fn=attn.scheme.score_bias(features))
+        w = attention_weights(q, k, bias_fn=attn.scheme.score_bias(features),
+                              score_fn=attn.scheme.score_fn(features))
         layers.append({"weights": w.reshape(b, -1, t, t),
                        "v": jnp.repeat(v, attn.cfg.num_heads // attn.cfg.kv_heads, axis=2),
                        "features": features})

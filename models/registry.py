@@ -22,6 +22,7 @@ from positional.nope import NoPE
 from positional.rope import Rope
 from positional.scheme import Scheme
 from positional.so2 import SO2
+from positional.tapa import Tapa
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,7 +55,8 @@ def _is_bias_only(entry: Entry) -> bool:
     cls = entry.scheme_cls
     return entry.features is None and all(
         getattr(cls, hook) is getattr(Scheme, hook)
-        for hook in ("transform", "transform_out", "attend", "init_cache", "decode_step"))
+        for hook in ("transform", "transform_out", "score_fn", "attention", "attend", "init_cache",
+                     "decode_step"))
 
 
 def make_scheme(name: str, *, num_heads: int, head_dim: int, **options) -> Scheme:
@@ -93,3 +95,6 @@ for _steps in ("random", "learned", "hidden"):
                  Entry(SO2, fixed={"steps": _steps, "rotate_values": _qkv}, features=StepAngles,
                        doc=f"accumulated SO(2) transport, {_steps} step angles, "
                            f"{'q/k/v' if _qkv else 'q/k'}"))
+register("tapa", Entry(Tapa, doc="token-aware phase attention (quadratic phase); options: alpha, theta, "
+                                 "block_q, block_k (Pallas tiles)"))
+register("tapa_linear", Entry(Tapa, fixed={"phase": "linear"}, doc="TAPA with the linear-phase ablation"))

@@ -7,7 +7,9 @@ segment). `q_offset` lets the same function serve decoding, where S is the cache
 
 Schemes that change the score pass `bias_fn(qi, kj) -> [B or 1, H or 1, len(qi), len(kj)]`, an
 additive logit bias evaluated on index vectors, so the blockwise version only ever builds one
-block of it. Scores, softmax statistics and the output accumulation are fp32 whatever the
+block of it. Schemes whose logit is not a dot product (TAPA) pass `score_fn(qb, kb, qi, kj)`,
+which replaces `scale * q.k` for one block: qb [B, tq, K, G, D], kb [B, tk, K, D] ->
+[B, K, G, tq, tk] fp32. Scores, softmax statistics and the output accumulation are fp32 whatever the
 input dtype; the output has q's dtype.
 """
 
@@ -19,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 BiasFn = Callable[[jax.Array, jax.Array], jax.Array]
+ScoreFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
 MASKED = -1e30  # finite, so a row is never all -inf and never NaN
 
 
@@ -43,10 +46,13 @@ def _mask(qi, kj, seg_q, seg_k):
     return m
 
 
-def _scores(qb, kb, qi, kj, bias_fn, scale):
+def _scores(qb, kb, qi, kj, bias_fn, scale, score_fn):
     """Scores of one query block against one key block: [B, K, G, tq, tk] in fp32."""
     b, tq, kh, g, _ = qb.shape
-    s = jnp.einsum("btkgd,bskd->bkgts", qb, kb, preferred_element_type=jnp.float32) * scale
+    if score_fn is None:
+        s = jnp.einsum("btkgd,bskd->bkgts", qb, kb, preferred_element_type=jnp.float32) * scale
+    else:
+        s = score_fn(qb, kb, qi, kj)
     if bias_fn is not None:
         bias = bias_fn(qi, kj).astype(jnp.float32)
         bias = jnp.broadcast_to(bias, (bias.shape[0], kh * g, tq, kj.shape[0]))
@@ -55,29 +61,32 @@ def _scores(qb, kb, qi, kj, bias_fn, scale):
 
 
 def attention_weights(q, k, *, bias_fn: BiasFn | None = None, segment_ids=None, q_offset=0,
-                      scale: float | None = None) -> jax.Array:
+                      scale: float | None = None, score_fn: ScoreFn | None = None) -> jax.Array:
     """Softmax attention weights [B, K, G, T, S] (fp32), query head h = k * G + g."""
     b, t, h, d = q.shape
     kh = k.shape[2]
     scale = d ** -0.5 if scale is None else scale
     qi = q_offset + jnp.arange(t)
     kj = jnp.arange(k.shape[1])
-    s = _scores(q.reshape(b, t, kh, h // kh, d), k, qi, kj, bias_fn, scale)
+    s = _scores(q.reshape(b, t, kh, h // kh, d), k, qi, kj, bias_fn, scale, score_fn)
     mask = _mask(qi, kj, segment_ids, segment_ids)[:, :, None]
     return jax.nn.softmax(jnp.where(mask, s, MASKED), axis=-1)
 
 
 def reference_attention(q, k, v, *, bias_fn: BiasFn | None = None, segment_ids=None,
-                        q_offset=0, scale: float | None = None) -> jax.Array:
+                        q_offset=0, scale: float | None = None, score_fn: ScoreFn | None = None
+                        ) -> jax.Array:
     """Obviously correct causal attention; materialises the [B, H, T, S] score matrix."""
     _check_shapes(q, k, v, segment_ids)
-    p = attention_weights(q, k, bias_fn=bias_fn, segment_ids=segment_ids, q_offset=q_offset, scale=scale)
+    p = attention_weights(q, k, bias_fn=bias_fn, segment_ids=segment_ids, q_offset=q_offset, scale=scale,
+                          score_fn=score_fn)
     o = jnp.einsum("bkgts,bskd->btkgd", p, v.astype(jnp.float32))
     return o.reshape(q.shape).astype(q.dtype)
 
 
 def blockwise_attention(q, k, v, *, bias_fn: BiasFn | None = None, segment_ids=None,
-                        q_offset=0, scale: float | None = None, block_size: int = 512) -> jax.Array:
+                        q_offset=0, scale: float | None = None, score_fn: ScoreFn | None = None,
+                        block_size: int = 512) -> jax.Array:
     """Online-softmax attention over key blocks, for each query block in turn.
 
     Memory is O(B * H * block_size^2) for scores plus O(T * D) for the output, in the forward
@@ -119,7 +128,7 @@ def blockwise_attention(q, k, v, *, bias_fn: BiasFn | None = None, segment_ids=N
                 vb = jax.lax.dynamic_slice_in_dim(vp, k0, bk, axis=1)
                 sk = jax.lax.dynamic_slice_in_dim(seg_k, k0, bk, axis=1)
                 kj = k0 + jnp.arange(bk)
-                s = _scores(qb, kb, qi, kj, bias_fn, scale)
+                s = _scores(qb, kb, qi, kj, bias_fn, scale, score_fn)
                 s = jnp.where(_mask(qi, kj, sq, sk)[:, :, None], s, MASKED)
                 m_new = jnp.maximum(m, s.max(-1))
                 p = jnp.exp(s - m_new[..., None])

@@ -6,6 +6,7 @@ on an NNX module as static data). Its hooks, all pure:
   transform(q, k, v, features, positions) -> (q, k, v)   before attention (RoPE, SO(2), ...)
   transform_out(out, features, positions) -> out         after it (Q/K/V variants rotate back)
   bias_fn(features) -> BiasFn | None                     additive logit bias (ALiBi, FoX, ...)
+  score_fn(features) -> ScoreFn | None                   a logit that is not q.k/sqrt(D) (TAPA)
 
 `biases` holds score-bias schemes added to this one's logits (a registry name such as
 "so2_learned_qkv+alibi"), so a transport can be combined with explicit far-mass control.
@@ -14,7 +15,8 @@ From those the base class derives the parallel form `attend` and an exact decode
 (`init_cache` / `decode_step`) whose cache holds keys and values already transformed. Schemes
 whose transport of a key changes as the sequence grows (PaTH) or that need state of the past
 (accumulated angles) override the decode pair; schemes that change the whole path override
-`attend` too.
+`attend` too. `impls` lists the attention implementations a scheme runs on; a scheme with a
+fused kernel adds "pallas" and routes it in `attention`, the one attention call of both forms.
 
 Shapes: q [B, T, H, D]; k, v [B, T, K, D]; positions, segment_ids [B, T] int32.
 """
@@ -26,7 +28,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from positional.attention import BiasFn, attention
+from positional.attention import IMPLEMENTATIONS, BiasFn, ScoreFn, attention
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +41,8 @@ class Scheme:
     needs_even_head_dim = False
     #: scores depend only on position differences (checked by the conformance suite).
     relative = True
+    #: attention implementations this scheme runs on.
+    impls = tuple(IMPLEMENTATIONS)
 
     def __post_init__(self):
         if self.needs_even_head_dim and self.head_dim % 2:
@@ -55,6 +59,9 @@ class Scheme:
     def bias_fn(self, features) -> BiasFn | None:
         return None
 
+    def score_fn(self, features) -> ScoreFn | None:
+        return None
+
     def score_bias(self, features) -> BiasFn | None:
         """This scheme's bias plus those of `biases`, as one BiasFn (or None)."""
         fns = [f for f in (self.bias_fn(features), *(b.bias_fn(None) for b in self.biases)) if f]
@@ -66,10 +73,18 @@ class Scheme:
     def attend(self, q, k, v, features=None, *, positions, segment_ids=None,
                impl: str = "reference", block_size: int = 512) -> jax.Array:
         """Causal attention under this scheme. Returns [B, T, H, D]."""
+        if impl not in self.impls:
+            raise ValueError(f"scheme {type(self).__name__} has no attention impl {impl!r}; "
+                             f"valid: {', '.join(self.impls)}")
         q, k, v = self.transform(q, k, v, features, positions)
-        out = attention(q, k, v, bias_fn=self.score_bias(features), segment_ids=segment_ids,
-                        impl=impl, block_size=block_size)
+        out = self.attention(q, k, v, features, segment_ids=segment_ids, impl=impl, block_size=block_size)
         return self.transform_out(out, features, positions)
+
+    def attention(self, q, k, v, features, *, segment_ids=None, q_offset=0, impl="reference",
+                  block_size=512) -> jax.Array:
+        """Attention on transformed q, k, v with this scheme's score and bias."""
+        return attention(q, k, v, bias_fn=self.score_bias(features), score_fn=self.score_fn(features),
+                         segment_ids=segment_ids, q_offset=q_offset, impl=impl, block_size=block_size)
 
     # ---- decode form -------------------------------------------------------------------------
     def init_cache(self, batch: int, max_len: int, num_kv_heads: int, dtype=jnp.float32) -> dict:
@@ -89,7 +104,7 @@ class Scheme:
         q, k, v = self.transform(q, k, v, features, positions)
         ck = jax.lax.dynamic_update_slice_in_dim(cache["k"], k.astype(cache["k"].dtype), index, axis=1)
         cv = jax.lax.dynamic_update_slice_in_dim(cache["v"], v.astype(cache["v"].dtype), index, axis=1)
-        out = attention(q, ck, cv, bias_fn=self.score_bias(features), q_offset=index)
+        out = self.attention(q, ck, cv, features, q_offset=index)
         out = self.transform_out(out, features, positions)
         return out, {**cache, "k": ck, "v": cv, "index": index + n}
 

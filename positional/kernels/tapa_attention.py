@@ -1,0 +1,315 @@
+"""Fused TAPA attention in Pallas: flash-style forward and backward, no T x T buffer.
+
+Same signature and semantics as `positional.tapa` through `attention(..., score_fn=tapa_score_fn)`
+(causal, grouped-query heads, segment ids, `q_offset`), for the logit
+
+    L_ij = c_A S_A cos(Phi),  S_A = q_A . k_A,  Phi = 2 pi c_P r_ij S_P,  S_P = q_P . k_P,
+    r_ij = |i - j|^alpha (0 on the diagonal), computed in the kernel from the tile's indices.
+
+Forward (grid: batch x query heads x query blocks): online softmax over key blocks up to the
+diagonal (later blocks are skipped), writing the output and the row log-sum-exp. Backward, by
+the flash-attention recurrences with the TAPA chain rule, dL = P (dP - delta):
+
+    dS_A = c_A dL cos(Phi),   dS_P = -2 pi c_P r dL c_A S_A sin(Phi),
+    dq_A = dS_A k_A, dq_P = dS_P k_P, dk_A = dS_A^T q_A, dk_P = dS_P^T q_P, dv = P^T dO,
+
+in two kernels that recompute the tiles (one over key blocks for dK, dV; one over query blocks
+for dQ). Grouped-query dK, dV are summed over the group outside the kernel. The phase (S_P,
+r^alpha, cos, sin) and all statistics are fp32; amplitude matmuls take the input dtype with fp32
+accumulation.
+
+Tiles: block_q x block_k. On GPU (Triton) both must be powers of two >= 16; on TPU (Mosaic)
+multiples of 128; in interpret mode (CPU, the default there) any size >= 1. Head parts are
+zero-padded to a power of two >= 16, which changes no dot product.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from positional.attention import MASKED, _check_shapes
+from positional.tapa import check_options, split_qk
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    alpha: float
+    c_amp: float
+    phase_scale: float  # 2 pi c_P
+    q_offset: int
+    kv_len: int
+    group: int
+    block_q: int
+    block_k: int
+    interpret: bool
+
+
+def check_blocks(block_q: int, block_k: int, backend: str, interpret: bool) -> None:
+    """Raise naming the field when a tile size cannot run on this backend."""
+    for name, size in (("block_q", block_q), ("block_k", block_k)):
+        if interpret:
+            ok, need = size >= 1, "a positive integer"
+        elif backend == "gpu":
+            ok, need = size >= 16 and size & (size - 1) == 0, "a power of two >= 16 on GPU (Triton)"
+        elif backend == "tpu":
+            ok, need = size % 128 == 0 and size > 0, "a multiple of 128 on TPU (Mosaic)"
+        else:
+            raise ValueError(f"the tapa Pallas kernel runs on GPU or TPU, or in interpret mode; "
+                             f"backend {backend!r} needs interpret=True")
+        if not ok:
+            raise ValueError(f"tapa kernel {name}={size} is not usable: it must be {need}")
+
+
+def _tile(qa, ka, qp, kp, qi, kj, sq, sk, st: _Static):
+    """One tile: (c_A S_A, r, c_P 2 pi S_P, mask), all [tq, tk] fp32 (mask bool)."""
+    contract = (((1,), (1,)), ((), ()))
+    s_amp = lax.dot_general(qa, ka, contract, preferred_element_type=jnp.float32) * st.c_amp
+    s_phase = lax.dot_general(qp, kp, contract, precision=lax.Precision.HIGHEST,
+                              preferred_element_type=jnp.float32) * st.phase_scale
+    d = (qi[:, None] - kj[None, :]).astype(jnp.float32)
+    r = jnp.where(d > 0, jnp.exp(st.alpha * jnp.log(jnp.maximum(d, 1.0))), 0.0)
+    mask = (d >= 0) & (sq[:, None] == sk[None, :]) & (kj < st.kv_len)[None, :]
+    return s_amp, r, s_phase, mask
+
+
+def _indices(start, size):
+    return start + lax.broadcasted_iota(jnp.int32, (size,), 0)
+
+
+def _fwd_kernel(qa_ref, ka_ref, qp_ref, kp_ref, v_ref, sq_ref, sk_ref, o_ref, lse_ref, *, st: _Static):
+    bq, bk = st.block_q, st.block_k
+    iq = pl.program_id(2)
+    qa, qp, sq = qa_ref[...], qp_ref[...], sq_ref[...]
+    qi = _indices(st.q_offset + iq * bq, bq)
+
+    def body(ik, carry):
+        o, m, row_sum = carry
+        k0 = pl.multiple_of(ik * bk, bk)
+        keys = pl.ds(k0, bk)
+        s_amp, r, s_phase, mask = _tile(qa, ka_ref[keys, :], qp, kp_ref[keys, :], qi,
+                                        _indices(k0, bk), sq, sk_ref[keys], st)
+        logits = jnp.where(mask, s_amp * jnp.cos(r * s_phase), MASKED)
+        m_new = jnp.maximum(m, logits.max(axis=1))
+        p = jnp.exp(logits - m_new[:, None])
+        corr = jnp.exp(m - m_new)
+        v = v_ref[keys, :]
+        o = o * corr[:, None] + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+        return o, m_new, row_sum * corr + p.sum(axis=1)
+
+    num_k = ka_ref.shape[0] // bk
+    upper = jnp.minimum(num_k, lax.div(st.q_offset + (iq + 1) * bq + bk - 1, bk))
+    init = (jnp.zeros((bq, v_ref.shape[-1]), jnp.float32), jnp.full((bq,), MASKED, jnp.float32),
+            jnp.zeros((bq,), jnp.float32))
+    o, m, row_sum = lax.fori_loop(0, upper, body, init)
+    o_ref[...] = (o / row_sum[:, None]).astype(o_ref.dtype)
+    lse_ref[...] = m + jnp.log(row_sum)
+
+
+def _grads_of_tile(qa, ka, qp, kp, v, do, lse, delta, qi, kj, sq, sk, st: _Static):
+    """(P, dS_A, dS_P) of one tile; dS are w.r.t. the raw dot products q_A.k_A and q_P.k_P."""
+    s_amp, r, s_phase, mask = _tile(qa, ka, qp, kp, qi, kj, sq, sk, st)
+    angle = r * s_phase
+    cos = jnp.cos(angle)
+    p = jnp.exp(jnp.where(mask, s_amp * cos, MASKED) - lse[:, None])
+    dp = lax.dot_general(do, v, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    dl = p * (dp - delta[:, None])
+    ds_amp = dl * cos * st.c_amp
+    ds_phase = -dl * s_amp * jnp.sin(angle) * r * st.phase_scale
+    return p, ds_amp, ds_phase
+
+
+def _dkv_kernel(qa_ref, ka_ref, qp_ref, kp_ref, v_ref, sq_ref, sk_ref, do_ref, lse_ref, delta_ref,
+                dka_ref, dkp_ref, dv_ref, *, st: _Static):
+    bq, bk = st.block_q, st.block_k
+    ik = pl.program_id(2)
+    ka, kp, v, sk = ka_ref[...], kp_ref[...], v_ref[...], sk_ref[...]
+    kj = _indices(ik * bk, bk)
+    tn = (((0,), (0,)), ((), ()))  # A^T B
+
+    def body(iq, carry):
+        dka, dkp, dv = carry
+        q0 = pl.multiple_of(iq * bq, bq)
+        rows = pl.ds(q0, bq)
+        qa, qp, do = qa_ref[rows, :], qp_ref[rows, :], do_ref[rows, :]
+        p, ds_amp, ds_phase = _grads_of_tile(qa, ka, qp, kp, v, do, lse_ref[rows], delta_ref[rows],
+                                             _indices(st.q_offset + q0, bq), kj, sq_ref[rows], sk, st)
+        dv = dv + lax.dot_general(p.astype(do.dtype), do, tn, preferred_element_type=jnp.float32)
+        dka = dka + lax.dot_general(ds_amp.astype(qa.dtype), qa, tn, preferred_element_type=jnp.float32)
+        dkp = dkp + lax.dot_general(ds_phase, qp.astype(jnp.float32), tn, precision=lax.Precision.HIGHEST,
+                                    preferred_element_type=jnp.float32)
+        return dka, dkp, dv
+
+    num_q = qa_ref.shape[0] // bq
+    lower = lax.div(jnp.maximum(ik * bk - st.q_offset, 0), bq)
+    init = (jnp.zeros(ka.shape, jnp.float32), jnp.zeros(kp.shape, jnp.float32),
+            jnp.zeros(v.shape, jnp.float32))
+    dka, dkp, dv = lax.fori_loop(lower, num_q, body, init)
+    dka_ref[...], dkp_ref[...], dv_ref[...] = dka, dkp, dv
+
+
+def _dq_kernel(qa_ref, ka_ref, qp_ref, kp_ref, v_ref, sq_ref, sk_ref, do_ref, lse_ref, delta_ref,
+               dqa_ref, dqp_ref, *, st: _Static):
+    bq, bk = st.block_q, st.block_k
+    iq = pl.program_id(2)
+    qa, qp, do, sq = qa_ref[...], qp_ref[...], do_ref[...], sq_ref[...]
+    lse, delta = lse_ref[...], delta_ref[...]
+    qi = _indices(st.q_offset + iq * bq, bq)
+
+    def body(ik, carry):
+        dqa, dqp = carry
+        k0 = pl.multiple_of(ik * bk, bk)
+        keys = pl.ds(k0, bk)
+        ka, kp = ka_ref[keys, :], kp_ref[keys, :]
+        _, ds_amp, ds_phase = _grads_of_tile(qa, ka, qp, kp, v_ref[keys, :], do, lse, delta, qi,
+                                             _indices(k0, bk), sq, sk_ref[keys], st)
+        dqa = dqa + jnp.dot(ds_amp.astype(ka.dtype), ka, preferred_element_type=jnp.float32)
+        dqp = dqp + jnp.dot(ds_phase, kp.astype(jnp.float32), precision=lax.Precision.HIGHEST,
+                            preferred_element_type=jnp.float32)
+        return dqa, dqp
+
+    num_k = ka_ref.shape[0] // bk
+    upper = jnp.minimum(num_k, lax.div(st.q_offset + (iq + 1) * bq + bk - 1, bk))
+    dqa, dqp = lax.fori_loop(0, upper, body, (jnp.zeros(qa.shape, jnp.float32),
+                                              jnp.zeros(qp.shape, jnp.float32)))
+    dqa_ref[...], dqp_ref[...] = dqa, dqp
+
+
+def _specs(st: _Static, q_len: int, k_len: int, by: str):
+    """BlockSpecs of (qa, ka, qp, kp, v, seg_q, seg_k) on a grid (B, H, blocks of `by`)."""
+    g = st.group
+
+    def rows(n, kv):  # [B, H or K, n, D], whole sequence
+        return lambda d: pl.BlockSpec((None, None, n, d), (lambda b, h, i: (b, h // g, 0, 0)) if kv
+                                      else (lambda b, h, i: (b, h, 0, 0)))
+
+    def tiled(n, kv):
+        return lambda d: pl.BlockSpec((None, None, n, d), (lambda b, h, i: (b, h // g, i, 0)) if kv
+                                      else (lambda b, h, i: (b, h, i, 0)))
+
+    q_spec = tiled(st.block_q, False) if by == "q" else rows(q_len, False)
+    k_spec = tiled(st.block_k, True) if by == "k" else rows(k_len, True)
+    seg_q = (pl.BlockSpec((None, st.block_q), lambda b, h, i: (b, i)) if by == "q"
+             else pl.BlockSpec((None, q_len), lambda b, h, i: (b, 0)))
+    seg_k = (pl.BlockSpec((None, st.block_k), lambda b, h, i: (b, i)) if by == "k"
+             else pl.BlockSpec((None, k_len), lambda b, h, i: (b, 0)))
+    return q_spec, k_spec, seg_q, seg_k
+
+
+def _call(kernel, st, grid, in_specs, out_specs, out_shape, args):
+    params = {}
+    if not st.interpret and jax.default_backend() == "gpu":
+        from jax.experimental.pallas import triton as plgpu
+        params["compiler_params"] = plgpu.CompilerParams(num_warps=4, num_stages=2)
+    return pl.pallas_call(functools.partial(kernel, st=st), grid=grid, in_specs=in_specs,
+                          out_specs=out_specs, out_shape=out_shape, interpret=st.interpret,
+                          **params)(*args)
+
+
+def _forward(qa, ka, qp, kp, v, sq, sk, st):
+    b, h, t, da = qa.shape
+    s, dp, dv = ka.shape[2], qp.shape[-1], v.shape[-1]
+    q_spec, k_spec, seg_q, seg_k = _specs(st, t, s, "q")
+    f32 = jnp.float32
+    return _call(
+        _fwd_kernel, st, (b, h, t // st.block_q),
+        [q_spec(da), k_spec(da), q_spec(dp), k_spec(dp), k_spec(dv), seg_q, seg_k],
+        [q_spec(dv), pl.BlockSpec((None, None, st.block_q), lambda b_, h_, i: (b_, h_, i))],
+        [jax.ShapeDtypeStruct((b, h, t, dv), v.dtype), jax.ShapeDtypeStruct((b, h, t), f32)],
+        (qa, ka, qp, kp, v, sq, sk))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def _fused(qa, ka, qp, kp, v, sq, sk, st):
+    return _forward(qa, ka, qp, kp, v, sq, sk, st)[0]
+
+
+def _fused_fwd(qa, ka, qp, kp, v, sq, sk, st):
+    o, lse = _forward(qa, ka, qp, kp, v, sq, sk, st)
+    return o, (qa, ka, qp, kp, v, sq, sk, o, lse)
+
+
+def _fused_bwd(st, res, do):
+    qa, ka, qp, kp, v, sq, sk, o, lse = res
+    b, h, t, da = qa.shape
+    kh, s, dp, dv = ka.shape[1], ka.shape[2], qp.shape[-1], v.shape[-1]
+    delta = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1)
+    do = do.astype(v.dtype)
+    args = (qa, ka, qp, kp, v, sq, sk, do, lse, delta)
+    f32 = jnp.float32
+
+    def row_stats(spec_by, n):
+        return pl.BlockSpec((None, None, n), (lambda b_, h_, i: (b_, h_, i)) if spec_by else
+                            (lambda b_, h_, i: (b_, h_, 0)))
+
+    # dK, dV: one program per (batch, query head, key block), looping over query blocks.
+    q_spec, k_spec, seg_q, seg_k = _specs(st, t, s, "k")
+    per_head = lambda d: pl.BlockSpec((None, None, st.block_k, d), lambda b_, h_, i: (b_, h_, i, 0))  # noqa: E731
+    dka, dkp, dvv = _call(
+        _dkv_kernel, st, (b, h, s // st.block_k),
+        [q_spec(da), k_spec(da), q_spec(dp), k_spec(dp), k_spec(dv), seg_q, seg_k, q_spec(dv),
+         row_stats(False, t), row_stats(False, t)],
+        [per_head(da), per_head(dp), per_head(dv)],
+        [jax.ShapeDtypeStruct((b, h, s, d), f32) for d in (da, dp, dv)], args)
+    group_sum = lambda x: x.reshape(b, kh, st.group, s, x.shape[-1]).sum(2)  # noqa: E731
+
+    # dQ: one program per (batch, query head, query block), looping over key blocks.
+    q_spec, k_spec, seg_q, seg_k = _specs(st, t, s, "q")
+    dqa, dqp = _call(
+        _dq_kernel, st, (b, h, t // st.block_q),
+        [q_spec(da), k_spec(da), q_spec(dp), k_spec(dp), k_spec(dv), seg_q, seg_k, q_spec(dv),
+         row_stats(True, st.block_q), row_stats(True, st.block_q)],
+        [q_spec(da), q_spec(dp)],
+        [jax.ShapeDtypeStruct((b, h, t, d), f32) for d in (da, dp)], args)
+    cast = lambda x, like: x.astype(like.dtype)  # noqa: E731
+    return (cast(dqa, qa), cast(group_sum(dka), ka), cast(dqp, qp), cast(group_sum(dkp), kp),
+            cast(group_sum(dvv), v), None, None)
+
+
+_fused.defvjp(_fused_fwd, _fused_bwd)
+
+
+def _pad_to(x, axis, size):
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (0, size - x.shape[axis])
+    return jnp.pad(x, pad)
+
+
+def tapa_attention(q, k, v, *, segment_ids=None, q_offset: int = 0, alpha: float = 0.1,
+                   theta: float = 0.5, phase: str = "quadratic", block_q: int = 64, block_k: int = 64,
+                   interpret: bool | None = None) -> jax.Array:
+    """TAPA causal attention, fused. q [B, T, H, D]; k, v [B, S, K, D] -> [B, T, H, D].
+
+    `interpret` defaults to True on CPU (the Pallas interpreter) and False elsewhere.
+    """
+    _check_shapes(q, k, v, segment_ids)
+    check_options(alpha, phase)
+    backend = jax.default_backend()
+    interpret = backend == "cpu" if interpret is None else interpret
+    check_blocks(block_q, block_k, backend, interpret)
+    b, t, h, d = q.shape
+    s, kh = k.shape[1], k.shape[2]
+    qa, ka, qp, kp, c_amp, c_phase = split_qk(q, k, theta, phase)
+    tp, sp = -(-t // block_q) * block_q, -(-s // block_k) * block_k
+
+    def layout(x, n, length):  # [B, n, H, d] -> [B, H, n_padded, d_padded]
+        width = max(16, pl.next_power_of_2(x.shape[-1]))
+        return jnp.swapaxes(_pad_to(_pad_to(x, 1, length), 3, width), 1, 2)
+
+    if segment_ids is None:
+        segment_ids = jnp.zeros((b, t), jnp.int32)
+    seg = segment_ids.astype(jnp.int32)
+    st = _Static(alpha=float(alpha), c_amp=float(c_amp), phase_scale=float(2 * math.pi * c_phase),
+                 q_offset=int(q_offset), kv_len=s, group=h // kh, block_q=block_q, block_k=block_k,
+                 interpret=bool(interpret))
+    # Keys beyond the query length (decoding) see segment 0, as the reference does without ids.
+    seg_k = seg if s == t else jnp.zeros((b, s), jnp.int32)
+    o = _fused(layout(qa, t, tp), layout(ka, s, sp), layout(qp, t, tp), layout(kp, s, sp),
+               layout(v, s, sp), _pad_to(seg, 1, tp), _pad_to(seg_k, 1, sp), st)
+    return jnp.swapaxes(o, 1, 2)[:, :t, :, :d].astype(q.dtype)
