@@ -13,11 +13,13 @@ from flax import nnx
 
 from models.lm import Attention, ModelConfig
 from models.registry import REGISTRY
-from positional.attention import IMPLEMENTATIONS
 
 SCHEMES = sorted(REGISTRY) + ["rope+alibi", "so2_learned_qkv+alibi"]  # and composed with a bias
 T = 12
 RNG = jax.random.key(42)  # schemes with random features draw them from (RNG, row, position)
+# Relative tolerance of fp32 comparisons: with the perturbed weights, TAPA's phases reach tens
+# of radians, where fp32 rounding of the phase (~1e-7 relative) moves logits by ~1e-5.
+RTOL = 2e-4
 
 
 def tokens_of(x):
@@ -82,7 +84,7 @@ def test_decode_equals_parallel(scheme):
     for t in range(5, T):  # then one token at a time
         out, cache = layer.decode(x[:, t:t + 1], cache, tokens=tokens[:, t:t + 1], rng=RNG)
         outs.append(out)
-    np.testing.assert_allclose(jnp.concatenate(outs, 1), apply(params, x, pos), atol=2e-5)
+    np.testing.assert_allclose(jnp.concatenate(outs, 1), apply(params, x, pos), atol=2e-5, rtol=RTOL)
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
@@ -96,7 +98,7 @@ def test_packing_equals_separate_runs(scheme):
     start = 0
     for n in lengths:
         alone = apply(params, x[:, start:start + n], positions[:, start:start + n])
-        np.testing.assert_allclose(packed[:, start:start + n], alone, atol=2e-5)
+        np.testing.assert_allclose(packed[:, start:start + n], alone, atol=2e-5, rtol=RTOL)
         start += n
 
 
@@ -111,11 +113,12 @@ def test_implementations_agree_values_and_gradients(scheme):
         return jnp.sum(jnp.sin(out)), out
 
     results = {impl: jax.value_and_grad(loss, (0, 1), has_aux=True)(params, x, impl)
-               for impl in IMPLEMENTATIONS}
+               for impl in make_layer(scheme).scheme.impls}
     (_, ref_out), ref_grads = results.pop("reference")
     for (_, out), grads in results.values():
-        np.testing.assert_allclose(out, ref_out, atol=2e-5)
-        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=5e-5, rtol=1e-4), grads, ref_grads)
+        np.testing.assert_allclose(out, ref_out, atol=2e-5, rtol=RTOL)
+        for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):  # per parameter, in norm
+            assert np.linalg.norm(a - b) <= 1e-4 * np.linalg.norm(b) + 1e-6, (a, b)
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
@@ -132,12 +135,15 @@ def test_bf16_is_finite_and_close(scheme):
     params16, apply16 = forward(scheme, "bfloat16")
     params, apply = forward(scheme)
     x, pos = example()
-    for impl in IMPLEMENTATIONS:
+    # A quarter of unit scale keeps logits O(1): at the perturbed weights' full scale TAPA's
+    # phases reach tens of radians, where bf16 rounding of q (0.4%) moves a cosine by O(1).
+    x = 0.25 * x
+    ref = np.asarray(apply(params, x, pos))
+    for impl in make_layer(scheme).scheme.impls:
         out16 = apply16(params16, x.astype(jnp.bfloat16), pos, impl=impl, tokens=tokens_of(x))
         assert out16.dtype == jnp.bfloat16
         assert np.isfinite(np.asarray(out16, np.float32)).all()
-        ref = np.asarray(apply(params, x, pos))
-        assert np.abs(np.asarray(out16, np.float32) - ref).max() <= 0.03 * np.abs(ref).max()
+        assert np.abs(np.asarray(out16, np.float32) - ref).max() <= 0.02 * np.abs(ref).max()
 
 
 @pytest.mark.parametrize("scheme", [s for s in SCHEMES])
