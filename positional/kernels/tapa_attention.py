@@ -49,6 +49,8 @@ class _Static:
     block_q: int
     block_k: int
     interpret: bool
+    num_warps: int
+    num_stages: int
 
 
 def check_blocks(block_q: int, block_k: int, backend: str, interpret: bool) -> None:
@@ -68,47 +70,54 @@ def check_blocks(block_q: int, block_k: int, backend: str, interpret: bool) -> N
 
 
 def _tile(qa, ka, qp, kp, qi, kj, sq, sk, st: _Static):
-    """One tile: (c_A S_A, r, c_P 2 pi S_P, mask), all [tq, tk] fp32 (mask bool)."""
+    """One tile: (c_A S_A, r, c_P 2 pi S_P, mask), all [tq, tk] fp32 (mask bool).
+
+    Query indices and segment ids come as columns [tq, 1], keys' as rows [1, tk].
+    """
     contract = (((1,), (1,)), ((), ()))
     s_amp = lax.dot_general(qa, ka, contract, preferred_element_type=jnp.float32) * st.c_amp
     s_phase = lax.dot_general(qp, kp, contract, precision=lax.Precision.HIGHEST,
                               preferred_element_type=jnp.float32) * st.phase_scale
-    d = (qi[:, None] - kj[None, :]).astype(jnp.float32)
+    d = (qi - kj).astype(jnp.float32)
     r = jnp.where(d > 0, jnp.exp(st.alpha * jnp.log(jnp.maximum(d, 1.0))), 0.0)
-    mask = (d >= 0) & (sq[:, None] == sk[None, :]) & (kj < st.kv_len)[None, :]
+    mask = (d >= 0) & (sq == sk) & (kj < st.kv_len)
     return s_amp, r, s_phase, mask
 
 
-def _indices(start, size):
-    return start + lax.broadcasted_iota(jnp.int32, (size,), 0)
+def _rows(start, size):
+    return start + lax.broadcasted_iota(jnp.int32, (size, 1), 0)
+
+
+def _cols(start, size):
+    return start + lax.broadcasted_iota(jnp.int32, (1, size), 1)
 
 
 def _fwd_kernel(qa_ref, ka_ref, qp_ref, kp_ref, v_ref, sq_ref, sk_ref, o_ref, lse_ref, *, st: _Static):
     bq, bk = st.block_q, st.block_k
     iq = pl.program_id(2)
     qa, qp, sq = qa_ref[...], qp_ref[...], sq_ref[...]
-    qi = _indices(st.q_offset + iq * bq, bq)
+    qi = _rows(st.q_offset + iq * bq, bq)
 
     def body(ik, carry):
         o, m, row_sum = carry
         k0 = pl.multiple_of(ik * bk, bk)
         keys = pl.ds(k0, bk)
         s_amp, r, s_phase, mask = _tile(qa, ka_ref[keys, :], qp, kp_ref[keys, :], qi,
-                                        _indices(k0, bk), sq, sk_ref[keys], st)
+                                        _cols(k0, bk), sq, sk_ref[:, keys], st)
         logits = jnp.where(mask, s_amp * jnp.cos(r * s_phase), MASKED)
-        m_new = jnp.maximum(m, logits.max(axis=1))
-        p = jnp.exp(logits - m_new[:, None])
+        m_new = jnp.maximum(m, logits.max(axis=1, keepdims=True))
+        p = jnp.exp(logits - m_new)
         corr = jnp.exp(m - m_new)
         v = v_ref[keys, :]
-        o = o * corr[:, None] + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-        return o, m_new, row_sum * corr + p.sum(axis=1)
+        o = o * corr + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+        return o, m_new, row_sum * corr + p.sum(axis=1, keepdims=True)
 
     num_k = ka_ref.shape[0] // bk
     upper = jnp.minimum(num_k, lax.div(st.q_offset + (iq + 1) * bq + bk - 1, bk))
-    init = (jnp.zeros((bq, v_ref.shape[-1]), jnp.float32), jnp.full((bq,), MASKED, jnp.float32),
-            jnp.zeros((bq,), jnp.float32))
+    init = (jnp.zeros((bq, v_ref.shape[-1]), jnp.float32), jnp.full((bq, 1), MASKED, jnp.float32),
+            jnp.zeros((bq, 1), jnp.float32))
     o, m, row_sum = lax.fori_loop(0, upper, body, init)
-    o_ref[...] = (o / row_sum[:, None]).astype(o_ref.dtype)
+    o_ref[...] = (o / row_sum).astype(o_ref.dtype)
     lse_ref[...] = m + jnp.log(row_sum)
 
 
@@ -117,9 +126,9 @@ def _grads_of_tile(qa, ka, qp, kp, v, do, lse, delta, qi, kj, sq, sk, st: _Stati
     s_amp, r, s_phase, mask = _tile(qa, ka, qp, kp, qi, kj, sq, sk, st)
     angle = r * s_phase
     cos = jnp.cos(angle)
-    p = jnp.exp(jnp.where(mask, s_amp * cos, MASKED) - lse[:, None])
+    p = jnp.exp(jnp.where(mask, s_amp * cos, MASKED) - lse)
     dp = lax.dot_general(do, v, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-    dl = p * (dp - delta[:, None])
+    dl = p * (dp - delta)
     ds_amp = dl * cos * st.c_amp
     ds_phase = -dl * s_amp * jnp.sin(angle) * r * st.phase_scale
     return p, ds_amp, ds_phase
@@ -130,7 +139,7 @@ def _dkv_kernel(qa_ref, ka_ref, qp_ref, kp_ref, v_ref, sq_ref, sk_ref, do_ref, l
     bq, bk = st.block_q, st.block_k
     ik = pl.program_id(2)
     ka, kp, v, sk = ka_ref[...], kp_ref[...], v_ref[...], sk_ref[...]
-    kj = _indices(ik * bk, bk)
+    kj = _cols(ik * bk, bk)
     tn = (((0,), (0,)), ((), ()))  # A^T B
 
     def body(iq, carry):
@@ -138,8 +147,8 @@ def _dkv_kernel(qa_ref, ka_ref, qp_ref, kp_ref, v_ref, sq_ref, sk_ref, do_ref, l
         q0 = pl.multiple_of(iq * bq, bq)
         rows = pl.ds(q0, bq)
         qa, qp, do = qa_ref[rows, :], qp_ref[rows, :], do_ref[rows, :]
-        p, ds_amp, ds_phase = _grads_of_tile(qa, ka, qp, kp, v, do, lse_ref[rows], delta_ref[rows],
-                                             _indices(st.q_offset + q0, bq), kj, sq_ref[rows], sk, st)
+        p, ds_amp, ds_phase = _grads_of_tile(qa, ka, qp, kp, v, do, lse_ref[rows, :], delta_ref[rows, :],
+                                             _rows(st.q_offset + q0, bq), kj, sq_ref[rows, :], sk, st)
         dv = dv + lax.dot_general(p.astype(do.dtype), do, tn, preferred_element_type=jnp.float32)
         dka = dka + lax.dot_general(ds_amp.astype(qa.dtype), qa, tn, preferred_element_type=jnp.float32)
         dkp = dkp + lax.dot_general(ds_phase, qp.astype(jnp.float32), tn, precision=lax.Precision.HIGHEST,
@@ -160,7 +169,7 @@ def _dq_kernel(qa_ref, ka_ref, qp_ref, kp_ref, v_ref, sq_ref, sk_ref, do_ref, ls
     iq = pl.program_id(2)
     qa, qp, do, sq = qa_ref[...], qp_ref[...], do_ref[...], sq_ref[...]
     lse, delta = lse_ref[...], delta_ref[...]
-    qi = _indices(st.q_offset + iq * bq, bq)
+    qi = _rows(st.q_offset + iq * bq, bq)
 
     def body(ik, carry):
         dqa, dqp = carry
@@ -168,7 +177,7 @@ def _dq_kernel(qa_ref, ka_ref, qp_ref, kp_ref, v_ref, sq_ref, sk_ref, do_ref, ls
         keys = pl.ds(k0, bk)
         ka, kp = ka_ref[keys, :], kp_ref[keys, :]
         _, ds_amp, ds_phase = _grads_of_tile(qa, ka, qp, kp, v_ref[keys, :], do, lse, delta, qi,
-                                             _indices(k0, bk), sq, sk_ref[keys], st)
+                                             _cols(k0, bk), sq, sk_ref[:, keys], st)
         dqa = dqa + jnp.dot(ds_amp.astype(ka.dtype), ka, preferred_element_type=jnp.float32)
         dqp = dqp + jnp.dot(ds_phase, kp.astype(jnp.float32), precision=lax.Precision.HIGHEST,
                             preferred_element_type=jnp.float32)
@@ -195,10 +204,11 @@ def _specs(st: _Static, q_len: int, k_len: int, by: str):
 
     q_spec = tiled(st.block_q, False) if by == "q" else rows(q_len, False)
     k_spec = tiled(st.block_k, True) if by == "k" else rows(k_len, True)
-    seg_q = (pl.BlockSpec((None, st.block_q), lambda b, h, i: (b, i)) if by == "q"
-             else pl.BlockSpec((None, q_len), lambda b, h, i: (b, 0)))
-    seg_k = (pl.BlockSpec((None, st.block_k), lambda b, h, i: (b, i)) if by == "k"
-             else pl.BlockSpec((None, k_len), lambda b, h, i: (b, 0)))
+    # Segment ids of queries as a column [B, T, 1], of keys as a row [B, 1, S].
+    seg_q = (pl.BlockSpec((None, st.block_q, 1), lambda b, h, i: (b, i, 0)) if by == "q"
+             else pl.BlockSpec((None, q_len, 1), lambda b, h, i: (b, 0, 0)))
+    seg_k = (pl.BlockSpec((None, 1, st.block_k), lambda b, h, i: (b, 0, i)) if by == "k"
+             else pl.BlockSpec((None, 1, k_len), lambda b, h, i: (b, 0, 0)))
     return q_spec, k_spec, seg_q, seg_k
 
 
@@ -206,7 +216,7 @@ def _call(kernel, st, grid, in_specs, out_specs, out_shape, args):
     params = {}
     if not st.interpret and jax.default_backend() == "gpu":
         from jax.experimental.pallas import triton as plgpu
-        params["compiler_params"] = plgpu.CompilerParams(num_warps=4, num_stages=2)
+        params["compiler_params"] = plgpu.CompilerParams(num_warps=st.num_warps, num_stages=st.num_stages)
     return pl.pallas_call(functools.partial(kernel, st=st), grid=grid, in_specs=in_specs,
                           out_specs=out_specs, out_shape=out_shape, interpret=st.interpret,
                           **params)(*args)
@@ -220,8 +230,8 @@ def _forward(qa, ka, qp, kp, v, sq, sk, st):
     return _call(
         _fwd_kernel, st, (b, h, t // st.block_q),
         [q_spec(da), k_spec(da), q_spec(dp), k_spec(dp), k_spec(dv), seg_q, seg_k],
-        [q_spec(dv), pl.BlockSpec((None, None, st.block_q), lambda b_, h_, i: (b_, h_, i))],
-        [jax.ShapeDtypeStruct((b, h, t, dv), v.dtype), jax.ShapeDtypeStruct((b, h, t), f32)],
+        [q_spec(dv), q_spec(1)],
+        [jax.ShapeDtypeStruct((b, h, t, dv), v.dtype), jax.ShapeDtypeStruct((b, h, t, 1), f32)],
         (qa, ka, qp, kp, v, sq, sk))
 
 
@@ -239,14 +249,10 @@ def _fused_bwd(st, res, do):
     qa, ka, qp, kp, v, sq, sk, o, lse = res
     b, h, t, da = qa.shape
     kh, s, dp, dv = ka.shape[1], ka.shape[2], qp.shape[-1], v.shape[-1]
-    delta = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1)
+    delta = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1, keepdims=True)
     do = do.astype(v.dtype)
     args = (qa, ka, qp, kp, v, sq, sk, do, lse, delta)
     f32 = jnp.float32
-
-    def row_stats(spec_by, n):
-        return pl.BlockSpec((None, None, n), (lambda b_, h_, i: (b_, h_, i)) if spec_by else
-                            (lambda b_, h_, i: (b_, h_, 0)))
 
     # dK, dV: one program per (batch, query head, key block), looping over query blocks.
     q_spec, k_spec, seg_q, seg_k = _specs(st, t, s, "k")
@@ -254,7 +260,7 @@ def _fused_bwd(st, res, do):
     dka, dkp, dvv = _call(
         _dkv_kernel, st, (b, h, s // st.block_k),
         [q_spec(da), k_spec(da), q_spec(dp), k_spec(dp), k_spec(dv), seg_q, seg_k, q_spec(dv),
-         row_stats(False, t), row_stats(False, t)],
+         q_spec(1), q_spec(1)],
         [per_head(da), per_head(dp), per_head(dv)],
         [jax.ShapeDtypeStruct((b, h, s, d), f32) for d in (da, dp, dv)], args)
     group_sum = lambda x: x.reshape(b, kh, st.group, s, x.shape[-1]).sum(2)  # noqa: E731
@@ -264,7 +270,7 @@ def _fused_bwd(st, res, do):
     dqa, dqp = _call(
         _dq_kernel, st, (b, h, t // st.block_q),
         [q_spec(da), k_spec(da), q_spec(dp), k_spec(dp), k_spec(dv), seg_q, seg_k, q_spec(dv),
-         row_stats(True, st.block_q), row_stats(True, st.block_q)],
+         q_spec(1), q_spec(1)],
         [q_spec(da), q_spec(dp)],
         [jax.ShapeDtypeStruct((b, h, t, d), f32) for d in (da, dp)], args)
     cast = lambda x, like: x.astype(like.dtype)  # noqa: E731
@@ -283,10 +289,11 @@ def _pad_to(x, axis, size):
 
 def tapa_attention(q, k, v, *, segment_ids=None, q_offset: int = 0, alpha: float = 0.1,
                    theta: float = 0.5, phase: str = "quadratic", block_q: int = 64, block_k: int = 64,
-                   interpret: bool | None = None) -> jax.Array:
+                   interpret: bool | None = None, num_warps: int = 4, num_stages: int = 2) -> jax.Array:
     """TAPA causal attention, fused. q [B, T, H, D]; k, v [B, S, K, D] -> [B, T, H, D].
 
-    `interpret` defaults to True on CPU (the Pallas interpreter) and False elsewhere.
+    `interpret` defaults to True on CPU (the Pallas interpreter) and False elsewhere;
+    `num_warps` and `num_stages` tune the Triton (GPU) compilation only.
     """
     _check_shapes(q, k, v, segment_ids)
     check_options(alpha, phase)
@@ -307,9 +314,9 @@ def tapa_attention(q, k, v, *, segment_ids=None, q_offset: int = 0, alpha: float
     seg = segment_ids.astype(jnp.int32)
     st = _Static(alpha=float(alpha), c_amp=float(c_amp), phase_scale=float(2 * math.pi * c_phase),
                  q_offset=int(q_offset), kv_len=s, group=h // kh, block_q=block_q, block_k=block_k,
-                 interpret=bool(interpret))
+                 interpret=bool(interpret), num_warps=num_warps, num_stages=num_stages)
     # Keys beyond the query length (decoding) see segment 0, as the reference does without ids.
     seg_k = seg if s == t else jnp.zeros((b, s), jnp.int32)
     o = _fused(layout(qa, t, tp), layout(ka, s, sp), layout(qp, t, tp), layout(kp, s, sp),
-               layout(v, s, sp), _pad_to(seg, 1, tp), _pad_to(seg_k, 1, sp), st)
+               layout(v, s, sp), _pad_to(seg, 1, tp)[:, :, None], _pad_to(seg_k, 1, sp)[:, None, :], st)
     return jnp.swapaxes(o, 1, 2)[:, :t, :, :d].astype(q.dtype)

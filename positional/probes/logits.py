@@ -42,10 +42,10 @@ def _scores(w, fit, mask):
     return r, 1 - (residual ** 2).sum(axes) / ss
 
 
-@functools.lru_cache(maxsize=8)
+@functools.lru_cache(maxsize=2)
 def _three_axis_factor(n: int) -> np.ndarray:
     """Cholesky factor of X^T X + n G^T G for the causal design X = [a | b | c] and the gauge
-    rows G (unit-norm: mean of a, linear trend of a, mean of c); float64 [3n, 3n].
+    rows G (unit-norm: mean of a, linear trend of a, mean of c); [3n, 3n], float64 then fp32.
 
     On the null space of X (3-D) the gauge rows are independent, so the matrix is positive
     definite and its solution is the least-squares solution that satisfies G theta = 0. The
@@ -61,10 +61,26 @@ def _three_axis_factor(n: int) -> np.ndarray:
     gauge = np.zeros((3, 3 * n))
     gauge[0, :n], gauge[1, :n], gauge[2, 2 * n:] = 1.0, i - (n - 1) / 2, 1.0
     gauge /= np.linalg.norm(gauge, axis=1, keepdims=True)
-    return np.linalg.cholesky(xtx + n * gauge.T @ gauge)
+    return np.linalg.cholesky(xtx + n * gauge.T @ gauge).astype(np.float32)
 
 
 @jax.jit
+def _three_axis_solve(w, factor):
+    n = w.shape[-1]
+    i = jnp.arange(n)
+    dist = i[:, None] - i[None, :]
+    causal = dist >= 0
+    wc = jnp.where(causal, w.astype(jnp.float32), 0)
+    by_distance = jnp.take_along_axis(wc, jnp.broadcast_to(jnp.maximum(dist, 0), w.shape), -1)
+    rhs = jnp.concatenate([jnp.where(causal, by_distance, 0).sum(-2), wc.sum(-1), wc.sum(-2)], -1)
+    sol = cho_solve((factor, True), rhs.reshape(-1, 3 * n).T).T.reshape(rhs.shape)
+    a, b, c = sol[..., :n], sol[..., n:2 * n], sol[..., 2 * n:]
+    fit = jnp.where(causal, jnp.take(a, jnp.maximum(dist, 0), axis=-1)
+                    + b[..., :, None] + c[..., None, :], 0)
+    r, r2 = _scores(wc, fit, causal)
+    return {"a": a, "b": b, "c": c, "fit": fit, "r": r, "r2": r2}
+
+
 def three_axis_fit(w: jnp.ndarray) -> dict:
     """Least-squares W_ij ~ a_{i-j} + b_i + c_j over the causal cells j <= i of w [..., n, n].
 
@@ -79,25 +95,14 @@ def three_axis_fit(w: jnp.ndarray) -> dict:
     no least-squares line) and sum_j c_j = 0; b carries the level. The paper's 1e-6 ridge picks
     another (near minimum-norm) representative: same fit, same r, different a.
 
+    The normal matrix depends on n only: it is factored once per n (float64, cached; 3n x 3n)
+    and every matrix of the batch is one fp32 triangular solve.
     Returns a, b, c, 'fit' [..., n, n] (zero above the diagonal), Pearson 'r' and 'r2' (R^2)
     over the causal cells, and 'chance' = sqrt(6 / n): r of a fit to pure noise, since R^2 is
     then about (#unknowns) / (#cells) = 3n / (n^2 / 2).
     """
-    w = w.astype(jnp.float32)
     n = w.shape[-1]
-    i = jnp.arange(n)
-    dist = i[:, None] - i[None, :]
-    causal = dist >= 0
-    wc = jnp.where(causal, w, 0)
-    by_distance = jnp.take_along_axis(wc, jnp.broadcast_to(jnp.maximum(dist, 0), w.shape), -1)
-    rhs = jnp.concatenate([jnp.where(causal, by_distance, 0).sum(-2), wc.sum(-1), wc.sum(-2)], -1)
-    factor = jnp.asarray(_three_axis_factor(n), jnp.float32)
-    sol = cho_solve((factor, True), rhs.reshape(-1, 3 * n).T).T.reshape(rhs.shape)
-    a, b, c = sol[..., :n], sol[..., n:2 * n], sol[..., 2 * n:]
-    fit = jnp.where(causal, jnp.take(a, jnp.maximum(dist, 0), axis=-1)
-                    + b[..., :, None] + c[..., None, :], 0)
-    r, r2 = _scores(w, fit, causal)
-    return {"a": a, "b": b, "c": c, "fit": fit, "r": r, "r2": r2, "chance": math.sqrt(6 / n)}
+    return _three_axis_solve(w, _three_axis_factor(n)) | {"chance": math.sqrt(6 / n)}
 
 
 def fake_logits(score, q: jnp.ndarray, k: jnp.ndarray, distances: jnp.ndarray) -> jnp.ndarray:
@@ -118,11 +123,11 @@ def slot_swap_logits(q: jnp.ndarray, k: jnp.ndarray, transport: jnp.ndarray,
 
     q [..., D] (the query at slot i, before position is applied), k [..., n_k, D] -> [..., n_d, n_k].
     transport, for d = 0..n_d-1, either
-      angles [n_d, D/2] (rotary: W'_dj = rotate(q, angles_d) . k_j): with phi_p the angle a
-        scheme rotates q_p and k_p by, angles_d = phi_i - phi_{i-d}. RoPE: phi_p = p theta,
-        so angles_d = d theta, the paper's fake distance. Accumulated SO(2) (positional.so2
-        rotates by -Theta): angles_d = Theta_{i-d} - Theta_i;
-      matrices [n_d, D, D] (logit q_i^T T k_j): PaTH, T_d = H_i H_{i-1} ... H_{i-d+1}, T_0 = I.
+      angles [n_d, D/2], rotary: T_d = R(angles_d)^T, so W'_dj = rotate(q, angles_d) . k_j.
+        With phi_p the angle a scheme rotates q_p and k_p by, angles_d = phi_i - phi_{i-d}.
+        RoPE: phi_p = p theta, so angles_d = d theta, the paper's fake distance. Accumulated
+        SO(2) (positional.so2 rotates by -Theta): angles_d = Theta_{i-d} - Theta_i;
+      or matrices [n_d, D, D]: PaTH, T_d = H_i H_{i-1} ... H_{i-d+1} (T_0 = I).
     Schemes whose logit is not bilinear (TAPA, Sessa) need the model itself to run key j's
     content at slot i - d; this function cannot stand in for that.
     """
@@ -254,6 +259,7 @@ def gaussian_kl(x: jnp.ndarray, y: jnp.ndarray, ridge: float = 1e-6) -> jnp.ndar
     y are scaled together). Closed form, through Cholesky factors L:
     KL = (tr(Cy^-1 Cx) + (my - mx)^T Cy^-1 (my - mx) - D + log det Cy - log det Cx) / 2.
     Table 2's use: x = attention outputs at positions beyond the training length, y = within.
+    With fewer samples than dimensions the ridge must be positive.
     """
     d = x.shape[-1]
     x, y = x.reshape(-1, d).astype(jnp.float32), y.reshape(-1, d).astype(jnp.float32)

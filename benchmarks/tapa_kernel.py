@@ -1,0 +1,159 @@
+"""The fused TAPA kernel on an accelerator: correctness, forward + backward speed and memory.
+
+    python benchmarks/tapa_kernel.py                          # 8K..32K tokens, 16 heads x 128
+    python benchmarks/tapa_kernel.py --lengths 8192 --json out.json
+
+Compares, in one process and on the same inputs (bf16, causal, batch 1):
+  - tapa/pallas   the fused kernel (positional/kernels/tapa_attention.py), several tile shapes;
+  - cudnn         `jax.nn.dot_product_attention(..., implementation="cudnn")`: plain softmax
+                  attention by cuDNN's flash kernel, the speed target;
+  - flash/pallas  JAX's own Pallas (Triton) flash attention for plain softmax attention, the
+                  same programming model as ours, so the cost of TAPA's cosine shows apart;
+  - tapa/blockwise and tapa/reference, our plain-JAX implementations.
+Time is forward + backward (gradient of a weighted sum of the output w.r.t. q, k, v), median of
+`--repeats` after warm-up. Memory is XLA's planned scratch (`memory_analysis().temp_size_in_bytes`)
+of the compiled forward + backward, which is what grows with length. The correctness check
+runs first: the kernel, compiled for the device (not interpreted), against the reference in
+fp32 at highest matmul precision, for odd lengths, head dims 64/128/96, GQA and bf16.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+
+from positional.attention import blockwise_attention, reference_attention
+from positional.kernels.tapa_attention import tapa_attention
+from positional.tapa import tapa_score_fn
+
+
+def rel(a, b):
+    a, b = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
+    return float(jnp.linalg.norm((a - b).ravel()) / jnp.linalg.norm(b.ravel()))
+
+
+def inputs(key, b, t, h, kh, d, dtype):
+    kq, kk, kv = jax.random.split(key, 3)
+    return (jax.random.normal(kq, (b, t, h, d), dtype), jax.random.normal(kk, (b, t, kh, d), dtype),
+            jax.random.normal(kv, (b, t, kh, d), dtype))
+
+
+def loss_of(fn):
+    def loss(q, k, v):
+        out = fn(q, k, v).astype(jnp.float32)
+        return jnp.sum(out * jnp.cos(jnp.arange(out.shape[-1], dtype=jnp.float32)))
+    return loss
+
+
+def check(phase: str = "quadratic") -> list[dict]:
+    rows = []
+    for b, t, h, kh, d, dtype, bq, bk in [(2, 777, 4, 4, 64, jnp.float32, 64, 64),
+                                          (1, 1000, 8, 2, 128, jnp.bfloat16, 64, 128),
+                                          (1, 300, 4, 1, 96, jnp.bfloat16, 128, 64)]:
+        q, k, v = inputs(jax.random.key(t), b, t, h, kh, d, dtype)
+        seg = (jnp.arange(t) >= t // 3).astype(jnp.int32)[None].repeat(b, 0)
+        kern = functools.partial(tapa_attention, segment_ids=seg, phase=phase, block_q=bq, block_k=bk)
+        ref = functools.partial(reference_attention, segment_ids=seg, score_fn=tapa_score_fn(phase=phase))
+        up = [x.astype(jnp.float32) for x in (q, k, v)]
+        with jax.default_matmul_precision("highest"):
+            want = jax.jit(ref)(*up)
+            want_g = jax.jit(jax.grad(loss_of(ref), (0, 1, 2)))(*up)
+        try:
+            got = jax.jit(kern)(q, k, v)
+            got_g = jax.jit(jax.grad(loss_of(kern), (0, 1, 2)))(q, k, v)
+        except Exception as e:  # noqa: BLE001 - report the failure, keep checking the rest
+            print(f"check {phase} T{t} D{d} failed: {type(e).__name__}: {e}", flush=True)
+            continue
+        row = {"shape": f"B{b} T{t} H{h} K{kh} D{d} {jnp.dtype(dtype).name} tiles {bq}x{bk}",
+               "out": rel(got, want), **{f"d{n}": rel(g, w) for n, g, w in zip("qkv", got_g, want_g)}}
+        rows.append(row)
+        print("check", row, flush=True)
+    return rows
+
+
+def timed(fn, args, repeats):
+    compiled = jax.jit(fn).lower(*args).compile()
+    temp = compiled.memory_analysis().temp_size_in_bytes
+    jax.block_until_ready(compiled(*args))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(compiled(*args))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), temp
+
+
+def contenders(tiles):
+    out = {f"tapa/pallas {bq}x{bk} w{w}": functools.partial(tapa_attention, block_q=bq, block_k=bk, num_warps=w)
+           for bq, bk, w in tiles}
+    out["cudnn"] = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+    try:
+        from jax.experimental.pallas.ops.gpu import attention as pallas_flash
+        out["flash/pallas"] = lambda q, k, v: pallas_flash.mha(q, k, v, segment_ids=None, causal=True,
+                                                               sm_scale=q.shape[-1] ** -0.5)
+    except ImportError as e:
+        print("no pallas flash attention:", e)
+    out["tapa/blockwise"] = functools.partial(blockwise_attention, score_fn=tapa_score_fn(), block_size=1024)
+    out["tapa/reference"] = functools.partial(reference_attention, score_fn=tapa_score_fn())
+    return out
+
+
+def bench(lengths, heads, head_dim, repeats, tiles, reference_max):
+    rows = []
+    for t in lengths:
+        q, k, v = inputs(jax.random.key(0), 1, t, heads, heads, head_dim, jnp.bfloat16)
+        for name, fn in contenders(tiles).items():
+            if name == "tapa/reference" and t > reference_max:
+                continue
+            try:
+                sec, temp = timed(jax.grad(loss_of(fn), (0, 1, 2)), (q, k, v), repeats)
+            except Exception as e:  # noqa: BLE001 - report and go on (OOM, unsupported shape)
+                print(f"{name} at {t}: failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+                continue
+            rows.append({"length": t, "impl": name, "ms": 1e3 * sec, "temp_gib": temp / 2 ** 30})
+            print(rows[-1], flush=True)
+    return rows
+
+
+def table(rows):
+    lines = ["| length | impl | fwd+bwd ms | x cuDNN throughput | XLA temp GiB |", "|---|---|---|---|---|"]
+    for t in sorted({r["length"] for r in rows}):
+        at = [r for r in rows if r["length"] == t]
+        base = next((r["ms"] for r in at if r["impl"] == "cudnn"), None)
+        for r in at:
+            ratio = f"{base / r['ms']:.2f}" if base else "-"
+            lines.append(f"| {t} | {r['impl']} | {r['ms']:.2f} | {ratio} | {r['temp_gib']:.3f} |")
+    return "\n".join(lines)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--lengths", default="8192,16384,32768")
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--head_dim", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--tiles", default="64x64w4,128x64w4,64x128w4,128x128w8",
+                   help="kernel tiles block_q x block_k and Triton warps")
+    p.add_argument("--reference_max", type=int, default=8192, help="longest length for the reference")
+    p.add_argument("--skip_check", action="store_true")
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    print("device:", jax.devices()[0].device_kind, "jax", jax.__version__, flush=True)
+    tiles = [tuple(int(x) for x in s.replace("w", "x").split("x")) for s in args.tiles.split(",")]
+    checks = [] if args.skip_check else check("quadratic") + check("linear")
+    rows = bench([int(x) for x in args.lengths.split(",")], args.heads, args.head_dim, args.repeats,
+                 tiles, args.reference_max)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": jax.devices()[0].device_kind, "checks": checks, "rows": rows}, f, indent=1)
+    print(table(rows))
+
+
+if __name__ == "__main__":
+    main()
