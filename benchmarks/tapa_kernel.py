@@ -90,9 +90,10 @@ def timed(fn, args, repeats):
 
 
 def contenders(tiles):
-    out = {f"tapa/pallas {bq}x{bk} w{w}": functools.partial(tapa_attention, block_q=bq, block_k=bk, num_warps=w)
-           for bq, bk, w in tiles}
-    out["cudnn"] = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+    out = {f"tapa/pallas {bq}x{bk} w{w}{'' if fast else ' accurate'}":
+           functools.partial(tapa_attention, block_q=bq, block_k=bk, num_warps=w, fast_math=fast)
+           for bq, bk, w, fast in tiles}
+    out["cudnn"] = functools.partial(jax.nn.dot_product_attention, is_causal=True, implementation="cudnn")
     try:
         from jax.experimental.pallas.ops.gpu import attention as pallas_flash
         out["flash/pallas"] = lambda q, k, v: pallas_flash.mha(q, k, v, segment_ids=None, causal=True,
@@ -109,26 +110,30 @@ def bench(lengths, heads, head_dim, repeats, tiles, reference_max):
     for t in lengths:
         q, k, v = inputs(jax.random.key(0), 1, t, heads, heads, head_dim, jnp.bfloat16)
         for name, fn in contenders(tiles).items():
-            if name == "tapa/reference" and t > reference_max:
+            if name in ("tapa/reference", "tapa/blockwise") and t > reference_max:
                 continue
             try:
+                fwd, _ = timed(fn, (q, k, v), repeats)
                 sec, temp = timed(jax.grad(loss_of(fn), (0, 1, 2)), (q, k, v), repeats)
             except Exception as e:  # noqa: BLE001 - report and go on (OOM, unsupported shape)
                 print(f"{name} at {t}: failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
                 continue
-            rows.append({"length": t, "impl": name, "ms": 1e3 * sec, "temp_gib": temp / 2 ** 30})
+            rows.append({"length": t, "impl": name, "fwd_ms": 1e3 * fwd, "ms": 1e3 * sec,
+                         "temp_gib": temp / 2 ** 30})
             print(rows[-1], flush=True)
     return rows
 
 
 def table(rows):
-    lines = ["| length | impl | fwd+bwd ms | x cuDNN throughput | XLA temp GiB |", "|---|---|---|---|---|"]
+    lines = ["| length | impl | fwd ms | fwd+bwd ms | x cuDNN throughput (fwd+bwd) | XLA temp GiB |",
+             "|---|---|---|---|---|---|"]
     for t in sorted({r["length"] for r in rows}):
         at = [r for r in rows if r["length"] == t]
         base = next((r["ms"] for r in at if r["impl"] == "cudnn"), None)
         for r in at:
             ratio = f"{base / r['ms']:.2f}" if base else "-"
-            lines.append(f"| {t} | {r['impl']} | {r['ms']:.2f} | {ratio} | {r['temp_gib']:.3f} |")
+            lines.append(f"| {t} | {r['impl']} | {r['fwd_ms']:.2f} | {r['ms']:.2f} | {ratio} "
+                         f"| {r['temp_gib']:.3f} |")
     return "\n".join(lines)
 
 
@@ -138,14 +143,16 @@ def main():
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--head_dim", type=int, default=128)
     p.add_argument("--repeats", type=int, default=10)
-    p.add_argument("--tiles", default="64x64w4,128x64w4,64x128w4,128x128w8",
-                   help="kernel tiles block_q x block_k and Triton warps")
-    p.add_argument("--reference_max", type=int, default=8192, help="longest length for the reference")
+    p.add_argument("--tiles", default="64x64w4,64x64w8,32x64w4,64x32w4,128x64w8,64x64w4a",
+                   help="kernel tiles block_q x block_k, Triton warps, 'a' for accurate (libdevice) math")
+    p.add_argument("--reference_max", type=int, default=8192,
+                   help="longest length for our plain-JAX reference and blockwise versions")
     p.add_argument("--skip_check", action="store_true")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     print("device:", jax.devices()[0].device_kind, "jax", jax.__version__, flush=True)
-    tiles = [tuple(int(x) for x in s.replace("w", "x").split("x")) for s in args.tiles.split(",")]
+    tiles = [(*(int(x) for x in s.rstrip("a").replace("w", "x").split("x")), not s.endswith("a"))
+             for s in args.tiles.split(",")]
     checks = [] if args.skip_check else check("quadratic") + check("linear")
     rows = bench([int(x) for x in args.lengths.split(",")], args.heads, args.head_dim, args.repeats,
                  tiles, args.reference_max)

@@ -35,7 +35,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from positional.attention import MASKED, _check_shapes
+from positional.so2 import wrap
 from positional.tapa import check_options, split_qk
+
+LOG2E = 1.4426950408889634
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +54,7 @@ class _Static:
     interpret: bool
     num_warps: int
     num_stages: int
+    fast_math: bool
 
 
 def check_blocks(block_q: int, block_k: int, backend: str, interpret: bool) -> None:
@@ -69,6 +73,26 @@ def check_blocks(block_q: int, block_k: int, backend: str, interpret: bool) -> N
             raise ValueError(f"tapa kernel {name}={size} is not usable: it must be {need}")
 
 
+def _mufu(op: str, x):
+    """One special-function-unit instruction per element (`ex2.approx.ftz.f32`, ...); GPU only."""
+    from jax.experimental.pallas import triton as plgpu
+    out = jax.ShapeDtypeStruct(x.shape, x.dtype)
+    return plgpu.elementwise_inline_asm(f"{op}.approx.ftz.f32 $0, $1;", args=[x], constraints="=f,f",
+                                        pack=1, result_shape_dtypes=[out])[0]
+
+
+def _exp2(x, st: _Static):
+    return _mufu("ex2", x) if st.fast_math else jnp.exp2(x)
+
+
+def _cos(x, st: _Static):  # fast: wrapped into [-pi, pi) first, where cos.approx is accurate to 1e-6
+    return _mufu("cos", wrap(x)) if st.fast_math else jnp.cos(x)
+
+
+def _sin(x, st: _Static):
+    return _mufu("sin", wrap(x)) if st.fast_math else jnp.sin(x)
+
+
 def _tile(qa, ka, qp, kp, qi, kj, sq, sk, st: _Static):
     """One tile: (c_A S_A, r, c_P 2 pi S_P, mask), all [tq, tk] fp32 (mask bool).
 
@@ -79,7 +103,8 @@ def _tile(qa, ka, qp, kp, qi, kj, sq, sk, st: _Static):
     s_phase = lax.dot_general(qp, kp, contract, precision=lax.Precision.HIGHEST,
                               preferred_element_type=jnp.float32) * st.phase_scale
     d = (qi - kj).astype(jnp.float32)
-    r = jnp.where(d > 0, jnp.exp(st.alpha * jnp.log(jnp.maximum(d, 1.0))), 0.0)
+    log2_d = _mufu("lg2", jnp.maximum(d, 1.0)) if st.fast_math else jnp.log2(jnp.maximum(d, 1.0))
+    r = jnp.where(d > 0, _exp2(st.alpha * log2_d, st), 0.0)
     mask = (d >= 0) & (sq == sk) & (kj < st.kv_len)
     return s_amp, r, s_phase, mask
 
@@ -104,10 +129,10 @@ def _fwd_kernel(qa_ref, ka_ref, qp_ref, kp_ref, v_ref, sq_ref, sk_ref, o_ref, ls
         keys = pl.ds(k0, bk)
         s_amp, r, s_phase, mask = _tile(qa, ka_ref[keys, :], qp, kp_ref[keys, :], qi,
                                         _cols(k0, bk), sq, sk_ref[:, keys], st)
-        logits = jnp.where(mask, s_amp * jnp.cos(r * s_phase), MASKED)
+        logits = jnp.where(mask, s_amp * _cos(r * s_phase, st), MASKED) * LOG2E  # base-2 softmax
         m_new = jnp.maximum(m, logits.max(axis=1, keepdims=True))
-        p = jnp.exp(logits - m_new)
-        corr = jnp.exp(m - m_new)
+        p = _exp2(logits - m_new, st)
+        corr = _exp2(m - m_new, st)
         v = v_ref[keys, :]
         o = o * corr + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
         return o, m_new, row_sum * corr + p.sum(axis=1, keepdims=True)
@@ -118,19 +143,19 @@ def _fwd_kernel(qa_ref, ka_ref, qp_ref, kp_ref, v_ref, sq_ref, sk_ref, o_ref, ls
             jnp.zeros((bq, 1), jnp.float32))
     o, m, row_sum = lax.fori_loop(0, upper, body, init)
     o_ref[...] = (o / row_sum).astype(o_ref.dtype)
-    lse_ref[...] = m + jnp.log(row_sum)
+    lse_ref[...] = m + jnp.log2(row_sum)  # log2-sum-exp2 of the base-2 logits
 
 
 def _grads_of_tile(qa, ka, qp, kp, v, do, lse, delta, qi, kj, sq, sk, st: _Static):
     """(P, dS_A, dS_P) of one tile; dS are w.r.t. the raw dot products q_A.k_A and q_P.k_P."""
     s_amp, r, s_phase, mask = _tile(qa, ka, qp, kp, qi, kj, sq, sk, st)
     angle = r * s_phase
-    cos = jnp.cos(angle)
-    p = jnp.exp(jnp.where(mask, s_amp * cos, MASKED) - lse)
+    cos = _cos(angle, st)
+    p = _exp2(jnp.where(mask, s_amp * cos, MASKED) * LOG2E - lse, st)
     dp = lax.dot_general(do, v, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
     dl = p * (dp - delta)
     ds_amp = dl * cos * st.c_amp
-    ds_phase = -dl * s_amp * jnp.sin(angle) * r * st.phase_scale
+    ds_phase = -dl * s_amp * _sin(angle, st) * r * st.phase_scale
     return p, ds_amp, ds_phase
 
 
@@ -289,11 +314,14 @@ def _pad_to(x, axis, size):
 
 def tapa_attention(q, k, v, *, segment_ids=None, q_offset: int = 0, alpha: float = 0.1,
                    theta: float = 0.5, phase: str = "quadratic", block_q: int = 64, block_k: int = 64,
-                   interpret: bool | None = None, num_warps: int = 4, num_stages: int = 2) -> jax.Array:
+                   interpret: bool | None = None, num_warps: int = 4, num_stages: int = 2,
+                   fast_math: bool = True) -> jax.Array:
     """TAPA causal attention, fused. q [B, T, H, D]; k, v [B, S, K, D] -> [B, T, H, D].
 
-    `interpret` defaults to True on CPU (the Pallas interpreter) and False elsewhere;
-    `num_warps` and `num_stages` tune the Triton (GPU) compilation only.
+    `interpret` defaults to True on CPU (the Pallas interpreter) and False elsewhere.
+    GPU only: `num_warps` and `num_stages` tune the Triton compilation; `fast_math` computes
+    exp2, log2, cos and sin with one special-function instruction each (cos and sin after
+    exact wrapping into [-pi, pi)) instead of libdevice's accurate routines.
     """
     _check_shapes(q, k, v, segment_ids)
     check_options(alpha, phase)
@@ -314,7 +342,8 @@ def tapa_attention(q, k, v, *, segment_ids=None, q_offset: int = 0, alpha: float
     seg = segment_ids.astype(jnp.int32)
     st = _Static(alpha=float(alpha), c_amp=float(c_amp), phase_scale=float(2 * math.pi * c_phase),
                  q_offset=int(q_offset), kv_len=s, group=h // kh, block_q=block_q, block_k=block_k,
-                 interpret=bool(interpret), num_warps=num_warps, num_stages=num_stages)
+                 interpret=bool(interpret), num_warps=num_warps, num_stages=num_stages,
+                 fast_math=bool(fast_math) and not interpret and backend == "gpu")
     # Keys beyond the query length (decoding) see segment 0, as the reference does without ids.
     seg_k = seg if s == t else jnp.zeros((b, s), jnp.int32)
     o = _fused(layout(qa, t, tp), layout(ka, s, sp), layout(qp, t, tp), layout(kp, s, sp),
