@@ -15,8 +15,9 @@ the flash-attention recurrences with the TAPA chain rule, dL = P (dP - delta):
 
 in two kernels that recompute the tiles (one over key blocks for dK, dV; one over query blocks
 for dQ). Grouped-query dK, dV are summed over the group outside the kernel. The phase (S_P,
-r^alpha, cos, sin) and all statistics are fp32; amplitude matmuls take the input dtype with fp32
-accumulation.
+r^alpha, cos, sin) and all statistics are fp32; matmuls take the input dtype with fp32
+accumulation (P and dS are cast to it, as flash attention does), except S_P, whose fp32 inputs
+(the linear phase) get full fp32 precision rather than TF32.
 
 Tiles: block_q x block_k. On GPU (Triton) both must be powers of two >= 16; on TPU (Mosaic)
 multiples of 128; in interpret mode (CPU, the default there) any size >= 1. Head parts are
@@ -176,8 +177,7 @@ def _dkv_kernel(qa_ref, ka_ref, qp_ref, kp_ref, v_ref, sq_ref, sk_ref, do_ref, l
                                              _rows(st.q_offset + q0, bq), kj, sq_ref[rows, :], sk, st)
         dv = dv + lax.dot_general(p.astype(do.dtype), do, tn, preferred_element_type=jnp.float32)
         dka = dka + lax.dot_general(ds_amp.astype(qa.dtype), qa, tn, preferred_element_type=jnp.float32)
-        dkp = dkp + lax.dot_general(ds_phase, qp.astype(jnp.float32), tn, precision=lax.Precision.HIGHEST,
-                                    preferred_element_type=jnp.float32)
+        dkp = dkp + lax.dot_general(ds_phase.astype(qp.dtype), qp, tn, preferred_element_type=jnp.float32)
         return dka, dkp, dv
 
     num_q = qa_ref.shape[0] // bq
@@ -204,8 +204,7 @@ def _dq_kernel(qa_ref, ka_ref, qp_ref, kp_ref, v_ref, sq_ref, sk_ref, do_ref, ls
         _, ds_amp, ds_phase = _grads_of_tile(qa, ka, qp, kp, v_ref[keys, :], do, lse, delta, qi,
                                              _cols(k0, bk), sq, sk_ref[:, keys], st)
         dqa = dqa + jnp.dot(ds_amp.astype(ka.dtype), ka, preferred_element_type=jnp.float32)
-        dqp = dqp + jnp.dot(ds_phase, kp.astype(jnp.float32), precision=lax.Precision.HIGHEST,
-                            preferred_element_type=jnp.float32)
+        dqp = dqp + jnp.dot(ds_phase.astype(kp.dtype), kp, preferred_element_type=jnp.float32)
         return dqa, dqp
 
     num_k = ka_ref.shape[0] // bk
