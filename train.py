@@ -228,6 +228,8 @@ def train(config: ml_collections.ConfigDict) -> dict:
         src_step, params = load_params(config.init_from, abstract["params"])
         state = {**state, "params": params}
         print(f"initialised parameters from {config.init_from} (step {src_step})")
+        if config.train.steps == 0:  # zero-shot: the loaded parameters under this run's config
+            save(manager, state, loader.get_state(), {"step": 0, "loss": float("nan")})
     else:
         step0 = 0
     with open(os.path.join(workdir, "config.json"), "w") as f:
