@@ -91,8 +91,8 @@ class Tapa(Scheme):
     alpha: float = 0.1
     theta: float = 0.5
     phase: str = "quadratic"  # "quadratic" (eq. 10) | "linear" (the eq. 16 ablation)
-    block_q: int = 64  # Pallas kernel tiles (impl="pallas")
-    block_k: int = 64
+    block_q: int | None = None  # Pallas kernel tiles (impl="pallas"); None: the backend's default
+    block_k: int | None = None
 
     impls = ("reference", "blockwise", "pallas")
 

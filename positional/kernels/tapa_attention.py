@@ -40,6 +40,9 @@ from positional.so2 import wrap
 from positional.tapa import check_options, split_qk
 
 LOG2E = 1.4426950408889634
+# (block_q, block_k) when not given: on an H100 64 x 32 gave the fastest forward + backward of
+# the tiles in benchmarks/RESULTS.md; TPU needs lane-sized (128) tiles.
+DEFAULT_TILES = {"gpu": (64, 32), "tpu": (128, 128), "interpret": (64, 64)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -312,7 +315,8 @@ def _pad_to(x, axis, size):
 
 
 def tapa_attention(q, k, v, *, segment_ids=None, q_offset: int = 0, alpha: float = 0.1,
-                   theta: float = 0.5, phase: str = "quadratic", block_q: int = 64, block_k: int = 64,
+                   theta: float = 0.5, phase: str = "quadratic", block_q: int | None = None,
+                   block_k: int | None = None,
                    interpret: bool | None = None, num_warps: int = 4, num_stages: int = 2,
                    fast_math: bool = True) -> jax.Array:
     """TAPA causal attention, fused. q [B, T, H, D]; k, v [B, S, K, D] -> [B, T, H, D].
@@ -326,6 +330,8 @@ def tapa_attention(q, k, v, *, segment_ids=None, q_offset: int = 0, alpha: float
     check_options(alpha, phase)
     backend = jax.default_backend()
     interpret = backend == "cpu" if interpret is None else interpret
+    default_q, default_k = DEFAULT_TILES.get("interpret" if interpret else backend, (64, 64))
+    block_q, block_k = block_q or default_q, block_k or default_k
     check_blocks(block_q, block_k, backend, interpret)
     b, t, h, d = q.shape
     s, kh = k.shape[1], k.shape[2]

@@ -1,0 +1,204 @@
+"""TAPA: the logit against its definition, the paper's expected-score values (closed form and
+Monte Carlo), the fused Pallas kernel against the reference (interpret mode), bad input, and
+lowering for TPU."""
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from models.registry import make_scheme
+from positional.attention import reference_attention
+from positional.kernels.tapa_attention import check_blocks, tapa_attention
+from positional.rope import rope_frequencies, rotate
+from positional.tapa import distance_power, split_dims, tapa_score_fn
+
+
+def logits_of(q, k, **options):
+    """TAPA logits [T, S] of one head through the attention score hook (q [T, D], k [S, D])."""
+    t, s = q.shape[0], k.shape[0]
+    out = tapa_score_fn(**options)(q.reshape(1, t, 1, 1, -1), k.reshape(1, s, 1, -1),
+                                   jnp.arange(t), jnp.arange(s))
+    return np.asarray(out[0, 0, 0], np.float64)
+
+
+@pytest.mark.parametrize("phase", ["quadratic", "linear"])
+def test_logit_matches_the_definition_in_float64(phase):
+    rng = np.random.default_rng(0)
+    t, d, theta, alpha = 9, 12, 0.25, 0.3
+    q, k = rng.normal(size=(t, d)), rng.normal(size=(t, d))
+    n_amp = 3  # theta * D
+    want = np.zeros((t, t))
+    for i in range(t):
+        for j in range(t):
+            amp = q[i, :n_amp] @ k[j, :n_amp] / math.sqrt(n_amp)
+            if phase == "quadratic":
+                ph = q[i, n_amp:] @ k[j, n_amp:] / math.sqrt(d - n_amp)
+            else:  # eq. 16: the phase coordinates of q and of k, summed
+                ph = (q[i, n_amp:].sum() + k[j, n_amp:].sum()) / math.sqrt(d - n_amp)
+            want[i, j] = amp * math.cos(2 * math.pi * abs(i - j) ** alpha * ph)
+    got = logits_of(jnp.asarray(q, jnp.float32), jnp.asarray(k, jnp.float32), alpha=alpha, theta=theta,
+                    phase=phase)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_distance_power_values():
+    r = np.asarray(distance_power(jnp.arange(70000), jnp.zeros(1, jnp.int32), 0.1))[:, 0]
+    # the notes' table of r^0.1
+    for dist, value in [(0, 0.0), (1, 1.0), (2, 1.072), (100, 1.585), (1024, 2.0), (8192, 2.462),
+                        (32768, 2.828), (49152, 2.946), (65536, 3.031)]:
+        assert abs(r[dist] - value) < 1e-3, (dist, r[dist])
+
+
+def test_rope_expected_score_curve_and_monte_carlo():
+    """Notes, RoPE theory: C_D(lam) for b = 5e5, D = 128, and E score = 2 sqrt(D) C_D for q = k."""
+    d = 128
+    freqs = np.asarray(rope_frequencies(d, base=5e5), np.float64)
+    lams = [0, 1, 2, 3, 10, 100, 1000, 8192, 32768, 65536]
+    c_d = [np.cos(lam * freqs).sum() / d for lam in lams]
+    np.testing.assert_allclose(c_d, [.5, .489, .4619, .4329, .3821, .3055, .2461, .1327, .1049, .0226],
+                               atol=6e-4)
+    q = jax.random.normal(jax.random.key(0), (20000, 1, 1, d))
+    for lam, want in [(0, 11.314), (10, 8.646), (100, 6.913), (1000, 5.569), (10000, 2.116)]:
+        angles = jnp.asarray(freqs, jnp.float32).reshape(1, 1, 1, -1)  # [B, T, 1, D/2]
+        qr, kr = rotate(q, (lam + 7) * angles), rotate(q, 7 * angles)
+        score = np.asarray(jnp.sum(qr * kr, -1)).ravel() / math.sqrt(d)
+        assert abs(score.mean() - want) < 4 * score.std() / math.sqrt(score.size) + 1e-3, (lam, score.mean())
+
+
+def pair_logits(q, k, r):
+    """TAPA logit of each pair (q_n, k_n) [N, D] at distance r: [N]."""
+    d = q.shape[-1]
+
+    def one(a, b):
+        return tapa_score_fn()(a.reshape(1, 1, 1, 1, d), b.reshape(1, 1, 1, d), jnp.asarray([r]),
+                               jnp.asarray([0]))[0, 0, 0, 0, 0]
+
+    return np.asarray(jax.vmap(one)(q, k))
+
+
+def tapa_expected_logit(c, r, d, theta=0.5, alpha=0.1):
+    """Notes, closed form: c sqrt(theta D) Re[((1 - i t c)^2 + t^2)^(-(1 - theta) D / 2)]."""
+    n_amp, n_phase = split_dims(d, theta)
+    t = 2 * math.pi * (r ** alpha if r else 0.0) / math.sqrt(n_phase)
+    return c * math.sqrt(n_amp) * (((1 - 1j * t * c) ** 2 + t ** 2) ** (-n_phase / 2)).real
+
+
+@pytest.mark.parametrize("d", [8, 128])
+def test_tapa_expected_logit_closed_form_and_monte_carlo(d):
+    """q, k Gaussian with per-coordinate correlation c: the closed form of the notes, checked
+    against Monte Carlo through the implementation (and the notes' values at D = 128)."""
+    c, n = 0.9, 40000
+    if d == 128:
+        assert abs(tapa_expected_logit(c, 0, d) - 7.2) < 1e-9
+        assert all(abs(tapa_expected_logit(c, r, d)) < 1e-7 for r in (1, 2, 10, 1000))
+    kq, kn = jax.random.split(jax.random.key(d))
+    q = jax.random.normal(kq, (n, d))
+    k = c * q + math.sqrt(1 - c * c) * jax.random.normal(kn, (n, d))
+    for r in (0, 1, 3, 50):
+        logit = pair_logits(q, k, r)
+        want = tapa_expected_logit(c, r, d)
+        assert abs(logit.mean() - want) < 4 * logit.std() / math.sqrt(n), (d, r, logit.mean(), want)
+
+
+def test_tapa_variance_values():
+    """Notes: c = 0, D = 128: Var = 1.0 at r = 0 and 0.50 for r >= 1 (Thm 3.3: >= sigma^2 / 2)."""
+    n, d = 40000, 128
+    kq, kk = jax.random.split(jax.random.key(5))
+    q, k = jax.random.normal(kq, (n, d)), jax.random.normal(kk, (n, d))
+    for r, want in [(0, 1.0), (1, 0.5), (100, 0.5)]:
+        logit = pair_logits(q, k, r)
+        assert abs(logit.var() - want) < 0.03, (r, logit.var())
+
+
+def _loss(fn):
+    def loss(q, k, v):
+        out = fn(q, k, v).astype(jnp.float32)
+        return jnp.sum(out * jnp.cos(jnp.arange(out.shape[-1], dtype=jnp.float32)))
+    return loss
+
+
+@pytest.mark.parametrize("t,h,kh,d,dtype,phase,bq,bk,segments", [
+    (37, 4, 2, 64, jnp.float32, "quadratic", 16, 16, True),      # T not a multiple of either tile, GQA
+    (40, 2, 1, 128, jnp.bfloat16, "quadratic", 32, 16, False),   # head dim 128, bf16, MQA
+    (33, 2, 2, 64, jnp.float32, "linear", 16, 32, True),         # the linear-phase ablation
+])
+def test_kernel_matches_reference_values_and_gradients(t, h, kh, d, dtype, phase, bq, bk, segments):
+    kq, kk, kv = jax.random.split(jax.random.key(t), 3)
+    q = jax.random.normal(kq, (2, t, h, d), dtype)
+    k, v = jax.random.normal(kk, (2, t, kh, d), dtype), jax.random.normal(kv, (2, t, kh, d), dtype)
+    seg = jnp.asarray((np.arange(t) >= t // 3)[None].repeat(2, 0), jnp.int32) if segments else None
+    kern = functools.partial(tapa_attention, segment_ids=seg, phase=phase, block_q=bq, block_k=bk)
+    ref = functools.partial(reference_attention, segment_ids=seg, score_fn=tapa_score_fn(phase=phase))
+    up = [x.astype(jnp.float32) for x in (q, k, v)]  # the reference on the same (rounded) inputs
+    tol = 1e-5 if dtype == jnp.float32 else 1e-2  # bf16: P and dS are cast to bf16 for the matmuls
+    def rel(a, b):
+        return float(jnp.linalg.norm((a.astype(jnp.float32) - b).ravel()) / jnp.linalg.norm(b.ravel()))
+
+    out = jax.jit(kern)(q, k, v)
+    assert out.dtype == dtype
+    assert rel(out, ref(*up)) < tol
+    for got, want in zip(jax.grad(_loss(kern), (0, 1, 2))(q, k, v), jax.grad(_loss(ref), (0, 1, 2))(*up)):
+        assert got.dtype == dtype and rel(got, want) < tol
+
+
+def test_kernel_with_a_query_offset_decoding():
+    kq, kk, kv = jax.random.split(jax.random.key(3), 3)
+    q = jax.random.normal(kq, (1, 5, 2, 16))
+    k, v = jax.random.normal(kk, (1, 21, 2, 16)), jax.random.normal(kv, (1, 21, 2, 16))
+    got = tapa_attention(q, k, v, q_offset=16, block_q=8, block_k=8)
+    want = reference_attention(q, k, v, q_offset=16, score_fn=tapa_score_fn())
+    np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+@pytest.mark.parametrize("options,field", [
+    ({"theta": 0.01}, "empty amplitude"), ({"theta": 0.99}, "empty phase"), ({"theta": 1.0}, "theta"),
+    ({"alpha": 0.0}, "alpha"), ({"alpha": -1.0}, "alpha"), ({"phase": "cubic"}, "phase"),
+])
+def test_bad_options_name_the_field(options, field):
+    with pytest.raises(ValueError, match=field):
+        make_scheme("tapa", num_heads=2, head_dim=16, **options)
+
+
+def test_block_sizes_the_backend_cannot_use():
+    check_blocks(16, 64, "gpu", interpret=False)
+    check_blocks(128, 256, "tpu", interpret=False)
+    check_blocks(5, 7, "cpu", interpret=True)
+    for args, field in [((48, 64, "gpu"), "block_q=48"), ((64, 8, "gpu"), "block_k=8"),
+                        ((64, 128, "tpu"), "block_q=64"), ((64, 64, "cpu"), "interpret")]:
+        with pytest.raises(ValueError, match=field):
+            check_blocks(*args, interpret=False)
+
+
+def test_pallas_impl_only_where_a_scheme_has_a_kernel():
+    scheme = make_scheme("rope", num_heads=2, head_dim=8)
+    x = jnp.ones((1, 4, 2, 8))
+    with pytest.raises(ValueError, match="no attention impl 'pallas'; valid: reference, blockwise"):
+        scheme.attend(x, x, x, positions=jnp.zeros((1, 4), jnp.int32), impl="pallas")
+    composed = make_scheme("tapa+alibi", num_heads=2, head_dim=8)
+    with pytest.raises(ValueError, match="no additive bias"):
+        composed.attend(x, x, x, positions=jnp.zeros((1, 4), jnp.int32), impl="pallas")
+
+
+def test_kernel_lowers_for_tpu():
+    """Forward and backward lower to Mosaic (TPU) on this CPU, through jax.export. Compiling
+    the Mosaic module needs a TPU; lowering checks block shapes, layouts and every op."""
+    tpu_info = pytest.importorskip("jax._src.pallas.mosaic.tpu_info")
+    kind = jax.devices()[0].device_kind
+    tpu_info.registry[kind] = lambda: tpu_info.get_tpu_info_for_chip(tpu_info.ChipVersion.TPU_V5E, 1)
+    f = functools.partial(tapa_attention, block_q=128, block_k=128, interpret=False)
+    q = jax.ShapeDtypeStruct((1, 256, 4, 128), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((1, 256, 2, 128), jnp.bfloat16)
+    backend = jax.default_backend
+    try:
+        jax.default_backend = lambda: "tpu"  # the kernel picks TPU tile rules and compile options
+        grad = jax.grad(lambda q, k, v: f(q, k, v).astype(jnp.float32).sum(), (0, 1, 2))
+        for fn in (f, grad):
+            text = jax.export.export(jax.jit(fn), platforms=["tpu"])(q, k, k).mlir_module()
+            assert "tpu_custom_call" in text
+    finally:
+        jax.default_backend = backend
+        tpu_info.registry.pop(kind)
