@@ -108,7 +108,7 @@ def test_t2_fake_distance_fit_is_the_min_norm_least_squares_fit():
 
 def test_t3_nope_and_alibi_fake_logits_are_exactly_additive():
     n, dim = 48, 16
-    q = normal(4, dim,)
+    q = normal(4, dim)
     k = normal(5, n, dim) + 0.5
     distances = np.arange(n)
     nope = logits.fake_distance_fit(logits.fake_logits(lambda q, k, d: q @ k, q, k, distances))
@@ -177,7 +177,7 @@ def test_slot_swap_reproduces_the_real_logit_at_the_real_slot(scheme):
 def test_rope_slot_swap_is_the_papers_fake_distance():
     dim, n = 16, 32
     theta = jnp.asarray(rope_frequencies(dim), jnp.float32)
-    q = normal(9, dim,)
+    q = normal(9, dim)
     k = normal(10, n, dim)
     paper = logits.fake_logits(lambda q, k, d: rotate(q, d * theta) @ k, q, k, np.arange(n))
     swap = logits.slot_swap_logits(q, k, np.arange(n)[:, None] * theta)
@@ -221,10 +221,10 @@ def test_t5_rope_fake_fit_on_iid_vectors_is_not_at_chance():
     angles = (np.arange(n)[:, None] * theta).astype(np.float32)
     chance = math.sqrt((n + n - 1) / (n * n))
     for seed in range(3):
-        q = normal(100 + seed, dim,)
+        q = normal(100 + seed, dim)
         k = normal(200 + seed, draws, n, dim)
         out = logits.fake_distance_fit(logits.slot_swap_logits(q, k, angles))
-        qn = np.asarray(q[: dim // 2]) ** 2 + np.asarray(q[dim // 2:]) ** 2
+        qn = q[: dim // 2] ** 2 + q[dim // 2:] ** 2
         assert float(out["r2"].mean()) == pytest.approx((qn * rho ** 2).sum() / qn.sum(), abs=0.03)
         assert float(out["r"].min()) > 4 * chance
         # a_d is noise of size |q| / sqrt(n) (the mean key), b_j carries the signal.
