@@ -291,6 +291,59 @@ def probe_report(results: dict, out: str) -> str:
     return table
 
 
+# ---- near-minus-far logit differences (the TAPA paper's Figure 1) -------------------------
+
+def near_far_runs(workdirs, *, length: int, near, far, pairs: int = 10000, windows: int = 2,
+                  log=print) -> dict:
+    """Per run: `pairs` samples of logit(i, i - lam) - logit(i, i - Lam), lam in `near`, Lam in
+    `far`, pooled over layers, heads and held-out windows of `length` tokens."""
+    from models.lm import attention_internals
+    from positional.probes.logits import near_far_differences
+    results = {"length": length, "near": list(near), "far": list(far), "runs": {}}
+    for workdir in workdirs:
+        config, model, step = load_run(workdir)
+        stream = _stream(config, windows * length + 1)
+        tokens = jnp.asarray(stream[:windows * length].reshape(windows, length))
+        weights = jnp.stack([layer["weights"] for layer in attention_internals(model, tokens,
+                                                                               rng=jax.random.key(0))])
+        diffs = np.asarray(near_far_differences(jnp.log(weights), near, far, pairs, jax.random.key(1)))
+        diffs = diffs[np.isfinite(diffs)]  # a weight that underflowed to 0 has no finite log
+        name = os.path.basename(os.path.normpath(workdir))
+        results["runs"][name] = {"workdir": workdir, "step": step, "scheme": config.model.scheme,
+                                 "mean": float(diffs.mean()), "std": float(diffs.std()),
+                                 "n": int(diffs.size), "diffs": diffs.tolist()}
+        log(f"{name}: mean {diffs.mean():.3f} std {diffs.std():.3f} over {diffs.size} pairs")
+    return results
+
+
+def near_far_report(results: dict, out: str) -> str:
+    """near_far.json, near_far.md and near_far.png (one histogram per run)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "near_far.json"), "w") as f:
+        json.dump(results, f)
+    near, far = results["near"], results["far"]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    lines = ["| run | mean | std | pairs |", "|---|---|---|---|"]
+    for name, run in results["runs"].items():
+        ax.hist(run["diffs"], bins=80, alpha=0.5, density=True,
+                label=f"{name}: mean {run['mean']:.2f}, std {run['std']:.2f}")
+        lines.append(f"| {name} | {run['mean']:.3f} | {run['std']:.3f} | {run['n']} |")
+    ax.set(xlabel=f"logit(lam) - logit(Lam), lam in [{near[0]}, {near[1]}), Lam in [{far[0]}, {far[1]})",
+           ylabel="density")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, "near_far.png"), dpi=120)
+    plt.close(fig)
+    table = (f"Near-minus-far logit differences on windows of {results['length']} tokens, pooled over "
+             "layers and heads.\n\n" + "\n".join(lines) + "\n")
+    with open(os.path.join(out, "near_far.md"), "w") as f:
+        f.write(table)
+    return table
+
+
 # ---- command line --------------------------------------------------------------------------
 
 flags.DEFINE_list("workdirs", [], "training run directories to evaluate and compare")
@@ -301,6 +354,9 @@ flags.DEFINE_integer("tokens", 0, "scored tokens per length (0: the run's eval.t
 flags.DEFINE_integer("stride", -1, "sliding-window stride (0: non-overlapping; -1: the run's)")
 flags.DEFINE_integer("probe_length", 0, "instead of perplexity, run the transport probes on "
                      "windows of this many tokens (writes probes.json / .md / .png)")
+flags.DEFINE_list("near_far", [], "with --probe_length: instead of the transport probes, "
+                  "histogram logit(lam) - logit(Lam) for lam in NEAR, Lam in FAR, given as "
+                  "lo:hi,lo:hi (writes near_far.json / .md / .png)")
 
 
 def main(argv):
@@ -312,6 +368,15 @@ def main(argv):
     if not FLAGS.workdirs:
         print("error: pass --workdirs=run1[,run2,...]", file=sys.stderr)
         sys.exit(1)
+    if FLAGS.near_far:
+        if len(FLAGS.near_far) != 2 or not FLAGS.probe_length:
+            print("error: --near_far=lo:hi,lo:hi needs two ranges and --probe_length", file=sys.stderr)
+            sys.exit(1)
+        near, far = (tuple(int(x) for x in r.split(":")) for r in FLAGS.near_far)
+        results = run_cli(lambda: near_far_runs(FLAGS.workdirs, length=FLAGS.probe_length, near=near,
+                                                far=far))
+        print(near_far_report(results, FLAGS.out))
+        return
     if FLAGS.probe_length:
         results = run_cli(lambda: probe_runs(FLAGS.workdirs, length=FLAGS.probe_length))
         print(probe_report(results, FLAGS.out))

@@ -88,3 +88,13 @@ def test_probe_command_reports_every_layer(tiny_run, tmp_path):
     assert len(layers) == 2 and set(layers[0]["far_mass"]) == {"8", "32"}
     assert all(0 <= m <= 1 for rec in layers for m in rec["far_mass"].values())
     assert "| rope | 1 |" in run.stdout and (tmp_path / "probes.png").exists()
+
+
+def test_near_far_command(tiny_run, tmp_path):
+    config, _ = tiny_run
+    run = cli("eval.py", f"--workdirs={config.workdir}", f"--out={tmp_path}", "--probe_length=64",
+              "--near_far=0:4,48:64")
+    assert run.returncode == 0, run.stderr
+    result = json.load(open(tmp_path / "near_far.json"))["runs"]["rope"]
+    assert result["n"] == 10000 and np.isfinite(result["mean"]) and result["std"] > 0
+    assert "| rope |" in run.stdout and (tmp_path / "near_far.png").exists()

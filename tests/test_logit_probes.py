@@ -345,3 +345,19 @@ def test_gaussian_kl_matches_monte_carlo():
     scaled = logits.gaussian_kl(jnp.asarray(3 * x, jnp.float32), jnp.asarray(3 * y, jnp.float32), ridge)
     assert float(scaled) == pytest.approx(got, rel=1e-4)
 
+
+
+def test_near_far_differences_of_alibi_logits():
+    """Logits -m (i - j): every difference is m (Lam - lam), and the softmax normaliser cancels."""
+    t, m = 40, 0.3
+    i, j = np.arange(t)[:, None], np.arange(t)[None, :]
+    z = np.where(j <= i, -m * (i - j), -np.inf)
+    log_w = jnp.asarray(z - np.log(np.exp(z).sum(-1, keepdims=True)))[None]
+    key = jax.random.key(0)
+    got = np.asarray(logits.near_far_differences(log_w, (0, 3), (20, 25), 500, key))
+    _, kl, kf, _ = jax.random.split(key, 4)
+    lam = np.asarray(jax.random.randint(kl, (500,), 0, 3))
+    big = np.asarray(jax.random.randint(kf, (500,), 20, 25))
+    np.testing.assert_allclose(got, m * (big - lam), atol=1e-4)
+    with pytest.raises(ValueError, match="far hi"):
+        logits.near_far_differences(log_w, (0, 3), (20, 41), 5, key)

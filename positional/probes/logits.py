@@ -275,3 +275,23 @@ def gaussian_kl(x: jnp.ndarray, y: jnp.ndarray, ridge: float = 1e-6) -> jnp.ndar
     mahalanobis = (solve_triangular(ly, my - mx, lower=True) ** 2).sum()
     logdet = 2 * (jnp.log(jnp.diag(ly)) - jnp.log(jnp.diag(lx))).sum()
     return (trace + mahalanobis - d + logdet) / 2
+
+
+def near_far_differences(log_weights, near: tuple[int, int], far: tuple[int, int], num: int, key):
+    """logit(i, i - lam) - logit(i, i - Lam) for `num` random (matrix, query i, lam in [near),
+    Lam in [far)): the TAPA paper's Figure 1, its measure of a scheme's distance bias.
+
+    log_weights [..., T, T]: log softmax weights of causal attention (rows are queries). Within
+    one row the softmax normaliser cancels, so differences of log weights are differences of
+    logits, whatever the scheme's score. Requires far[1] <= T.
+    """
+    t = log_weights.shape[-1]
+    if not (0 <= near[0] < near[1] and 0 <= far[0] < far[1] <= t):
+        raise ValueError(f"near={near}, far={far}: need 0 <= lo < hi, and far hi <= T = {t}")
+    w = log_weights.reshape(-1, t, t)
+    km, kl, kf, ki = jax.random.split(key, 4)
+    m = jax.random.randint(km, (num,), 0, w.shape[0])
+    lam = jax.random.randint(kl, (num,), *near)
+    big = jax.random.randint(kf, (num,), *far)
+    i = jax.random.randint(ki, (num,), far[1] - 1, t)  # every sampled key lies in the past
+    return w[m, i, i - lam] - w[m, i, i - big]
