@@ -99,6 +99,19 @@ def _stream(config, max_tokens: int) -> np.ndarray:
 
 # ---- runs on disk --------------------------------------------------------------------------
 
+def _windows(config, windows: int, length: int) -> jax.Array:
+    """The first `windows` held-out windows of `length` tokens: [windows, length]."""
+    stream = _stream(config, windows * length + 1)
+    return jnp.asarray(stream[:windows * length].reshape(windows, length))
+
+
+def _pyplot():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
 def load_run(workdir: str):
     """(config, model with the latest complete checkpoint's parameters, step) of a training run."""
     from train import init_state, load_params, make_mesh
@@ -168,10 +181,8 @@ def markdown_table(results: dict) -> str:
 
 
 def plot(results: dict, path: str) -> None:
-    import matplotlib
     import matplotlib.ticker
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = _pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for name, run in results["runs"].items():
         x = [r["length"] for r in run["results"]]
@@ -221,8 +232,7 @@ def probe_runs(workdirs, *, length: int, windows: int = 2, log=print) -> dict:
     results = {"length": length, "windows": windows, "runs": {}}
     for workdir in workdirs:
         config, model, step = load_run(workdir)
-        stream = _stream(config, windows * length + 1)
-        tokens = jnp.asarray(stream[:windows * length].reshape(windows, length))
+        tokens = _windows(config, windows, length)
         far_windows = sorted({max(1, config.seq_len // 4), config.seq_len,
                               min(4 * config.seq_len, length // 2)})
         layers = []
@@ -248,9 +258,7 @@ def probe_runs(workdirs, *, length: int, windows: int = 2, log=print) -> dict:
 
 def probe_report(results: dict, out: str) -> str:
     """probes.json, probes.md (one row per run and layer) and probes.png."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = _pyplot()
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "probes.json"), "w") as f:
         json.dump(results, f, indent=2)
@@ -302,8 +310,7 @@ def near_far_runs(workdirs, *, length: int, near, far, pairs: int = 10000, windo
     results = {"length": length, "near": list(near), "far": list(far), "runs": {}}
     for workdir in workdirs:
         config, model, step = load_run(workdir)
-        stream = _stream(config, windows * length + 1)
-        tokens = jnp.asarray(stream[:windows * length].reshape(windows, length))
+        tokens = _windows(config, windows, length)
         weights = jnp.stack([layer["weights"] for layer in attention_internals(model, tokens,
                                                                                rng=jax.random.key(0))])
         diffs = np.asarray(near_far_differences(jnp.log(weights), near, far, pairs, jax.random.key(1)))
@@ -318,9 +325,7 @@ def near_far_runs(workdirs, *, length: int, near, far, pairs: int = 10000, windo
 
 def near_far_report(results: dict, out: str) -> str:
     """near_far.json, near_far.md and near_far.png (one histogram per run)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = _pyplot()
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "near_far.json"), "w") as f:
         json.dump(results, f)
