@@ -47,7 +47,7 @@ def measure(scheme: str, impl: str, length: int, batch: int, block_size: int, re
     tokens = jax.random.randint(jax.random.key(1), (batch, length + 1), 0, VOCAB)
 
     def nll(state, tokens):
-        return token_nll(nnx.merge(graphdef, state), tokens, impl=impl)[0]
+        return token_nll(nnx.merge(graphdef, state), tokens, impl=impl, rng=jax.random.key(0))[0]
 
     t0 = time.perf_counter()
     compiled = jax.jit(nll).lower(state, tokens).compile()
