@@ -157,3 +157,27 @@ def test_empty_dataset_dir_is_an_error(tmp_path):
               f"--config.data.source_dir={tmp_path / 'empty'}")
     assert run.returncode != 0 and "Traceback" not in run.stderr
     assert "empty" in run.stderr.strip().splitlines()[-1]
+
+
+def test_extend_from_a_pretrained_run_with_a_rope_extension(tiny_run, tmp_path):
+    """Pretrain-then-extend: init_from at twice the length with YaRN switched on; a zero-step
+    extension stores the pretrained parameters under the new scheme options (zero-shot)."""
+    config, _ = tiny_run
+    source = config.workdir
+
+    def extension(workdir, steps):
+        c = tiny_config(workdir, steps=steps, checkpoint_every=4)
+        c.init_from, c.seq_len, c.batch_size = source, 64, 4
+        c.model.scheme_options.update(scaling="yarn", factor=4.0, original_max_len=32)
+        return c
+
+    zero = train(extension(tmp_path / "zeroshot", 0))
+    assert zero["step"] == 0 and zero["losses"] == []
+    _, pre = load_params(source, _abstract(config))
+    step, zs = load_params(str(tmp_path / "zeroshot"), _abstract(config))
+    assert step == 0
+    jax.tree.map(np.testing.assert_array_equal, zs, pre)
+    saved = json.load(open(tmp_path / "zeroshot" / "config.json"))
+    assert saved["model"]["scheme_options"]["scaling"] == "yarn" and saved["seq_len"] == 64
+    extended = train(extension(tmp_path / "extend", 4))
+    assert extended["step"] == 4 and all(np.isfinite(extended["losses"]))
