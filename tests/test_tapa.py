@@ -130,7 +130,8 @@ def test_kernel_matches_reference_values_and_gradients(t, h, kh, d, dtype, phase
     kq, kk, kv = jax.random.split(jax.random.key(t), 3)
     q = jax.random.normal(kq, (2, t, h, d), dtype)
     k, v = jax.random.normal(kk, (2, t, kh, d), dtype), jax.random.normal(kv, (2, t, kh, d), dtype)
-    seg = jnp.asarray((np.arange(t) >= t // 3)[None].repeat(2, 0), jnp.int32) if segments else None
+    # ids 1 and 2: padded query rows (id 0) then see no key at all, which must stay finite.
+    seg = jnp.asarray(1 + (np.arange(t) >= t // 3)[None].repeat(2, 0), jnp.int32) if segments else None
     kern = functools.partial(tapa_attention, segment_ids=seg, phase=phase, block_q=bq, block_k=bk)
     ref = functools.partial(reference_attention, segment_ids=seg, score_fn=tapa_score_fn(phase=phase))
     up = [x.astype(jnp.float32) for x in (q, k, v)]  # the reference on the same (rounded) inputs

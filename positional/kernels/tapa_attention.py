@@ -133,7 +133,9 @@ def _fwd_kernel(qa_ref, ka_ref, qp_ref, kp_ref, v_ref, sq_ref, sk_ref, o_ref, ls
         keys = pl.ds(k0, bk)
         s_amp, r, s_phase, mask = _tile(qa, ka_ref[keys, :], qp, kp_ref[keys, :], qi,
                                         _cols(k0, bk), sq, sk_ref[:, keys], st)
-        logits = jnp.where(mask, s_amp * _cos(r * s_phase, st), MASKED) * LOG2E  # base-2 softmax
+        # Base-2 softmax; masked entries equal the initial max, so a row with no visible key
+        # (a padded query) gets finite statistics, never 0 / 0.
+        logits = jnp.where(mask, s_amp * _cos(r * s_phase, st) * LOG2E, MASKED)
         m_new = jnp.maximum(m, logits.max(axis=1, keepdims=True))
         p = _exp2(logits - m_new, st)
         corr = _exp2(m - m_new, st)
@@ -155,7 +157,7 @@ def _grads_of_tile(qa, ka, qp, kp, v, do, lse, delta, qi, kj, sq, sk, st: _Stati
     s_amp, r, s_phase, mask = _tile(qa, ka, qp, kp, qi, kj, sq, sk, st)
     angle = r * s_phase
     cos = _cos(angle, st)
-    p = _exp2(jnp.where(mask, s_amp * cos, MASKED) * LOG2E - lse, st)
+    p = _exp2(jnp.where(mask, s_amp * cos * LOG2E, MASKED) - lse, st)
     dp = lax.dot_general(do, v, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
     dl = p * (dp - delta)
     ds_amp = dl * cos * st.c_amp
