@@ -99,6 +99,17 @@ def _stream(config, max_tokens: int) -> np.ndarray:
 
 # ---- runs on disk --------------------------------------------------------------------------
 
+def run_name(workdir: str, workdirs) -> str:
+    """A run's name in reports: its folder name, with as many parent folders as it takes to
+    tell it apart from the other runs compared (runs/a/tapa vs runs/b/tapa -> a/tapa, b/tapa)."""
+    parts = lambda w: os.path.normpath(w).split(os.sep)  # noqa: E731
+    for depth in range(1, len(parts(workdir)) + 1):
+        name = "/".join(parts(workdir)[-depth:])
+        if sum("/".join(parts(w)[-depth:]) == name for w in workdirs) == 1:
+            return name
+    return workdir
+
+
 def _windows(config, windows: int, length: int) -> jax.Array:
     """The first `windows` held-out windows of `length` tokens: [windows, length]."""
     stream = _stream(config, windows * length + 1)
@@ -150,7 +161,7 @@ def evaluate_runs(workdirs, *, multipliers=None, max_multiplier=None, tokens=Non
     stream = _stream(base, tokens + max(lengths) + 1 + max(lengths))
     results = {"lengths": lengths, "tokens": tokens, "stride": stride, "runs": {}}
     for workdir, config, model, step in runs:
-        name = os.path.basename(os.path.normpath(workdir))
+        name = run_name(workdir, workdirs)
         rows = []
         for length in lengths:
             impl = "blockwise" if length >= ev.blockwise_from else config.model.attention_impl
@@ -249,7 +260,7 @@ def probe_runs(workdirs, *, length: int, windows: int = 2, log=print) -> dict:
                            route_decay={n: float(d.max()) for n, d in zip(lengths, decay)},
                            value_ratio=float(cancel["ratio"]))
             layers.append(rec)
-        name = os.path.basename(os.path.normpath(workdir))
+        name = run_name(workdir, workdirs)
         results["runs"][name] = {"workdir": workdir, "step": step, "scheme": config.model.scheme,
                                  "train_len": config.seq_len, "layers": layers}
         log(f"probed {name}")
@@ -315,7 +326,7 @@ def near_far_runs(workdirs, *, length: int, near, far, pairs: int = 10000, windo
                                                                                rng=jax.random.key(0))])
         diffs = np.asarray(near_far_differences(jnp.log(weights), near, far, pairs, jax.random.key(1)))
         diffs = diffs[np.isfinite(diffs)]  # a weight that underflowed to 0 has no finite log
-        name = os.path.basename(os.path.normpath(workdir))
+        name = run_name(workdir, workdirs)
         results["runs"][name] = {"workdir": workdir, "step": step, "scheme": config.model.scheme,
                                  "mean": float(diffs.mean()), "std": float(diffs.std()),
                                  "n": int(diffs.size), "diffs": diffs.tolist()}

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from eval import evaluate_runs, load_run, perplexity, scoring_plan, write_report
+from eval import evaluate_runs, load_run, perplexity, run_name, scoring_plan, write_report
 from models.lm import DecoderLM, ModelConfig, token_nll
 from tiny_setup import cli
 
@@ -98,3 +98,8 @@ def test_near_far_command(tiny_run, tmp_path):
     result = json.load(open(tmp_path / "near_far.json"))["runs"]["rope"]
     assert result["n"] == 10000 and np.isfinite(result["mean"]) and result["std"] > 0
     assert "| rope |" in run.stdout and (tmp_path / "near_far.png").exists()
+
+
+def test_run_names_tell_runs_with_the_same_folder_name_apart():
+    runs = ["runs/tapa/extend/tapa", "runs/tapa/zeroshot/tapa", "runs/tapa/extend/rope"]
+    assert [run_name(w, runs) for w in runs] == ["extend/tapa", "zeroshot/tapa", "rope"]
