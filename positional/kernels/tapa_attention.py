@@ -7,7 +7,8 @@ Same signature and semantics as `positional.tapa` through `attention(..., score_
     r_ij = |i - j|^alpha (0 on the diagonal), computed in the kernel from the tile's indices.
 
 Forward (grid: batch x query heads x query blocks): online softmax over key blocks up to the
-diagonal (later blocks are skipped), writing the output and the row log-sum-exp. Backward, by
+diagonal (later blocks are skipped), writing the output and the row log-sum-exp (in base 2:
+the kernel's softmax runs on exp2). Backward, by
 the flash-attention recurrences with the TAPA chain rule, dL = P (dP - delta):
 
     dS_A = c_A dL cos(Phi),   dS_P = -2 pi c_P r dL c_A S_A sin(Phi),
@@ -20,8 +21,9 @@ accumulation (P and dS are cast to it, as flash attention does), except S_P, who
 (the linear phase) get full fp32 precision rather than TF32.
 
 Tiles: block_q x block_k. On GPU (Triton) both must be powers of two >= 16; on TPU (Mosaic)
-multiples of 128; in interpret mode (CPU, the default there) any size >= 1. Head parts are
-zero-padded to a power of two >= 16, which changes no dot product.
+multiples of 128; in interpret mode (CPU, the default there) any size >= 1; `DEFAULT_TILES`
+when not given. Head parts are zero-padded to a power of two >= 16, which changes no dot
+product. On GPU, exp2, log2, cos and sin are single special-function instructions (`fast_math`).
 """
 
 from __future__ import annotations
