@@ -188,6 +188,8 @@ def test_kernel_lowers_for_tpu():
     """Forward and backward lower to Mosaic (TPU) on this CPU, through jax.export. Compiling
     the Mosaic module needs a TPU; lowering checks block shapes, layouts and every op."""
     tpu_info = pytest.importorskip("jax._src.pallas.mosaic.tpu_info")
+    if not all(hasattr(tpu_info, n) for n in ("registry", "get_tpu_info_for_chip", "ChipVersion")):
+        pytest.skip("this JAX has no way to name a TPU generation for lowering on a CPU")
     kind = jax.devices()[0].device_kind
     tpu_info.registry[kind] = lambda: tpu_info.get_tpu_info_for_chip(tpu_info.ChipVersion.TPU_V5E, 1)
     f = functools.partial(tapa_attention, block_q=128, block_k=128, interpret=False)
