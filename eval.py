@@ -80,10 +80,16 @@ def perplexity(model: DecoderLM, stream: np.ndarray, length: int, n_tokens: int,
             "seconds": time.perf_counter() - t0, "impl": impl}
 
 
+def eval_impl(impl: str, length: int, blockwise_from: int) -> str:
+    """The run's attention impl, except that the materialising reference gives way to blockwise
+    from `blockwise_from` tokens on (a fused kernel such as TAPA's "pallas" is kept)."""
+    return "blockwise" if impl == "reference" and length >= blockwise_from else impl
+
+
 def perplexity_at(config, model, length, n_tokens) -> float:
     """Validation perplexity at one length with a run's own eval settings (used during training)."""
     stream = _stream(config, n_tokens + length + 1)
-    impl = "blockwise" if length >= config.eval.blockwise_from else config.model.attention_impl
+    impl = eval_impl(config.model.attention_impl, length, config.eval.blockwise_from)
     return perplexity(model, stream, length, n_tokens, batch_size=config.eval.batch_size, impl=impl)["ppl"]
 
 
@@ -164,7 +170,7 @@ def evaluate_runs(workdirs, *, multipliers=None, max_multiplier=None, tokens=Non
         name = run_name(workdir, workdirs)
         rows = []
         for length in lengths:
-            impl = "blockwise" if length >= ev.blockwise_from else config.model.attention_impl
+            impl = eval_impl(config.model.attention_impl, length, ev.blockwise_from)
             # Past blockwise_from, fewer rows per call keep activation memory about constant.
             n_rows = max(1, min(ev.batch_size, ev.batch_size * ev.blockwise_from // length))
             r = perplexity(model, stream, length, tokens, stride=stride, batch_size=n_rows, impl=impl)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from eval import evaluate_runs, load_run, perplexity, run_name, scoring_plan, write_report
+from eval import eval_impl, evaluate_runs, load_run, perplexity, run_name, scoring_plan, write_report
 from models.lm import DecoderLM, ModelConfig, token_nll
 from tiny_setup import cli
 
@@ -103,3 +103,9 @@ def test_near_far_command(tiny_run, tmp_path):
 def test_run_names_tell_runs_with_the_same_folder_name_apart():
     runs = ["runs/tapa/extend/tapa", "runs/tapa/zeroshot/tapa", "runs/tapa/extend/rope"]
     assert [run_name(w, runs) for w in runs] == ["extend/tapa", "zeroshot/tapa", "rope"]
+
+
+def test_long_evaluation_switches_only_the_reference_to_blockwise():
+    assert eval_impl("reference", 1024, 1024) == "blockwise"
+    assert eval_impl("reference", 512, 1024) == "reference"
+    assert eval_impl("pallas", 4096, 1024) == "pallas"
