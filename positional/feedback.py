@@ -87,28 +87,28 @@ def solve_reference(qb, kb, gamma, f) -> jax.Array:
 
 
 # ---- tiles, shared with the Pallas kernel (2-D arrays, no batch) --------------------------------
-def tile_logits(qb_i, kb_j, q0, k0):
-    """Logits qb_i . kb_j / sqrt(dk) of one tile [tq, tk] fp32, and its strict-past mask.
+def tile_logits(qb_i, kb_j, q0, k0, scale):
+    """Logits scale qb_i . kb_j of one tile [tq, tk] fp32, and its strict-past mask.
 
     qb_i [tq, dk] holds rows q0.., kb_j [tk, dk] rows k0..; the mask is key index < query index.
+    `scale` is 1/sqrt(dk) of the unpadded width (the kernel zero-pads dk).
     """
-    logits = lax.dot_general(qb_i, kb_j, (((1,), (1,)), ((), ())), precision=lax.Precision.HIGHEST,
-                             preferred_element_type=jnp.float32) * qb_i.shape[-1] ** -0.5
+    logits = dot(qb_i, kb_j, transpose_b=True) * scale
     rows = q0 + lax.broadcasted_iota(jnp.int32, logits.shape, 0)
     cols = k0 + lax.broadcasted_iota(jnp.int32, logits.shape, 1)
     return logits, cols < rows
 
 
-def alpha_tile(qb_i, kb_j, lse_i, q0, k0):
+def alpha_tile(qb_i, kb_j, lse_i, q0, k0, scale):
     """alpha of one tile [tq, tk] fp32 from the row log-sum-exp lse_i [tq, 1]."""
-    logits, past = tile_logits(qb_i, kb_j, q0, k0)
+    logits, past = tile_logits(qb_i, kb_j, q0, k0, scale)
     return jnp.where(past, jnp.exp(logits - lse_i), 0.0)
 
 
-def lse_update(carry, qb_i, kb_j, q0, k0):
+def lse_update(carry, qb_i, kb_j, q0, k0, scale):
     """One online-softmax step of the row statistics (max m, sum row_sum), each [tq, 1]."""
     m, row_sum = carry
-    logits, past = tile_logits(qb_i, kb_j, q0, k0)
+    logits, past = tile_logits(qb_i, kb_j, q0, k0, scale)
     logits = jnp.where(past, logits, MASKED)
     m_new = jnp.maximum(m, logits.max(axis=1, keepdims=True))
     p = jnp.where(past, jnp.exp(logits - m_new), 0.0)
@@ -120,10 +120,15 @@ def lse_finish(m, row_sum):
     return jnp.where(row_sum > 0, m + jnp.log(jnp.where(row_sum > 0, row_sum, 1.0)), 0.0)
 
 
-def dot(a, b, *, transpose_a=False):
-    """a @ b (or a^T @ b) in fp32 at full precision."""
-    dims = (((0,), (0,)), ((), ())) if transpose_a else (((1,), (0,)), ((), ()))
+def dot(a, b, *, transpose_a=False, transpose_b=False):
+    """a @ b, a^T @ b or a @ b^T of 2-D arrays, in fp32 at full precision."""
+    dims = (((0 if transpose_a else 1,), (1 if transpose_b else 0,)), ((), ()))
     return lax.dot_general(a, b, dims, precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+
+
+def dlogit_tile(a, g_i, dg_i, lam_i, s_j, scale):
+    """d loss / d(qb_i . kb_j) of one tile [tq, tk]: gamma_t alpha (<lambda_t, s_j> - dgamma_t) scale."""
+    return g_i * a * (dot(lam_i, s_j, transpose_b=True) - dg_i) * scale
 
 
 # ---- blocked forward substitution in plain JAX -------------------------------------------------
@@ -137,10 +142,12 @@ def _put(x, i, c, value):
 
 def _row_lse(qb, kb, c):
     """Row log-sum-exp [Tp, 1] of the strict-past logits, one query chunk at a time."""
+    scale = qb.shape[-1] ** -0.5
+
     def chunk(i):
         qb_i = _slice(qb, i, c)
         init = (jnp.full((c, 1), MASKED, jnp.float32), jnp.zeros((c, 1), jnp.float32))
-        step = lambda j, st: lse_update(st, qb_i, _slice(kb, j, c), i * c, j * c)  # noqa: E731
+        step = lambda j, st: lse_update(st, qb_i, _slice(kb, j, c), i * c, j * c, scale)  # noqa: E731
         m, row_sum = lax.fori_loop(0, i + 1, step, init)
         return lse_finish(m, row_sum)
     return lax.map(chunk, jnp.arange(qb.shape[0] // c)).reshape(-1, 1)
@@ -149,13 +156,15 @@ def _row_lse(qb, kb, c):
 def _forward_2d(qb, kb, lse, gamma, f, c):
     """(s, h) [Tp, D]: chunk i gets R_i = f_i + gamma_i sum_{j<i} alpha_ij S_j, then
     S_i = (I - gamma_i alpha_ii)^{-1} R_i; h_i = sum_{j<=i} alpha_ij S_j is kept for the backward."""
+    scale = qb.shape[-1] ** -0.5
+
     def chunk(i, carry):
         s, h = carry
         qb_i, lse_i, g_i = _slice(qb, i, c), _slice(lse, i, c), _slice(gamma, i, c)
         h_past = lax.fori_loop(0, i, lambda j, acc: acc + dot(
-            alpha_tile(qb_i, _slice(kb, j, c), lse_i, i * c, j * c), _slice(s, j, c)),
+            alpha_tile(qb_i, _slice(kb, j, c), lse_i, i * c, j * c, scale), _slice(s, j, c)),
             jnp.zeros((c, f.shape[1]), jnp.float32))
-        a_ii = alpha_tile(qb_i, _slice(kb, i, c), lse_i, i * c, i * c)
+        a_ii = alpha_tile(qb_i, _slice(kb, i, c), lse_i, i * c, i * c, scale)
         s_i = solve_triangular(jnp.eye(c) - g_i * a_ii, _slice(f, i, c) + g_i * h_past, lower=True,
                                unit_diagonal=True)
         return _put(s, i, c, s_i), _put(h, i, c, h_past + dot(a_ii, s_i))
@@ -175,7 +184,7 @@ def _backward_2d(qb, kb, lse, gamma, s, h, ds, c):
         lam, rhs, dqb, dkb, dgamma = carry
         i = n - 1 - step
         qb_i, lse_i, g_i = _slice(qb, i, c), _slice(lse, i, c), _slice(gamma, i, c)
-        a_ii = alpha_tile(qb_i, _slice(kb, i, c), lse_i, i * c, i * c)
+        a_ii = alpha_tile(qb_i, _slice(kb, i, c), lse_i, i * c, i * c, scale)
         lam_i = solve_triangular(jnp.eye(c) - g_i * a_ii, _slice(ds, i, c) + _slice(rhs, i, c), trans=1,
                                  lower=True, unit_diagonal=True)
         dg_i = jnp.sum(lam_i * _slice(h, i, c), axis=1, keepdims=True)
@@ -183,8 +192,8 @@ def _backward_2d(qb, kb, lse, gamma, s, h, ds, c):
         def tile(j, inner):
             rhs, dq_i, dkb = inner
             kb_j = _slice(kb, j, c)
-            a = alpha_tile(qb_i, kb_j, lse_i, i * c, j * c)
-            dlogit = g_i * a * (dot(lam_i, _slice(s, j, c).T) - dg_i) * scale
+            a = alpha_tile(qb_i, kb_j, lse_i, i * c, j * c, scale)
+            dlogit = dlogit_tile(a, g_i, dg_i, lam_i, _slice(s, j, c), scale)
             rhs = _put(rhs, j, c, _slice(rhs, j, c) + dot(g_i * a, lam_i, transpose_a=True))
             dkb = _put(dkb, j, c, _slice(dkb, j, c) + dot(dlogit, qb_i, transpose_a=True))
             return rhs, dq_i + dot(dlogit, kb_j), dkb
