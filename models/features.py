@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from positional import so2
+from positional import espr, so2
 from positional.rope import rope_frequencies
 
 
@@ -57,3 +57,51 @@ class StepAngles(nnx.Module):
         else:
             psi = self.omega + self.proj(x).astype(jnp.float32)
         return {"psi": psi, "theta": so2.accumulate(psi, segment_ids)}
+
+
+class EsprFeatures(nnx.Module):
+    """The learned parts of ESPR / STRING (positional/espr.py), shared by its heads, per layer.
+
+    beta [m, d_c] starts at axial RoPE frequencies; the basis U = Cayley(skew(A_U)) and the
+    post-rotation P = Cayley(skew(A_P)) start at I (A = 0), so the layer starts as axial RoPE.
+    With scheme.relaxed, the generators get a free skew part skew(E_k), starting at 0.
+    With scheme.learned False nothing is learned: axial RoPE with U = P = I.
+    EsprRF also draws w [n_rf, 2m] ~ N(0, I): from `rng` every forward pass, or fixed by
+    scheme.draw_seed >= 0.
+    """
+
+    def __init__(self, scheme, cfg, *, rngs: nnx.Rngs):
+        self.scheme = scheme
+        d, m = scheme.head_dim, scheme.planes
+        beta = jnp.asarray(espr.axial_beta(m, scheme.num_axes, scheme.base), jnp.float32)
+        if scheme.learned:
+            self.beta = nnx.Param(beta)
+            self.basis_skew = nnx.Param(jnp.zeros((d, d), jnp.float32))
+            self.post_skew = nnx.Param(jnp.zeros((d, d), jnp.float32))
+        else:
+            self.beta = beta
+        if scheme.relaxed:
+            self.drift = nnx.Param(jnp.zeros((scheme.num_axes, d, d), jnp.float32))
+
+    def __call__(self, x, *, tokens, index, segment_ids=None, rng=None):
+        scheme, m = self.scheme, self.scheme.planes
+        beta = self.beta[...]
+        if scheme.learned:
+            basis = espr.cayley(espr.skew(self.basis_skew[...]))
+            post = espr.cayley(espr.skew(self.post_skew[...]))
+        else:
+            basis = post = jnp.eye(scheme.head_dim, dtype=jnp.float32)
+        out = {"beta": beta, "readin": espr.read_in(basis, post, m)}
+        if scheme.relaxed:
+            ua = basis[:, :2 * m]
+            generators = espr.plane_generators(basis, beta) + espr.skew(self.drift[...])
+            out.update(generators=generators, post=post @ ua @ ua.T, basis=ua,
+                       commutator_norm=espr.commutator_norm(generators))
+        if isinstance(scheme, espr.EsprRF):
+            if scheme.draw_seed >= 0:
+                rng = jax.random.key(scheme.draw_seed)
+            elif rng is None:
+                raise ValueError("espr_rf draws its random features afresh every forward pass: pass "
+                                 "rng=..., or set the scheme option draw_seed to fix the draw")
+            out["w"] = espr.draw_features(rng, scheme.num_features, 2 * m)
+        return out

@@ -101,11 +101,13 @@ class Attention(nnx.Module):
                                  impl=impl or self.cfg.attention_impl, block_size=self.cfg.block_size)
         return self.o(out.reshape(*x.shape[:2], -1))
 
-    def decode(self, x, cache, *, tokens, rng=None):
+    def decode(self, x, cache, *, tokens, rng=None, positions=None):
         b, n = tokens.shape
         index = jnp.broadcast_to(cache["index"] + jnp.arange(n, dtype=jnp.int32), (b, n))
         q, k, v, features = self._qkv(x, tokens, index, None, rng)
-        out, cache = self.scheme.decode_step(cache, q, k, v, features)
+        # Only multi-axis schemes take positions when decoding; the others use the cache slots.
+        extra = {} if positions is None else {"positions": positions}
+        out, cache = self.scheme.decode_step(cache, q, k, v, features, **extra)
         return self.o(out.reshape(*x.shape[:2], -1)), cache
 
 
@@ -157,6 +159,8 @@ class DecoderLM(nnx.Module):
     def __call__(self, tokens, *, positions=None, segment_ids=None, impl=None, rng=None) -> jax.Array:
         """tokens [B, T] int -> logits [B, T, vocab] (float32).
 
+        positions: [B, T] int (default 0..T-1), or [B, T, d_c] for multi-axis schemes (ESPR).
+
         `rng` feeds schemes with random features (a different key per layer is derived from
         it); pass a fresh one per forward pass. Other schemes ignore it.
         """
@@ -172,8 +176,10 @@ class DecoderLM(nnx.Module):
         return [blk.attn.scheme.init_cache(batch, max_len, self.cfg.kv_heads, jnp.dtype(self.cfg.dtype))
                 for blk in self.blocks]
 
-    def decode(self, tokens, cache, rng=None):
+    def decode(self, tokens, cache, rng=None, positions=None):
         """Feed n new tokens [B, n] after what `cache` holds. Returns (logits [B, n, V], cache).
+
+        `positions` [B, n, d_c] of the new tokens are needed only by multi-axis schemes (ESPR).
 
         Schemes with random features draw them from (rng, position): use one rng for a whole
         sequence so decoding sees the angles the parallel forward with that rng sees.
@@ -184,7 +190,7 @@ class DecoderLM(nnx.Module):
         x = self.embed(tokens).astype(jnp.dtype(self.cfg.dtype))
         new_cache = []
         for i, (block, c) in enumerate(zip(self.blocks, cache)):
-            x, c = block.decode(x, c, tokens=tokens, rng=_layer_key(rng, i))
+            x, c = block.decode(x, c, tokens=tokens, rng=_layer_key(rng, i), positions=positions)
             new_cache.append(c)
         return self._logits(x).astype(jnp.float32), new_cache
 
@@ -193,8 +199,9 @@ def _layer_key(rng, layer: int):
     return None if rng is None else jax.random.fold_in(rng, layer)
 
 
-def cache_len(cache) -> int:
-    return cache[0]["k"].shape[1]
+def cache_len(cache) -> int | float:
+    """Tokens the cache can hold; unbounded for a running-state cache (random-feature attention)."""
+    return cache[0]["k"].shape[1] if "k" in cache[0] else float("inf")
 
 
 def generate(model: DecoderLM, prompt: jax.Array, max_new_tokens: int, *, rng: jax.Array | None = None,

@@ -16,8 +16,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
-from models.features import StepAngles
+from models.features import EsprFeatures, StepAngles
 from positional.alibi import Alibi
+from positional.espr import Espr, EsprRF
 from positional.nope import NoPE
 from positional.rope import Rope
 from positional.scheme import Scheme
@@ -98,3 +99,9 @@ for _steps in ("random", "learned", "hidden"):
 register("tapa", Entry(Tapa, doc="token-aware phase attention (quadratic phase); options: alpha, theta, "
                                  "block_q, block_k (Pallas tiles)"))
 register("tapa_linear", Entry(Tapa, fixed={"phase": "linear"}, doc="TAPA with the linear-phase ablation"))
+register("espr", Entry(Espr, features=EsprFeatures,
+                       doc="ESPR/STRING rotations: learned commuting generators (beta, basis U) and Cayley "
+                           "post-rotation; options: num_axes (d_c), num_planes, learned, relaxed, base"))
+register("espr_rf", Entry(EsprRF, features=EsprFeatures,
+                          doc="ESPR with positive-random-feature (linear-time) attention; options as espr "
+                              "plus num_features, draw_seed"))

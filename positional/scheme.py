@@ -18,7 +18,8 @@ whose transport of a key changes as the sequence grows (PaTH) or that need state
 `attend` too. `impls` lists the attention implementations a scheme runs on; a scheme with a
 fused kernel adds "pallas" and routes it in `attention`, the one attention call of both forms.
 
-Shapes: q [B, T, H, D]; k, v [B, T, K, D]; positions, segment_ids [B, T] int32.
+Shapes: q [B, T, H, D]; k, v [B, T, K, D]; positions, segment_ids [B, T] int32 (multi-axis
+schemes, ESPR, also take positions [B, T, d_c]).
 """
 
 from __future__ import annotations
@@ -92,15 +93,17 @@ class Scheme:
         return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype),
                 "index": jnp.zeros((), jnp.int32)}
 
-    def decode_step(self, cache: dict, q, k, v, features=None):
+    def decode_step(self, cache: dict, q, k, v, features=None, positions=None):
         """Attend n new tokens (q, k, v: [B, n, ., D]) at positions index..index+n-1.
 
         n = 1 is one decoding step; n > 1 is a (chunked) prefill. Returns (out, cache).
-        The caller guarantees index + n <= max_len (see `check_cache_room`).
+        The caller guarantees index + n <= max_len (see `check_cache_room`). `positions` of
+        the new tokens are given only where they are not the cache slots (multi-axis, ESPR).
         """
         b, n = q.shape[:2]
         index = cache["index"]
-        positions = jnp.broadcast_to(index + jnp.arange(n, dtype=jnp.int32), (b, n))
+        if positions is None:
+            positions = jnp.broadcast_to(index + jnp.arange(n, dtype=jnp.int32), (b, n))
         q, k, v = self.transform(q, k, v, features, positions)
         ck = jax.lax.dynamic_update_slice_in_dim(cache["k"], k.astype(cache["k"].dtype), index, axis=1)
         cv = jax.lax.dynamic_update_slice_in_dim(cache["v"], v.astype(cache["v"].dtype), index, axis=1)
