@@ -4,9 +4,11 @@
 
 For every length L (multiples of each run's training length) the same N target tokens of the
 held-out stream are scored, in windows of L tokens (non-overlapping, or sliding with a
-stride, where each window scores only the tokens the previous one did not). Writes
-`results.json`, `results.md` (perplexity and ratio ppl(L) / ppl(train length)) and
-`results.png` into --out.
+stride, where each window scores only the tokens the previous one did not). A run trained on
+a synthetic task (`data.tasks`) is scored instead by exact match on the answers of its test
+split, overall and by lag. Writes `results.json`, `results.md` (perplexity and ratio
+ppl(L) / ppl(train length); task accuracy), `results.png` and, for task runs, `tasks.png`
+into --out.
 """
 
 from __future__ import annotations
@@ -93,6 +95,49 @@ def perplexity_at(config, model, length, n_tokens) -> float:
     return perplexity(model, stream, length, n_tokens, batch_size=config.eval.batch_size, impl=impl)["ppl"]
 
 
+@functools.partial(jax.jit, static_argnames=("graphdef", "impl"))
+def _answer_stats(graphdef, state, batch, rng, impl):
+    """Per row of a task batch: (answers predicted exactly, answers, summed answer nll): [B] each."""
+    model = nnx.merge(graphdef, state)
+    tokens = batch["tokens"]
+    logits = model(tokens[:, :-1], positions=batch["positions"][:, :-1],
+                   segment_ids=batch["segment_ids"][:, :-1], impl=impl, rng=rng)
+    targets, answer = tokens[:, 1:], batch["loss_mask"][:, 1:]
+    nll = -jnp.take_along_axis(jax.nn.log_softmax(logits), targets[..., None], axis=-1)[..., 0]
+    correct = (jnp.argmax(logits, -1) == targets) & (answer > 0)
+    return correct.sum(1), answer.sum(1), jnp.sum(nll * answer, 1)
+
+
+def task_accuracy(model: DecoderLM, task, split: str, n_examples: int, *, batch_size: int = 8,
+                  impl: str = "reference", seed: int = 0) -> dict:
+    """Exact match (argmax over the vocabulary) on every answer token of the first `n_examples`
+    of a synthetic task's `split`, overall and by the task's group (the lag for Diffuse MQAR),
+    and the mean answer nll. For SymbolSoup (one answer per example) it is classification
+    accuracy."""
+    from data import tasks
+    graphdef, state = nnx.split(model)
+    stats, t0 = [], time.perf_counter()
+    for i, (batch, groups) in enumerate(tasks.eval_batches(task, split, n_examples, batch_size)):
+        rng = jax.random.fold_in(jax.random.key(seed), i)
+        out = _answer_stats(graphdef, state, {k: jnp.asarray(v) for k, v in batch.items()}, rng, impl)
+        stats.append(np.stack([*map(np.asarray, out), groups], 1))
+    correct, answers, nll, groups = np.concatenate(stats).T
+    by_group = {int(g): float(correct[groups == g].sum() / answers[groups == g].sum())
+                for g in np.unique(groups)}
+    return {"accuracy": float(correct.sum() / answers.sum()), "nll": float(nll.sum() / answers.sum()),
+            "by_group": by_group, "examples": n_examples, "answers": int(answers.sum()),
+            "seconds": time.perf_counter() - t0, "impl": impl}
+
+
+def task_accuracy_at(config, model, split: str = "test", n_examples: int = 0) -> dict:
+    """`task_accuracy` with a task run's own eval settings (all the split's examples by default)."""
+    from data import tasks
+    task = tasks.get_task(config.data)
+    impl = eval_impl(config.model.attention_impl, task.max_len(split), config.eval.blockwise_from)
+    return task_accuracy(model, task, split, n_examples or task.eval_examples,
+                         batch_size=config.eval.batch_size, impl=impl)
+
+
 @functools.lru_cache(maxsize=4)
 def _stream_cached(data_json: str, split: str, max_tokens: int) -> np.ndarray:
     from data import pipeline
@@ -150,9 +195,12 @@ def load_run(workdir: str):
 
 def evaluate_runs(workdirs, *, multipliers=None, max_multiplier=None, tokens=None, stride=None,
                   log=print) -> dict:
-    """Evaluate every run at the same lengths (multiples of the first run's training length)."""
+    """Evaluate every run at the same lengths (multiples of the first LM run's training length);
+    a run trained on a synthetic task gets its task accuracy on the test split instead."""
+    from data import tasks
     runs = [(w, *load_run(w)) for w in workdirs]
-    base = runs[0][1]
+    lm_runs = [r for r in runs if not tasks.is_task(r[1].data)]
+    base = (lm_runs or runs)[0][1]
     ev = base.eval
     multipliers = list(multipliers or ev.multipliers)
     if max_multiplier:
@@ -164,10 +212,17 @@ def evaluate_runs(workdirs, *, multipliers=None, max_multiplier=None, tokens=Non
     lengths = eval_lengths(base.seq_len, multipliers)
     tokens = tokens or ev.tokens
     stride = ev.stride if stride is None else stride
-    stream = _stream(base, tokens + max(lengths) + 1 + max(lengths))
+    stream = _stream(base, tokens + max(lengths) + 1 + max(lengths)) if lm_runs else None
     results = {"lengths": lengths, "tokens": tokens, "stride": stride, "runs": {}}
     for workdir, config, model, step in runs:
         name = run_name(workdir, workdirs)
+        if tasks.is_task(config.data):
+            r = task_accuracy_at(config, model, n_examples=config.eval.get("task_examples", 0))
+            log(f"{name:>16s}  {config.data.name} accuracy {r['accuracy']:.4f}  ({r['seconds']:.1f}s)")
+            results["runs"][name] = {"workdir": workdir, "step": step, "scheme": config.model.scheme,
+                                     "model": _model_name(config), "task": config.data.name,
+                                     "train_len": config.seq_len, "task_results": r}
+            continue
         rows = []
         for length in lengths:
             impl = eval_impl(config.model.attention_impl, length, ev.blockwise_from)
@@ -184,11 +239,60 @@ def evaluate_runs(workdirs, *, multipliers=None, max_multiplier=None, tokens=Non
     return results
 
 
+def _model_name(config) -> str:
+    """The mixer (where the model config has one) and the position scheme."""
+    mixer = config.model.get("mixer", "attention")
+    return config.model.scheme if mixer == "attention" else f"{mixer} ({config.model.scheme})"
+
+
+def _runs(results: dict, *, task: bool) -> dict:
+    """The runs evaluated on a synthetic task (task=True) or by perplexity (task=False)."""
+    return {name: run for name, run in results["runs"].items() if ("task_results" in run) == task}
+
+
+def task_table(results: dict) -> str:
+    """One row per task run: accuracy on the test split, and by lag where the task has lags."""
+    runs = _runs(results, task=True)
+    # SymbolSoup has the one group 0; Diffuse MQAR one per test lag.
+    groups = sorted({g for run in runs.values() for g in run["task_results"]["by_group"]
+                     if list(run["task_results"]["by_group"]) != [0]})
+    head = "| run | model | task | accuracy |" + "".join(f" lag {g} |" for g in groups)
+    lines = [head, "|" + "---|" * (4 + len(groups))]
+    for name, run in runs.items():
+        r = run["task_results"]
+        cells = "".join(f" {r['by_group'][g]:.4f} |" if g in r["by_group"] else " - |" for g in groups)
+        lines.append(f"| {name} | {run['model']} | {run['task']} | {r['accuracy']:.4f} |{cells}")
+    n = sorted({run["task_results"]["examples"] for run in runs.values()})
+    return (f"Task accuracy (exact match on answer tokens) over {'/'.join(map(str, n))} test examples.\n\n"
+            + "\n".join(lines) + "\n")
+
+
+def task_plot(results: dict, path: str) -> None:
+    """Accuracy by lag (one line per run) for tasks with lags, else one bar per run."""
+    plt = _pyplot()
+    runs = _runs(results, task=True)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for i, (name, run) in enumerate(runs.items()):
+        by_group = {int(g): a for g, a in run["task_results"]["by_group"].items()}
+        if list(by_group) == [0]:
+            ax.bar(i, run["task_results"]["accuracy"], label=name)
+        else:
+            ax.plot(list(by_group), list(by_group.values()), marker="o", label=name)
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("lag (tokens between the memory and query blocks)")
+    ax.set_ylabel("accuracy")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def markdown_table(results: dict) -> str:
     lengths = results["lengths"]
     head = "| run | scheme | " + " | ".join(f"{n}" for n in lengths) + " |"
     lines = [head, "|" + "---|" * (len(lengths) + 2)]
-    for name, run in results["runs"].items():
+    for name, run in _runs(results, task=False).items():
         cells = [f"{r['ppl']:.3f} ({r['ratio']:.2f}x)" if r["ratio"] else f"{r['ppl']:.3f}"
                  for r in run["results"]]
         lines.append(f"| {name} | {run['scheme']} | " + " | ".join(cells) + " |")
@@ -201,7 +305,7 @@ def plot(results: dict, path: str) -> None:
     import matplotlib.ticker
     plt = _pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for name, run in results["runs"].items():
+    for name, run in _runs(results, task=False).items():
         x = [r["length"] for r in run["results"]]
         axes[0].plot(x, [r["ppl"] for r in run["results"]], marker="o", label=name)
         if run["results"][0]["ratio"]:
@@ -214,7 +318,7 @@ def plot(results: dict, path: str) -> None:
         ax.set_xlabel("evaluation length (tokens)")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
-        train_len = next(iter(results["runs"].values()))["train_len"]
+        train_len = next(iter(_runs(results, task=False).values()))["train_len"]
         ax.axvline(train_len, color="gray", ls="--", lw=1)
     axes[0].legend()
     fig.tight_layout()
@@ -226,10 +330,15 @@ def write_report(results: dict, out: str) -> str:
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "results.json"), "w") as f:
         json.dump(results, f, indent=2)
-    table = markdown_table(results)
+    has_lm = bool(_runs(results, task=False))
+    table = markdown_table(results) if has_lm else ""
+    if _runs(results, task=True):
+        table += ("\n" if table else "") + task_table(results)
+        task_plot(results, os.path.join(out, "tasks.png"))
     with open(os.path.join(out, "results.md"), "w") as f:
         f.write(table)
-    plot(results, os.path.join(out, "results.png"))
+    if has_lm:
+        plot(results, os.path.join(out, "results.png"))
     return table
 
 
@@ -407,7 +516,7 @@ def main(argv):
         FLAGS.workdirs, max_multiplier=FLAGS.max_multiplier or None, tokens=FLAGS.tokens or None,
         stride=None if FLAGS.stride < 0 else FLAGS.stride))
     print(write_report(results, FLAGS.out))
-    print(f"wrote {FLAGS.out}/results.json, results.md, results.png")
+    print(f"wrote {FLAGS.out}/results.json, results.md and the plots")
 
 
 if __name__ == "__main__":

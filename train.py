@@ -109,6 +109,8 @@ def make_train_step(graphdef, rest, tx, config, state_shardings, batch_sharding)
         model = nnx.merge(graphdef, params, rest)
         nll, w = token_nll(model, batch["tokens"], segment_ids=batch["segment_ids"],
                            positions=batch["positions"], impl=impl, rng=rng)
+        if "loss_mask" in batch:  # a synthetic task: only its answers are scored
+            w = w * batch["loss_mask"][:, 1:]
         return jnp.sum(nll * w) / jnp.maximum(jnp.sum(w), 1.0)
 
     def step(state, batch):
@@ -265,7 +267,7 @@ def train(config: ml_collections.ConfigDict) -> dict:
                           "lr": float(schedule(step - 1)), "tokens_per_s": n_log * tokens_per_step / elapsed,
                           "time": time.time()}
                 if config.train.eval_every and step % config.train.eval_every == 0:
-                    record["val_loss"] = _validation_loss(config, graphdef, rest, state["params"])
+                    record.update(_validation(config, graphdef, rest, state["params"]))
                 _log(metrics_path, writer, record)
                 progress.tokens_per_s = record["tokens_per_s"]
                 progress.log(record)
@@ -288,10 +290,16 @@ def train(config: ml_collections.ConfigDict) -> dict:
             "interrupted": stop.signal is not None}
 
 
-def _validation_loss(config, graphdef, rest, params) -> float:
-    from eval import perplexity_at
+def _validation(config, graphdef, rest, params) -> dict:
+    """{'val_loss'} at the training length, or for a synthetic task {'val_loss', 'val_acc'} on
+    its answers (eval.task_examples validation examples; 0: all of them)."""
+    from data import tasks
+    from eval import perplexity_at, task_accuracy_at
     model = nnx.merge(graphdef, params, rest)
-    return math.log(perplexity_at(config, model, config.seq_len, config.train.eval_tokens))
+    if tasks.is_task(config.data):
+        r = task_accuracy_at(config, model, "validation", config.eval.get("task_examples", 0))
+        return {"val_loss": r["nll"], "val_acc": r["accuracy"]}
+    return {"val_loss": math.log(perplexity_at(config, model, config.seq_len, config.train.eval_tokens))}
 
 
 def _log(path, writer, record):

@@ -50,5 +50,6 @@ def get_config(scheme: str | None = None) -> ml_collections.ConfigDict:
         batch_size=4,
         blockwise_from=2048,  # lengths from here on use blockwise attention
         split="validation",
+        task_examples=0,  # synthetic tasks: examples scored (0: all of the task's eval_examples)
     ))
     return c

@@ -11,8 +11,8 @@ def default_data_config() -> ml_collections.ConfigDict:
     """The `data` section of an experiment config.
 
     Fields:
-      name: 'local_text' (a directory of text files), or a prepared TFDS data set:
-        'pg19', 'lm1b', 'c4'.
+      name: 'local_text' (a directory of text files), a prepared TFDS data set: 'pg19',
+        'lm1b', 'c4', or a synthetic task (`data.tasks`): 'symbolsoup', 'diffuse_mqar'.
       source_dir: for 'local_text'; '' means the running Python's standard library
         (its *.py files), which every machine with Python has.
       suffixes: comma-separated file suffixes read from `source_dir` (the standard
@@ -21,6 +21,8 @@ def default_data_config() -> ml_collections.ConfigDict:
         ~/.cache/positional.
       tokenizer: 'byte' or 'sentencepiece' (trained on the train split, cached in data_dir).
       spm_vocab_size: vocabulary size of the sentencepiece model.
+      task: a synthetic task's options (`data.tasks.default_options(name)` lists them all;
+        missing ones take their defaults).
     """
     return ml_collections.ConfigDict(
         dict(
@@ -32,5 +34,6 @@ def default_data_config() -> ml_collections.ConfigDict:
             ),
             tokenizer="byte",
             spm_vocab_size=8192,
+            task=ml_collections.ConfigDict({}),
         )
     )

@@ -25,7 +25,7 @@ import grain
 import ml_collections
 import numpy as np
 
-from data import local_text, tokenizers
+from data import local_text, tasks, tokenizers
 
 # Sentencepiece trains on at most this many characters of the train split (taken in the
 # split's stored order): more costs minutes and changes little.
@@ -36,8 +36,10 @@ READ_OPTIONS = grain.ReadOptions(num_threads=4, prefetch_buffer_size=32)
 
 def tokenizer(config: ml_collections.ConfigDict) -> tokenizers.Tokenizer:
     """The tokenizer `config` names; a sentencepiece model is trained on the train split the
-    first time and cached in `config.data_dir`.
+    first time and cached in `config.data_dir`. A synthetic task has its own symbol table.
     """
+    if tasks.is_task(config):
+        return tasks.tokenizer(tasks.get_task(config))
 
     def train_texts() -> Iterator[bytes]:
         source = local_text.open_split(config, "train")
@@ -144,7 +146,11 @@ def train_loader(
     every epoch. Process `shard_index` of `num_shards` reads every num_shards-th document,
     and `batch_size` is per process. `get_state()` is JSON-serialisable; `set_state` on a
     fresh loader with the same arguments continues exactly where the state was taken.
+    A synthetic task (`data.tasks`) gives one padded example per row, with a 'loss_mask'.
     """
+    if tasks.is_task(config):
+        return tasks.train_loader(config, seed=seed, batch_size=batch_size, seq_len=seq_len,
+                                  shard_index=shard_index, num_shards=num_shards)
     docs = documents(config, "train")[shard_index::num_shards].shuffle(seed).repeat()
     rows = PackIterDataset(docs.to_iter_dataset(READ_OPTIONS), seq_len)
     return iter(rows.batch(batch_size, drop_remainder=True))
