@@ -1,0 +1,193 @@
+"""Sessa's feedback solve: the paper's closed forms and bounds, and reference == blocked == kernel.
+
+Expected values come from the Sessa paper (Prop 29, Lemma 4.10, Lemma 4.2) and from an
+independent float64 NumPy solve listed in the implementation notes, never from the code here.
+"""
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from positional import feedback as fb
+from positional.kernels.feedback_solve import check_blocks, feedback_solve_pallas
+
+
+def _uniform_routing(t, gamma, f):
+    """qb = kb = 0 gives alpha[t, j] = 1/t over the strict past; constant gamma."""
+    zeros = jnp.zeros((1, t, 4))
+    return fb.solve_reference(zeros, zeros, jnp.full((1, t), gamma), f)
+
+
+@pytest.mark.parametrize("gamma, values, slope", [
+    (0.5, [0.5, 0.375, 0.176197, 0.0563485, 0.017839, 0.0124662], -0.5),
+    (0.9, [0.9, 0.855, 0.740023, 0.590171, 0.468979, 0.436547], -0.1)])
+def test_uniform_routing_influence_and_tail_slope(gamma, values, slope):
+    t, lags = 2049, [1, 2, 10, 100, 1000, 2048]
+    impulse = jnp.zeros((1, t, 1)).at[0, 0, 0].set(1.0)
+    y = np.asarray(_uniform_routing(t, gamma, impulse)[0, :, 0])
+    np.testing.assert_allclose(y[lags], values, rtol=2e-4)
+    ell = np.arange(100, 2049)
+    fit = np.polyfit(np.log(ell), np.log(y[ell]), 1)[0]
+    assert abs(fit - slope) < 2e-3  # theory -(1 - gamma); the notes measured -0.4996 and -0.0999
+    assert y[-1] > 20 / (t + 1)  # far above a uniform attention read, 1/(t+1)
+
+
+@pytest.mark.parametrize("gamma", [0.5, 0.9])
+def test_uniform_routing_closed_form_for_a_later_source(gamma):
+    """y_{tau+ell} = gamma G(tau+1)/G(tau+1+gamma) G(tau+ell+gamma)/G(tau+ell+1) (Prop 29)."""
+    t, tau = 300, 7
+    impulse = jnp.zeros((1, t, 1)).at[0, tau, 0].set(1.0)
+    y = np.asarray(_uniform_routing(t, gamma, impulse)[0, :, 0])
+    ell = np.arange(1, t - tau)
+    lg = math.lgamma
+    expected = [gamma * math.exp(lg(tau + 1) - lg(tau + 1 + gamma) + lg(tau + e + gamma) - lg(tau + e + 1))
+                for e in ell]
+    np.testing.assert_allclose(y[tau + ell], expected, rtol=1e-4)
+    assert y[tau + 1] == pytest.approx(gamma / (tau + 1), rel=1e-6)
+    np.testing.assert_array_equal(y[:tau], 0.0)
+
+
+@pytest.mark.parametrize("gamma, values", [(0.5, [1, 1.5, 1.625, 1.8238, 1.9437, 1.9875]),
+                                           (0.9, [1, 1.9, 2.305, 3.3398, 4.6885, 6.0711])])
+def test_positional_code_sequence(gamma, values):
+    """Constant f and uniform routing write c_t: c_0 = 1, c_t = 1 + (gamma/t) sum_{j<t} c_j."""
+    t = 2049
+    c = np.asarray(_uniform_routing(t, gamma, jnp.ones((1, t, 1)))[0, :, 0])
+    np.testing.assert_allclose(c[[0, 1, 2, 10, 100, 2048]], values, rtol=1e-4)
+    assert np.all(np.diff(c) > 0)
+
+
+def _random_inputs(key, b, t, dk, d, rho=0.9, dtype=jnp.float32, sharp=1.0):
+    k = jax.random.split(key, 4)
+    qb = sharp * jax.random.normal(k[0], (b, t, dk))
+    kb = jax.random.normal(k[1], (b, t, dk))
+    gamma = fb.gain(3 * jax.random.normal(k[2], (b, t)), rho)
+    f = jax.random.normal(k[3], (b, t, d))
+    return qb.astype(dtype), kb.astype(dtype), gamma, f.astype(dtype)
+
+
+@pytest.mark.parametrize("rho, sharp", [(0.5, 1.0), (0.9, 4.0), (0.999, 0.0)])
+def test_stability_bound(rho, sharp):
+    """max_t ||s_t|| <= max_t ||f_t|| / (1 - rho) when |gamma_t| <= rho (Lemma 4.2)."""
+    qb, kb, gamma, f = _random_inputs(jax.random.key(1), 2, 200, 8, 6, rho=rho, sharp=sharp)
+    f = jnp.abs(f)  # same-sign inputs push s towards the bound
+    s = fb.solve_reference(qb, kb, gamma, f)
+    assert float(jnp.max(jnp.abs(gamma))) <= rho * (1 + 1e-6)  # rho itself rounded to fp32
+    bound = jnp.max(jnp.linalg.norm(f, axis=-1), axis=1) / (1 - rho)
+    assert bool(jnp.all(jnp.max(jnp.linalg.norm(s, axis=-1), axis=1) <= bound * (1 + 1e-5)))
+
+
+def test_neumann_series_equals_the_solve():
+    """B is nilpotent (strictly lower), so (I - B)^{-1} = sum_{k<T} B^k exactly."""
+    qb, kb, gamma, f = _random_inputs(jax.random.key(2), 2, 24, 8, 3)
+    b = np.asarray(fb.feedback_matrix(qb, kb, gamma), np.float64)
+    term, total = np.asarray(f, np.float64), np.zeros(f.shape)
+    for _ in range(24):
+        total, term = total + term, b @ term
+    assert np.abs(term).max() == 0.0  # B^T = 0
+    np.testing.assert_allclose(fb.solve_reference(qb, kb, gamma, f), total, rtol=1e-5, atol=1e-5)
+
+
+def test_row_zero_and_the_recurrence():
+    """s_0 = f_0 and s_t = f_t + gamma_t sum_{j<t} alpha[t, j] s_j, with alpha a softmax over j < t."""
+    qb, kb, gamma, f = _random_inputs(jax.random.key(3), 1, 12, 8, 3)
+    alpha = np.asarray(fb.feedback_weights(qb, kb))[0]
+    np.testing.assert_array_equal(alpha[0], 0.0)
+    np.testing.assert_allclose(alpha[1:].sum(-1), 1.0, rtol=1e-6)
+    assert np.all(np.triu(alpha) == 0.0)
+    s, g, ff = (np.asarray(x)[0] for x in (fb.solve_reference(qb, kb, gamma, f), gamma, f))
+    expected = [ff[0]]
+    for t in range(1, 12):
+        expected.append(ff[t] + g[t] * alpha[t, :t] @ np.stack(expected))
+    np.testing.assert_allclose(s, np.stack(expected), rtol=1e-5, atol=1e-6)
+
+
+IMPLS = {"blocked": fb.solve_blocked, "pallas": functools.partial(feedback_solve_pallas, interpret=True)}
+
+
+@pytest.mark.parametrize("impl, t, block, d, dtype", [
+    ("blocked", 37, 8, 5, jnp.float32), ("blocked", 5, 8, 4, jnp.bfloat16),
+    ("pallas", 19, 8, 20, jnp.float32), ("pallas", 13, 8, 6, jnp.bfloat16)])
+def test_implementations_agree_values_and_gradients(impl, t, block, d, dtype):
+    qb, kb, gamma, f = _random_inputs(jax.random.key(4), 2, t, 8, d, dtype=dtype)
+    w = jax.random.normal(jax.random.key(5), (2, t, d))
+    fast = functools.partial(IMPLS[impl], block=block) if impl == "pallas" else \
+        functools.partial(IMPLS[impl], block_size=block)
+    if impl == "pallas" and d == 20:  # two feature tiles on the grid
+        fast = functools.partial(fast, block_d=16)
+    loss = lambda fn: lambda *a: jnp.sum(fn(*a) * w)  # noqa: E731
+    value_and_grad = lambda fn: jax.jit(jax.value_and_grad(loss(fn), (0, 1, 2, 3)))  # noqa: E731
+    s_fast = jax.jit(fast)(qb, kb, gamma, f)
+    assert s_fast.dtype == jnp.float32 and s_fast.shape == (2, t, d)
+    np.testing.assert_allclose(s_fast, fb.solve_reference(qb, kb, gamma, f), rtol=1e-5, atol=1e-5)
+    _, g_ref = value_and_grad(fb.solve_reference)(qb, kb, gamma, f)
+    _, g_fast = value_and_grad(fast)(qb, kb, gamma, f)
+    for a, b in zip(g_ref, g_fast):
+        assert a.dtype == b.dtype
+        tol = 2e-2 if b.dtype == jnp.bfloat16 else 1e-4  # bf16 only rounds the cotangent's storage
+        np.testing.assert_allclose(np.asarray(b, np.float32), np.asarray(a, np.float32), rtol=tol, atol=tol)
+
+
+def test_blocked_jits_and_vmaps():
+    qb, kb, gamma, f = _random_inputs(jax.random.key(6), 3, 20, 4, 2)
+    fast = jax.jit(jax.vmap(lambda *a: fb.solve_blocked(*(x[None] for x in a), block_size=8)[0]))
+    np.testing.assert_allclose(fast(qb, kb, gamma, f), fb.solve_reference(qb, kb, gamma, f), atol=1e-5)
+
+
+def test_decode_solve_extends_a_prefix_exactly():
+    qb, kb, gamma, f = _random_inputs(jax.random.key(7), 2, 30, 8, 4)
+    kb_cache, s_cache = jnp.zeros((2, 32, 8)), jnp.zeros((2, 32, 4))
+    pieces, index = [], 0
+    decode = jax.jit(fb.decode_solve)  # the index is traced, as in a decoding loop
+    for n in (7, 1, 1, 21):  # a prefill, two single steps, a chunked prefill
+        sl = slice(index, index + n)
+        s_new, kb_cache, s_cache = decode(kb_cache, s_cache, index, qb[:, sl], kb[:, sl],
+                                                   gamma[:, sl], f[:, sl])
+        pieces.append(s_new)
+        index += n
+    np.testing.assert_allclose(jnp.concatenate(pieces, 1), fb.solve_reference(qb, kb, gamma, f), atol=1e-5)
+
+
+def test_bad_input_is_a_clear_error():
+    x = jnp.zeros((1, 4, 8))
+    with pytest.raises(ValueError, match="gamma_max=1.0 must be in \\(0, 1\\).*no longer stable"):
+        fb.gain(jnp.zeros((1, 4)), 1.0)
+    with pytest.raises(ValueError, match="feedback head width mismatch: qb has width 8 but kb has 6"):
+        fb.solve_blocked(x, jnp.zeros((1, 4, 6)), jnp.zeros((1, 4)), x)
+    with pytest.raises(ValueError, match="must share batch and time"):
+        fb.solve_reference(x, x, jnp.zeros((1, 5)), x)
+    with pytest.raises(ValueError, match="unknown feedback solve impl 'dense'"):
+        fb.feedback_solve(x, x, jnp.zeros((1, 4)), x, impl="dense")
+    check_blocks(128, "tpu", interpret=False)
+    for (block, backend), msg in [((64, "tpu"), "block=64 .* multiple of 128"),
+                                  ((48, "gpu"), "block=48 .* power of two"), ((64, "cpu"), "interpret")]:
+        with pytest.raises(ValueError, match=msg):
+            check_blocks(block, backend, interpret=False)
+
+
+def test_kernel_lowers_for_tpu():
+    """Forward and backward lower to Mosaic (TPU) on this CPU, through jax.export. Compiling
+    needs a TPU; lowering checks block shapes, layouts and every op."""
+    tpu_info = pytest.importorskip("jax._src.pallas.mosaic.tpu_info")
+    if not all(hasattr(tpu_info, n) for n in ("registry", "get_tpu_info_for_chip", "ChipVersion")):
+        pytest.skip("this JAX has no way to name a TPU generation for lowering on a CPU")
+    kind = jax.devices()[0].device_kind
+    tpu_info.registry[kind] = lambda: tpu_info.get_tpu_info_for_chip(tpu_info.ChipVersion.TPU_V5E, 1)
+    solve = functools.partial(feedback_solve_pallas, block=128, interpret=False)
+    qb = jax.ShapeDtypeStruct((1, 256, 128), jnp.bfloat16)
+    gamma = jax.ShapeDtypeStruct((1, 256), jnp.float32)
+    f = jax.ShapeDtypeStruct((1, 256, 256), jnp.bfloat16)
+    backend = jax.default_backend
+    try:
+        jax.default_backend = lambda: "tpu"  # the kernel picks TPU tile rules
+        grad = jax.grad(lambda *a: solve(*a).sum(), (0, 1, 2, 3))
+        for fn, kernels in ((solve, 2), (grad, 5)):
+            text = jax.export.export(jax.jit(fn), platforms=["tpu"])(qb, qb, gamma, f).mlir_module()
+            assert text.count("tpu_custom_call") == kernels
+    finally:
+        jax.default_backend = backend
+        tpu_info.registry.pop(kind)
