@@ -105,3 +105,92 @@ class EsprFeatures(nnx.Module):
                                  "rng=..., or set the scheme option draw_seed to fix the draw")
             out["w"] = espr.draw_features(rng, scheme.num_features, 2 * m)
         return out
+
+
+class HouseholderVectors(nnx.Module):
+    """PaTH's per-token Householder vectors and gains (positional/householder.py), per layer.
+
+    w_t = normalise(conv(W_up W_down x_t)) per kv head: a rank-`scheme.rank` projection, as in
+    the public PaTH layer, then (scheme.conv > 0) a causal depthwise convolution of that width
+    with SiLU, restarted at document starts; beta_t = 2 sigmoid(W_b x_t + b) in (0, 2) per kv
+    head, starting near 1 (b = 0). Decoding, the convolution reads the previous projections
+    from the layer cache (`past`), where the scheme stores them (`Path.feature_cache`).
+    """
+
+    def __init__(self, scheme, cfg, *, rngs: nnx.Rngs):
+        self.scheme, self.kv_heads = scheme, cfg.kv_heads
+        width = cfg.kv_heads * scheme.head_dim
+        init = nnx.initializers.normal
+        self.down = nnx.Linear(cfg.d_model, scheme.rank, use_bias=False, rngs=rngs,
+                               kernel_init=init(stddev=cfg.d_model ** -0.5))
+        self.up = nnx.Linear(scheme.rank, width, use_bias=False, rngs=rngs,
+                             kernel_init=init(stddev=scheme.rank ** -0.5))
+        self.gain = nnx.Linear(cfg.d_model, cfg.kv_heads, rngs=rngs,
+                               kernel_init=init(stddev=cfg.d_model ** -0.5))
+        if scheme.conv:
+            self.kernel = nnx.Param(init(stddev=scheme.conv ** -0.5)(rngs.params(), (scheme.conv, width)))
+        self.reads_past = bool(scheme.conv)
+
+    def __call__(self, x, *, tokens, index, segment_ids=None, rng=None, past=None):
+        b, t, _ = x.shape
+        u = self.up(self.down(x.astype(jnp.float32)))  # [B, T, K * D]
+        out = {"beta": 2 * jax.nn.sigmoid(self.gain(x.astype(jnp.float32)))}
+        if self.scheme.conv:
+            out["w_in"] = u
+            u = self._conv(u, segment_ids, past)
+        w = u.reshape(b, t, self.kv_heads, -1)
+        out["w"] = w * jax.lax.rsqrt(jnp.sum(w * w, -1, keepdims=True) + 1e-12)
+        return out
+
+    def _conv(self, u, segment_ids, past):
+        """Causal depthwise convolution of width c: sum_s kernel[s] u_{t-s}, then SiLU."""
+        c, t = self.scheme.conv, u.shape[1]
+        if past is None:  # parallel form: zeros before the start, none across documents
+            seg = jnp.zeros(u.shape[:2], jnp.int32) if segment_ids is None else segment_ids
+            hist = jnp.pad(u, ((0, 0), (c - 1, 0), (0, 0)))
+            hist_seg = jnp.pad(seg, ((0, 0), (c - 1, 0)), constant_values=-1)
+        else:  # decoding: the c - 1 projections before the cache index, zeros before token 0
+            start = past["index"] - (c - 1)
+            padded = jnp.pad(past["features"]["w_in"], ((0, 0), (c - 1, 0), (0, 0)))
+            prev = jax.lax.dynamic_slice_in_dim(padded, start + c - 1, c - 1, axis=1)
+            hist = jnp.concatenate([prev, u], axis=1)
+            hist_seg = jnp.where(start + jnp.arange(t + c - 1) >= 0, 0, -1)[None]
+            seg = jnp.zeros(u.shape[:2], jnp.int32)
+        acc = 0.0
+        for s in range(c):  # tap s reads token t - s
+            same = (hist_seg[:, c - 1 - s:c - 1 - s + t] == seg)[..., None]
+            acc = acc + self.kernel[s] * jnp.where(same, hist[:, c - 1 - s:c - 1 - s + t], 0.0)
+        return jax.nn.silu(acc)
+
+
+class ForgetGate(nnx.Module):
+    """FoX forget gates log f_t = log sigmoid(W_f x_t + b_f), one per query head (positional/fox.py).
+
+    b_f starts at 0 as in the public FoX layer (f near 1/2: the model starts local and learns
+    how far each head should remember).
+    """
+
+    def __init__(self, scheme, cfg, *, rngs: nnx.Rngs):
+        self.proj = nnx.Linear(cfg.d_model, scheme.num_heads, rngs=rngs,
+                               kernel_init=nnx.initializers.normal(stddev=cfg.d_model ** -0.5))
+
+    def __call__(self, x, *, tokens, index, segment_ids=None, rng=None):
+        return {"log_forget": jax.nn.log_sigmoid(self.proj(x.astype(jnp.float32)))}
+
+
+class MergedFeatures(nnx.Module):
+    """The features modules of a composed scheme ("path+fox"): one merged dict."""
+
+    def __init__(self, modules):
+        self.parts = nnx.List(modules)
+        self.reads_past = any(getattr(m, "reads_past", False) for m in modules)
+
+    def __call__(self, x, past=None, **kw):
+        out = {}
+        for m in self.parts:
+            got = m(x, **kw, **({"past": past} if getattr(m, "reads_past", False) else {}))
+            clash = set(out) & set(got)
+            if clash:
+                raise ValueError(f"composed schemes both produce feature(s) {sorted(clash)}")
+            out.update(got)
+        return out

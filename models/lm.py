@@ -14,8 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.registry import get_entry, make_scheme
-from positional.attention import attention_weights
+from models.registry import make_features, make_scheme
 from positional.scheme import check_cache_room
 
 
@@ -80,10 +79,9 @@ class Attention(nnx.Module):
         self.k = _linear(cfg.d_model, kh * d, cfg, rngs)
         self.v = _linear(cfg.d_model, kh * d, cfg, rngs)
         self.o = _linear(h * d, cfg.d_model, cfg, rngs)
-        features = get_entry(cfg.scheme).features
-        self.features = features(self.scheme, cfg, rngs=rngs) if features else None
+        self.features = make_features(cfg.scheme, self.scheme, cfg, rngs=rngs)
 
-    def _qkv(self, x, tokens, index, segment_ids, rng):
+    def _qkv(self, x, tokens, index, segment_ids, rng, past=None):
         b, t, _ = x.shape
         d = self.cfg.dim_per_head
         q = self.q(x).reshape(b, t, self.cfg.num_heads, d)
@@ -91,7 +89,9 @@ class Attention(nnx.Module):
         v = self.v(x).reshape(b, t, self.cfg.kv_heads, d)
         features = None
         if self.features is not None:
-            features = self.features(x, tokens=tokens, index=index, segment_ids=segment_ids, rng=rng)
+            # Features that read earlier tokens (a short convolution) get the cache when decoding.
+            extra = {"past": past} if getattr(self.features, "reads_past", False) else {}
+            features = self.features(x, tokens=tokens, index=index, segment_ids=segment_ids, rng=rng, **extra)
         return q, k, v, features
 
     def __call__(self, x, *, tokens, positions, segment_ids=None, impl=None, rng=None):
@@ -104,7 +104,7 @@ class Attention(nnx.Module):
     def decode(self, x, cache, *, tokens, rng=None, positions=None):
         b, n = tokens.shape
         index = jnp.broadcast_to(cache["index"] + jnp.arange(n, dtype=jnp.int32), (b, n))
-        q, k, v, features = self._qkv(x, tokens, index, None, rng)
+        q, k, v, features = self._qkv(x, tokens, index, None, rng, past=cache)
         # Only multi-axis schemes take positions when decoding; the others use the cache slots.
         extra = {} if positions is None else {"positions": positions}
         out, cache = self.scheme.decode_step(cache, q, k, v, features, **extra)
@@ -275,9 +275,7 @@ def attention_internals(model: DecoderLM, tokens, *, rng=None) -> list[dict]:
     for i, block in enumerate(model.blocks):
         attn, key = block.attn, _layer_key(rng, i)
         q, k, v, features = attn._qkv(block.attn_norm(x), tokens, index, None, key)
-        q, k, _ = attn.scheme.transform(q, k, v, features, index)
-        w = attention_weights(q, k, bias_fn=attn.scheme.score_bias(features),
-                              score_fn=attn.scheme.score_fn(features))
+        w = attn.scheme.weights(q, k, v, features, index)
         layers.append({"weights": w.reshape(b, -1, t, t),
                        "v": jnp.repeat(v, attn.cfg.num_heads // attn.cfg.kv_heads, axis=2),
                        "features": features})

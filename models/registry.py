@@ -16,9 +16,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
-from models.features import EsprFeatures, StepAngles
+from models.features import EsprFeatures, ForgetGate, HouseholderVectors, MergedFeatures, StepAngles
 from positional.alibi import Alibi
 from positional.espr import Espr, EsprRF
+from positional.fox import Fox
+from positional.householder import Path
 from positional.nope import NoPE
 from positional.rope import Rope
 from positional.scheme import Scheme
@@ -32,6 +34,7 @@ class Entry:
     fixed: dict[str, Any] = dataclasses.field(default_factory=dict)
     features: Callable[..., Any] | None = None
     doc: str = ""
+    compose: tuple = ()  # score-bias schemes always added, as if written "name+bias"
 
 
 REGISTRY: dict[str, Entry] = {}
@@ -54,16 +57,17 @@ def get_entry(name: str) -> Entry:
 
 def _is_bias_only(entry: Entry) -> bool:
     cls = entry.scheme_cls
-    return entry.features is None and all(
+    return not entry.compose and all(
         getattr(cls, hook) is getattr(Scheme, hook)
-        for hook in ("transform", "transform_out", "score_fn", "attention", "attend", "init_cache",
-                     "decode_step"))
+        for hook in ("transform", "transform_out", "score_fn", "attention", "attend", "weights",
+                     "init_cache", "decode_step"))
 
 
 def make_scheme(name: str, *, num_heads: int, head_dim: int, **options) -> Scheme:
     """Build the named scheme with user options (e.g. RoPE's base, scaling, factor)."""
     first, *added = name.split("+")
     entry = get_entry(first)
+    added = [*entry.compose, *added]
     fields = {f.name for f in dataclasses.fields(entry.scheme_cls)} - {"num_heads", "head_dim", "biases"}
     unknown = set(options) - fields
     if unknown:
@@ -82,6 +86,17 @@ def make_scheme(name: str, *, num_heads: int, head_dim: int, **options) -> Schem
         biases.append(make_scheme(part, num_heads=num_heads, head_dim=head_dim))
     return entry.scheme_cls(num_heads=num_heads, head_dim=head_dim, biases=tuple(biases),
                             **entry.fixed, **options)
+
+
+def make_features(name: str, scheme: Scheme, cfg, *, rngs):
+    """The features module of a layer: the first part's and each added bias's, one dict out."""
+    entry = get_entry(name)
+    parts = [(entry, scheme)] + [(get_entry(n), b) for n, b in
+                                 zip([*entry.compose, *name.split("+")[1:]], scheme.biases)]
+    modules = [e.features(s, cfg, rngs=rngs) for e, s in parts if e.features is not None]
+    if len(modules) <= 1:
+        return modules[0] if modules else None
+    return MergedFeatures(modules)
 
 
 register("nope", Entry(NoPE, doc="no position information"))
@@ -105,3 +120,9 @@ register("espr", Entry(Espr, features=EsprFeatures,
 register("espr_rf", Entry(EsprRF, features=EsprFeatures,
                           doc="ESPR with positive-random-feature (linear-time) attention; options as espr "
                               "plus num_features, draw_seed"))
+register("path", Entry(Path, features=HouseholderVectors,
+                       doc="PaTH: keys carried by data-dependent Householder steps I - beta w w^T; options: "
+                           "rank, conv, qk_norm (block_size is the chunk of the blockwise impl)"))
+register("fox", Entry(Fox, features=ForgetGate, doc="Forgetting Transformer gate: cumulative log forget "
+                                                    "gates added to the logits (a bias for any scheme)"))
+register("path_fox", Entry(Path, features=HouseholderVectors, compose=("fox",), doc="PaTH with FoX gates"))

@@ -7,6 +7,8 @@ on an NNX module as static data). Its hooks, all pure:
   transform_out(out, features, positions) -> out         after it (Q/K/V variants rotate back)
   bias_fn(features) -> BiasFn | None                     additive logit bias (ALiBi, FoX, ...)
   score_fn(features) -> ScoreFn | None                   a logit that is not q.k/sqrt(D) (TAPA)
+  feature_cache(batch, max_len) -> dict                  per-token features the score bias reads
+                                                         at key positions (FoX's gates), zeros
 
 `biases` holds score-bias schemes added to this one's logits (a registry name such as
 "so2_learned_qkv+alibi"), so a transport can be combined with explicit far-mass control.
@@ -29,7 +31,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from positional.attention import IMPLEMENTATIONS, BiasFn, ScoreFn, attention
+from positional.attention import IMPLEMENTATIONS, BiasFn, ScoreFn, attention, attention_weights
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,9 +65,16 @@ class Scheme:
     def score_fn(self, features) -> ScoreFn | None:
         return None
 
+    def feature_cache(self, batch: int, max_len: int) -> dict:
+        return {}
+
     def score_bias(self, features) -> BiasFn | None:
-        """This scheme's bias plus those of `biases`, as one BiasFn (or None)."""
-        fns = [f for f in (self.bias_fn(features), *(b.bias_fn(None) for b in self.biases)) if f]
+        """This scheme's bias plus those of `biases`, as one BiasFn (or None).
+
+        Every part reads the same features dict: the layer merges the dicts of all the parts'
+        features modules (see models/registry.py).
+        """
+        fns = [f for f in (self.bias_fn(features), *(b.bias_fn(features) for b in self.biases)) if f]
         if len(fns) <= 1:
             return fns[0] if fns else None
         return lambda qi, kj: sum(f(qi, kj) for f in fns)
@@ -81,6 +90,11 @@ class Scheme:
         out = self.attention(q, k, v, features, segment_ids=segment_ids, impl=impl, block_size=block_size)
         return self.transform_out(out, features, positions)
 
+    def weights(self, q, k, v, features, positions) -> jax.Array:
+        """Softmax attention weights [B, K, G, T, T] of the parallel form (for the probes)."""
+        q, k, _ = self.transform(q, k, v, features, positions)
+        return attention_weights(q, k, bias_fn=self.score_bias(features), score_fn=self.score_fn(features))
+
     def attention(self, q, k, v, features, *, segment_ids=None, q_offset=0, impl="reference",
                   block_size=512) -> jax.Array:
         """Attention on transformed q, k, v with this scheme's score and bias."""
@@ -90,8 +104,21 @@ class Scheme:
     # ---- decode form -------------------------------------------------------------------------
     def init_cache(self, batch: int, max_len: int, num_kv_heads: int, dtype=jnp.float32) -> dict:
         shape = (batch, max_len, num_kv_heads, self.head_dim)
+        cached = {}
+        for part in (self, *self.biases):
+            cached.update(part.feature_cache(batch, max_len))
         return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype),
-                "index": jnp.zeros((), jnp.int32)}
+                "index": jnp.zeros((), jnp.int32), "features": cached}
+
+    def remember_features(self, cache: dict, features):
+        """Write the new tokens' cached features at the cache index; return (cache, features
+        with those entries covering every cached position)."""
+        if not cache["features"]:
+            return cache, features
+        cached = {name: jax.lax.dynamic_update_slice_in_dim(x, features[name].astype(x.dtype), cache["index"],
+                                                             axis=1)
+                  for name, x in cache["features"].items()}
+        return {**cache, "features": cached}, {**features, **cached}
 
     def decode_step(self, cache: dict, q, k, v, features=None, positions=None):
         """Attend n new tokens (q, k, v: [B, n, ., D]) at positions index..index+n-1.
@@ -107,7 +134,8 @@ class Scheme:
         q, k, v = self.transform(q, k, v, features, positions)
         ck = jax.lax.dynamic_update_slice_in_dim(cache["k"], k.astype(cache["k"].dtype), index, axis=1)
         cv = jax.lax.dynamic_update_slice_in_dim(cache["v"], v.astype(cache["v"].dtype), index, axis=1)
-        out = self.attention(q, ck, cv, features, q_offset=index)
+        cache, attn_features = self.remember_features(cache, features)
+        out = self.attention(q, ck, cv, attn_features, q_offset=index)
         out = self.transform_out(out, features, positions)
         return out, {**cache, "k": ck, "v": cv, "index": index + n}
 

@@ -1,0 +1,44 @@
+"""FoX, the Forgetting Transformer's forget gate (Lin et al. 2025), as a score bias.
+
+Each token t and query head h emits a forget gate f_t in (0, 1), from the hidden state; the
+logit of query i on key j gains sum_{t=j+1}^{i} log f_t = F_i - F_j (F the cumulative sum of
+log f): a data-dependent, never positive, monotone-in-distance decay. The same route convention
+as PaTH (positional/householder.py): the query's own gate counts, the key's does not. With
+every f_t = exp(-m_h) it is exactly ALiBi with slopes m_h (a test).
+
+Like every bias-only scheme it can be added to any other ("so2_learned_qkv+fox"); `path_fox`
+is PaTH with it. Cross-document pairs are masked, so F need not restart at document starts.
+The decode cache keeps log f of every cached token (`feature_cache`), so F_i - F_j of a step
+is computed from the same numbers as in the parallel form.
+
+features = {'log_forget': [B, T, H] float32}.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+from positional.scheme import Scheme
+
+
+def forget_bias(log_forget):
+    """A BiasFn (qi, kj) -> [B, H, tq, tk]: sum of log f over tokens j+1..i, fp32."""
+    cum = jnp.cumsum(log_forget.astype(jnp.float32), axis=1)  # F [B, T, H]
+    cum = jnp.moveaxis(cum, 1, 2)
+
+    def bias(qi, kj):
+        at = lambda idx: jnp.take(cum, idx, axis=2, mode="clip")  # noqa: E731  (padded blocks clip)
+        return at(qi)[..., :, None] - at(kj)[..., None, :]
+
+    return bias
+
+
+@dataclasses.dataclass(frozen=True)
+class Fox(Scheme):
+    def bias_fn(self, features):
+        return forget_bias(features["log_forget"])
+
+    def feature_cache(self, batch, max_len):
+        return {"log_forget": jnp.zeros((batch, max_len, self.num_heads), jnp.float32)}
