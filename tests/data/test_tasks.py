@@ -276,3 +276,18 @@ def test_train_and_eval_on_each_task_from_the_command_line(tmp_path):
     assert set(results["diffuse_mqar"]["task_results"]["by_group"]) == {"4", "10", "20", "40"}
     assert "| symbolsoup | rope | symbolsoup |" in run.stdout and "| lag 40 |" in run.stdout
     assert (tmp_path / "cmp" / "tasks.png").exists()
+
+
+def test_sessa_configs_hold_their_longest_examples_and_name_the_seed():
+    from configs import sessa
+    for task in sessa.TASKS:
+        for mixer in sessa.MIXERS:
+            c = sessa.get_config(f"{task}/{mixer}/1")
+            assert c.seed == 1 and c.workdir == f"runs/sessa/{task}/{mixer}/seed1"
+            assert c.model.mixer == mixer and c.train.steps == sessa.STEPS
+            if task != "lm":
+                longest = max(len(tasks.get_task(c.data).example("train", i).tokens) for i in range(200))
+                assert longest <= c.seq_len + 1 <= tasks.get_task(c.data).max_len("train")
+    assert sessa.get_config("mqar/sessa").data.task.eval_lags[-1] == 4 * 128
+    with pytest.raises(ValueError, match="TASK/MIXER"):
+        sessa.get_config("symbolsoup/lstm")
