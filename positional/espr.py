@@ -288,7 +288,7 @@ def rf_blockwise(q, k, v, w, *, segment_ids=None, chunk_size: int = 512) -> jax.
     seg = jnp.pad(seg, ((0, 0), (0, pad)), constant_values=jnp.iinfo(jnp.int32).min)
 
     def chunks(x):
-        x = jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2))
+        x = jnp.pad(x, ((0, 0), (0, nc * c - x.shape[1])) + ((0, 0),) * (x.ndim - 2))
         return jnp.moveaxis(x.reshape(b, nc, c, *x.shape[2:]), 1, 0)
 
     def step(state, xs):
