@@ -1,7 +1,7 @@
 """ESPR / STRING rotations (positional/espr.py): the checkable statements of the notes, §4.
 
 Matrix identities and bounds are checked on random instances through the library's fp32
-functions, with float64 NumPy/SciPy references where a reference is needed; the slack added
+functions, with float64 NumPy references where a reference is needed; the slack added
 to each bound is fp32 rounding, far below the bounds' own size.
 """
 
@@ -9,7 +9,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import scipy.linalg
 from flax import nnx
 
 from models.lm import DecoderLM, ModelConfig
@@ -114,7 +113,8 @@ def test_scores_are_shift_invariant_for_any_post_rotation_and_exact_for_p_in_a()
     a = scores(None, *transformed(scheme, feats, q, k, r))
     pi = u[:, :2 * m] @ u[:, :2 * m].T
     qn, kn, rn = np.asarray(q[0, :, 0], np.float64), np.asarray(k[0, :, 0], np.float64), np.asarray(r[0])
-    star = np.array([[qn[i] @ pi @ rot(rn[j] - rn[i], gens) @ pi @ kn[j] for j in range(t)] for i in range(t)])
+    star = np.array([[qn[i] @ pi @ rot(rn[j] - rn[i], gens) @ pi @ kn[j] for j in range(t)]
+                     for i in range(t)])
     np.testing.assert_allclose(a, star * (2 * m) ** -0.5, atol=2e-4)
 
 
@@ -186,9 +186,11 @@ def test_score_error_bounds_commuting_any_p_and_non_commuting():
              "basis": jnp.asarray(u, jnp.float32)}
     a = scores(None, *transformed(relaxed, feats, q, k, r))
     qn, kn, rn = np.asarray(q[0, :, 0], np.float64), np.asarray(k[0, :, 0], np.float64), np.asarray(r[0])
-    star = np.array([[qn[i] @ rot(rn[j] - rn[i], gens) @ kn[j] for j in range(t)] for i in range(t)]) * D ** -0.5
+    star = np.array([[qn[i] @ rot(rn[j] - rn[i], gens) @ kn[j] for j in range(t)] for i in range(t)])
+    star = star * D ** -0.5
     l1 = np.abs(rn).sum(-1)
-    bound = D ** -0.5 * np.outer(np.linalg.norm(qn, axis=-1), np.linalg.norm(kn, axis=-1)) * 0.5 * eps * np.outer(l1, l1)
+    norms = np.outer(np.linalg.norm(qn, axis=-1), np.linalg.norm(kn, axis=-1))
+    bound = D ** -0.5 * norms * 0.5 * eps * np.outer(l1, l1)
     assert (np.abs(a - star) <= bound + 1e-5).all() and np.abs(a - star).max() > 1e-4
 
 
@@ -221,7 +223,8 @@ def test_rope_both_layouts_axial_and_mixed_are_special_cases():
     for layout in ("interleaved", "half"):
         rope = Rope(num_heads=h, head_dim=d, layout=layout)
         # "half" pairs (i, i + D/2): U is the permutation that lists each pair's two axes together.
-        order = np.arange(d) if layout == "interleaved" else np.stack([np.arange(d // 2), np.arange(d // 2, d)], 1).ravel()
+        pairs = np.stack([np.arange(d // 2), np.arange(d // 2, d)], 1).ravel()
+        order = np.arange(d) if layout == "interleaved" else pairs
         u = np.eye(d)[:, order]
         got, _ = transformed(one_axis, espr_features(u, np.eye(d), beta, d // 2), q, q, pos)
         want = np.asarray(rope.transform(q, q, q, None, pos)[0])
