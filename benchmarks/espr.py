@@ -58,7 +58,8 @@ def rf_part(args) -> list[tuple]:
     exact = attention_forward("espr", args.heads, args.head_dim, args.block)
     rows = []
     print(f"one attention layer, batch 1, {args.heads} heads x {args.head_dim}, n_rf {args.features}, "
-          f"block {args.block}\n\n| tokens | espr_rf (s) | exact espr (s) | rf / exact |\n|---:|---:|---:|---:|",
+          f"block {args.block}\n\n| tokens | espr_rf (s) | exact espr (s) | rf / exact |\n"
+          "|---:|---:|---:|---:|",
           flush=True)
     for t in [int(x) for x in args.lengths.split(",")]:
         keys = jax.random.split(jax.random.key(t), 3)

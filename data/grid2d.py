@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import time
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -67,8 +66,8 @@ def run(method: str, steps: int, seed: int, batch: int, eval_batches: int = 8) -
     cfg = ModelConfig(vocab_size=9, d_model=64, num_layers=2, num_heads=4, scheme=scheme,
                       scheme_options=tuple(sorted(options.items())))
     model = DecoderLM(cfg, rngs=nnx.Rngs(seed))
-    opt = nnx.Optimizer(model, optax.adamw(optax.warmup_cosine_decay_schedule(0, 3e-3, min(30, steps // 2), steps)),
-                        wrt=nnx.Param)
+    schedule = optax.warmup_cosine_decay_schedule(0, 3e-3, min(30, steps // 2), steps)
+    opt = nnx.Optimizer(model, optax.adamw(schedule), wrt=nnx.Param)
 
     def loss_fn(model, tokens, targets, weight, positions):
         logits = model(tokens, positions=positions)
@@ -78,7 +77,8 @@ def run(method: str, steps: int, seed: int, batch: int, eval_batches: int = 8) -
 
     @nnx.jit
     def train_step(model, opt, tokens, targets, weight, positions):
-        (loss, _), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model, tokens, targets, weight, positions)
+        grad_fn = nnx.value_and_grad(loss_fn, has_aux=True)
+        (loss, _), grads = grad_fn(model, tokens, targets, weight, positions)
         opt.update(model, grads)
         return loss
 
