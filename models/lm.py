@@ -33,11 +33,16 @@ class ModelConfig:
     attention_impl: str = "reference"
     block_size: int = 512
     dtype: str = "float32"  # compute dtype; parameters stay float32
+    # "attention": the blocks above; "sessa", "sessa_nofb", "transformer", "mamba2": the Sessa
+    # macro-block with that mixer (models/sessa.py), configured by mixer_options (pairs, hashable).
+    mixer: str = "attention"
+    mixer_options: tuple = ()
 
     @classmethod
     def from_dict(cls, d) -> "ModelConfig":
         d = dict(d)
         d["scheme_options"] = tuple(sorted(dict(d.get("scheme_options", {})).items()))
+        d["mixer_options"] = tuple(sorted(dict(d.get("mixer_options", {})).items()))
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = set(d) - known
         if unknown:
@@ -135,6 +140,10 @@ class Block(nnx.Module):
         x = x + self.attn(self.attn_norm(x), **kw)
         return x + self.mlp(self.mlp_norm(x))
 
+    def init_cache(self, batch: int, max_len: int) -> dict:
+        cfg = self.attn.cfg
+        return self.attn.scheme.init_cache(batch, max_len, cfg.kv_heads, jnp.dtype(cfg.dtype))
+
     def decode(self, x, cache, **kw):
         a, cache = self.attn.decode(self.attn_norm(x), cache, **kw)
         x = x + a
@@ -146,7 +155,9 @@ class DecoderLM(nnx.Module):
         self.cfg = cfg
         self.embed = nnx.Embed(cfg.vocab_size, cfg.d_model, rngs=rngs,
                                embedding_init=nnx.initializers.normal(stddev=1.0))
-        self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
+        from models.sessa import MacroBlock  # models.sessa builds its attention from this module
+        block = Block if cfg.mixer == "attention" else MacroBlock
+        self.blocks = nnx.List([block(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
         self.norm = nnx.RMSNorm(cfg.d_model, epsilon=1e-6, dtype=jnp.dtype(cfg.dtype), rngs=rngs)
         self.head = None if cfg.tie_embeddings else _linear(cfg.d_model, cfg.vocab_size, cfg, rngs)
 
@@ -173,8 +184,7 @@ class DecoderLM(nnx.Module):
         return self._logits(x).astype(jnp.float32)
 
     def init_cache(self, batch: int, max_len: int) -> list:
-        return [blk.attn.scheme.init_cache(batch, max_len, self.cfg.kv_heads, jnp.dtype(self.cfg.dtype))
-                for blk in self.blocks]
+        return [blk.init_cache(batch, max_len) for blk in self.blocks]
 
     def decode(self, tokens, cache, rng=None, positions=None):
         """Feed n new tokens [B, n] after what `cache` holds. Returns (logits [B, n, V], cache).

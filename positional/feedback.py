@@ -64,51 +64,58 @@ def check_inputs(qb, kb, gamma, f) -> None:
 
 
 # ---- reference ---------------------------------------------------------------------------------
-def feedback_weights(qb, kb) -> jax.Array:
-    """alpha [B, T, T] fp32: softmax over the strict past of qb_t . kb_j / sqrt(dk); row 0 zero."""
+def feedback_weights(qb, kb, segment_ids=None) -> jax.Array:
+    """alpha [B, T, T] fp32: softmax over the strict past of qb_t . kb_j / sqrt(dk); row 0 zero.
+
+    With segment_ids [B, T] (packed sequences) the past is the strict past in the same segment.
+    """
     t, dk = qb.shape[1], qb.shape[-1]
     logits = jnp.einsum("btd,bsd->bts", qb.astype(jnp.float32), kb.astype(jnp.float32),
                         precision=lax.Precision.HIGHEST) * dk ** -0.5
     past = jnp.tril(jnp.ones((t, t), bool), -1)
+    if segment_ids is not None:
+        past = past & (segment_ids[:, :, None] == segment_ids[:, None, :])
     return jnp.where(past, jax.nn.softmax(jnp.where(past, logits, MASKED), axis=-1), 0.0)
 
 
-def feedback_matrix(qb, kb, gamma) -> jax.Array:
+def feedback_matrix(qb, kb, gamma, segment_ids=None) -> jax.Array:
     """B [B, T, T] fp32, strictly lower-triangular: B[t, j] = gamma_t alpha[t, j]."""
-    return gamma.astype(jnp.float32)[..., None] * feedback_weights(qb, kb)
+    return gamma.astype(jnp.float32)[..., None] * feedback_weights(qb, kb, segment_ids)
 
 
-def solve_reference(qb, kb, gamma, f) -> jax.Array:
+def solve_reference(qb, kb, gamma, f, segment_ids=None) -> jax.Array:
     """s [B, T, D] fp32 solving (I - B) s = f, with B built in full."""
     check_inputs(qb, kb, gamma, f)
     t = qb.shape[1]
-    i_minus_b = jnp.eye(t, dtype=jnp.float32) - feedback_matrix(qb, kb, gamma)
+    i_minus_b = jnp.eye(t, dtype=jnp.float32) - feedback_matrix(qb, kb, gamma, segment_ids)
     return solve_triangular(i_minus_b, f.astype(jnp.float32), lower=True, unit_diagonal=True)
 
 
 # ---- tiles, shared with the Pallas kernel (2-D arrays, no batch) --------------------------------
-def tile_logits(qb_i, kb_j, q0, k0, scale):
+def tile_logits(qb_i, kb_j, q0, k0, scale, seg=None):
     """Logits scale qb_i . kb_j of one tile [tq, tk] fp32, and its strict-past mask.
 
-    qb_i [tq, dk] holds rows q0.., kb_j [tk, dk] rows k0..; the mask is key index < query index.
+    qb_i [tq, dk] holds rows q0.., kb_j [tk, dk] rows k0..; the mask is key index < query index
+    (and, with seg = (query segment ids [tq, 1], key segment ids [1, tk]), the same segment).
     `scale` is 1/sqrt(dk) of the unpadded width (the kernel zero-pads dk).
     """
     logits = dot(qb_i, kb_j, transpose_b=True) * scale
     rows = q0 + lax.broadcasted_iota(jnp.int32, logits.shape, 0)
     cols = k0 + lax.broadcasted_iota(jnp.int32, logits.shape, 1)
-    return logits, cols < rows
+    past = cols < rows
+    return logits, past if seg is None else past & (seg[0] == seg[1])
 
 
-def alpha_tile(qb_i, kb_j, lse_i, q0, k0, scale):
+def alpha_tile(qb_i, kb_j, lse_i, q0, k0, scale, seg=None):
     """alpha of one tile [tq, tk] fp32 from the row log-sum-exp lse_i [tq, 1]."""
-    logits, past = tile_logits(qb_i, kb_j, q0, k0, scale)
+    logits, past = tile_logits(qb_i, kb_j, q0, k0, scale, seg)
     return jnp.where(past, jnp.exp(logits - lse_i), 0.0)
 
 
-def lse_update(carry, qb_i, kb_j, q0, k0, scale):
+def lse_update(carry, qb_i, kb_j, q0, k0, scale, seg=None):
     """One online-softmax step of the row statistics (max m, sum row_sum), each [tq, 1]."""
     m, row_sum = carry
-    logits, past = tile_logits(qb_i, kb_j, q0, k0, scale)
+    logits, past = tile_logits(qb_i, kb_j, q0, k0, scale, seg)
     logits = jnp.where(past, logits, MASKED)
     m_new = jnp.maximum(m, logits.max(axis=1, keepdims=True))
     p = jnp.where(past, jnp.exp(logits - m_new), 0.0)
@@ -140,20 +147,26 @@ def _put(x, i, c, value):
     return lax.dynamic_update_slice_in_dim(x, value.astype(x.dtype), i * c, axis=0)
 
 
-def _row_lse(qb, kb, c):
+def _seg(seg, i, j, c):
+    """Segment ids of query chunk i as a column and of key chunk j as a row."""
+    return _slice(seg, i, c), _slice(seg, j, c).T
+
+
+def _row_lse(qb, kb, seg, c):
     """Row log-sum-exp [Tp, 1] of the strict-past logits, one query chunk at a time."""
     scale = qb.shape[-1] ** -0.5
 
     def chunk(i):
         qb_i = _slice(qb, i, c)
         init = (jnp.full((c, 1), MASKED, jnp.float32), jnp.zeros((c, 1), jnp.float32))
-        step = lambda j, st: lse_update(st, qb_i, _slice(kb, j, c), i * c, j * c, scale)  # noqa: E731
+        step = lambda j, st: lse_update(st, qb_i, _slice(kb, j, c), i * c, j * c, scale,  # noqa: E731
+                                        _seg(seg, i, j, c))
         m, row_sum = lax.fori_loop(0, i + 1, step, init)
         return lse_finish(m, row_sum)
     return lax.map(chunk, jnp.arange(qb.shape[0] // c)).reshape(-1, 1)
 
 
-def _forward_2d(qb, kb, lse, gamma, f, c):
+def _forward_2d(qb, kb, lse, gamma, f, seg, c):
     """(s, h) [Tp, D]: chunk i gets R_i = f_i + gamma_i sum_{j<i} alpha_ij S_j, then
     S_i = (I - gamma_i alpha_ii)^{-1} R_i; h_i = sum_{j<=i} alpha_ij S_j is kept for the backward."""
     scale = qb.shape[-1] ** -0.5
@@ -161,17 +174,17 @@ def _forward_2d(qb, kb, lse, gamma, f, c):
     def chunk(i, carry):
         s, h = carry
         qb_i, lse_i, g_i = _slice(qb, i, c), _slice(lse, i, c), _slice(gamma, i, c)
-        h_past = lax.fori_loop(0, i, lambda j, acc: acc + dot(
-            alpha_tile(qb_i, _slice(kb, j, c), lse_i, i * c, j * c, scale), _slice(s, j, c)),
-            jnp.zeros((c, f.shape[1]), jnp.float32))
-        a_ii = alpha_tile(qb_i, _slice(kb, i, c), lse_i, i * c, i * c, scale)
+        tile = lambda j: alpha_tile(qb_i, _slice(kb, j, c), lse_i, i * c, j * c, scale, _seg(seg, i, j, c))  # noqa: E731
+        h_past = lax.fori_loop(0, i, lambda j, acc: acc + dot(tile(j), _slice(s, j, c)),
+                               jnp.zeros((c, f.shape[1]), jnp.float32))
+        a_ii = tile(i)
         s_i = solve_triangular(jnp.eye(c) - g_i * a_ii, _slice(f, i, c) + g_i * h_past, lower=True,
                                unit_diagonal=True)
         return _put(s, i, c, s_i), _put(h, i, c, h_past + dot(a_ii, s_i))
     return lax.fori_loop(0, qb.shape[0] // c, chunk, (jnp.zeros_like(f), jnp.zeros_like(f)))
 
 
-def _backward_2d(qb, kb, lse, gamma, s, h, ds, c):
+def _backward_2d(qb, kb, lse, gamma, s, h, seg, ds, c):
     """(dqb, dkb, dgamma, df) by the reverse-time solve, last chunk first.
 
     After lambda_i is solved, row block i of B is recomputed once, tile by tile: it pushes
@@ -184,7 +197,7 @@ def _backward_2d(qb, kb, lse, gamma, s, h, ds, c):
         lam, rhs, dqb, dkb, dgamma = carry
         i = n - 1 - step
         qb_i, lse_i, g_i = _slice(qb, i, c), _slice(lse, i, c), _slice(gamma, i, c)
-        a_ii = alpha_tile(qb_i, _slice(kb, i, c), lse_i, i * c, i * c, scale)
+        a_ii = alpha_tile(qb_i, _slice(kb, i, c), lse_i, i * c, i * c, scale, _seg(seg, i, i, c))
         lam_i = solve_triangular(jnp.eye(c) - g_i * a_ii, _slice(ds, i, c) + _slice(rhs, i, c), trans=1,
                                  lower=True, unit_diagonal=True)
         dg_i = jnp.sum(lam_i * _slice(h, i, c), axis=1, keepdims=True)
@@ -192,7 +205,7 @@ def _backward_2d(qb, kb, lse, gamma, s, h, ds, c):
         def tile(j, inner):
             rhs, dq_i, dkb = inner
             kb_j = _slice(kb, j, c)
-            a = alpha_tile(qb_i, kb_j, lse_i, i * c, j * c, scale)
+            a = alpha_tile(qb_i, kb_j, lse_i, i * c, j * c, scale, _seg(seg, i, j, c))
             dlogit = dlogit_tile(a, g_i, dg_i, lam_i, _slice(s, j, c), scale)
             rhs = _put(rhs, j, c, _slice(rhs, j, c) + dot(g_i * a, lam_i, transpose_a=True))
             dkb = _put(dkb, j, c, _slice(dkb, j, c) + dot(dlogit, qb_i, transpose_a=True))
@@ -208,20 +221,20 @@ def _backward_2d(qb, kb, lse, gamma, s, h, ds, c):
     return dqb, dkb, dgamma, lam
 
 
-def _forward_blocked(qb, kb, gamma, f, c):
-    lse = jax.vmap(_row_lse, in_axes=(0, 0, None))(qb, kb, c)
-    s, h = jax.vmap(_forward_2d, in_axes=(0, 0, 0, 0, 0, None))(qb, kb, lse, gamma, f, c)
-    return s, (qb, kb, lse, gamma, s, h)
+def _forward_blocked(qb, kb, gamma, f, seg, c):
+    lse = jax.vmap(_row_lse, in_axes=(0, 0, 0, None))(qb, kb, seg, c)
+    s, h = jax.vmap(_forward_2d, in_axes=(0, 0, 0, 0, 0, 0, None))(qb, kb, lse, gamma, f, seg, c)
+    return s, (qb, kb, lse, gamma, s, h, seg)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _solve_blocked(qb, kb, gamma, f, c):
-    return _forward_blocked(qb, kb, gamma, f, c)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _solve_blocked(qb, kb, gamma, f, seg, c):
+    return _forward_blocked(qb, kb, gamma, f, seg, c)[0]
 
 
 def _solve_blocked_bwd(c, res, ds):
-    qb, kb, lse, gamma, s, h = res
-    return jax.vmap(_backward_2d, in_axes=(0, 0, 0, 0, 0, 0, 0, None))(qb, kb, lse, gamma, s, h, ds, c)
+    grads = jax.vmap(_backward_2d, in_axes=(0,) * 8 + (None,))(*res, ds, c)
+    return (*grads, None)
 
 
 _solve_blocked.defvjp(lambda *a: _forward_blocked(*a), _solve_blocked_bwd)
@@ -240,20 +253,27 @@ def pad_chunks(qb, kb, gamma, f, block_size: int):
     return p(qb), p(kb), p(gamma[..., None]), p(f), c
 
 
-def solve_blocked(qb, kb, gamma, f, *, block_size: int = 256) -> jax.Array:
+def solve_blocked(qb, kb, gamma, f, segment_ids=None, *, block_size: int = 256) -> jax.Array:
     """s [B, T, D] fp32 by blocked forward substitution; T need not be a multiple of block_size."""
     check_inputs(qb, kb, gamma, f)
+    t = qb.shape[1]
     qb_p, kb_p, gamma_p, f_p, c = pad_chunks(qb, kb, gamma, f, block_size)
-    return _solve_blocked(qb_p, kb_p, gamma_p, f_p, c)[:, :qb.shape[1]]
+    seg = jnp.zeros(qb.shape[:2], jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
+    seg = jnp.pad(seg, ((0, 0), (0, qb_p.shape[1] - t)))[..., None]
+    return _solve_blocked(qb_p, kb_p, gamma_p, f_p, seg, c)[:, :t]
 
 
-def feedback_solve(qb, kb, gamma, f, *, impl: str = "reference", block_size: int = 256) -> jax.Array:
+def feedback_solve(qb, kb, gamma, f, segment_ids=None, *, impl: str = "reference",
+                   block_size: int = 256) -> jax.Array:
     """Dispatch to an implementation by name; s [B, T, D] fp32."""
     if impl == "reference":
-        return solve_reference(qb, kb, gamma, f)
+        return solve_reference(qb, kb, gamma, f, segment_ids)
     if impl == "blocked":
-        return solve_blocked(qb, kb, gamma, f, block_size=block_size)
+        return solve_blocked(qb, kb, gamma, f, segment_ids, block_size=block_size)
     if impl == "pallas":
+        if segment_ids is not None:
+            raise ValueError("the feedback solve Pallas kernel has no segment ids (packed sequences); "
+                             "use impl='blocked' or 'reference'")
         from positional.kernels.feedback_solve import feedback_solve_pallas
         return feedback_solve_pallas(qb, kb, gamma, f, block=block_size)
     raise ValueError(f"unknown feedback solve impl {impl!r}; valid: {', '.join(IMPLEMENTATIONS)}")
