@@ -288,6 +288,22 @@ def test_sessa_configs_hold_their_longest_examples_and_name_the_seed():
             if task != "lm":
                 longest = max(len(tasks.get_task(c.data).example("train", i).tokens) for i in range(200))
                 assert longest <= c.seq_len + 1 <= tasks.get_task(c.data).max_len("train")
-    assert sessa.get_config("mqar/sessa").data.task.eval_lags[-1] == 4 * 128
+    assert sessa.get_config("mqar/sessa").data.task.eval_lags[-1] == 4 * 32
+
+
+@pytest.mark.parametrize("task", ["symbolsoup", "lm"])
+def test_sessa_config_widths_match_parameter_counts(task):
+    """The baselines' widths are the ones closest to Sessa's parameter count."""
+    from configs import sessa
+    from models.sessa import matched_width, param_count
+    from train import model_config
+    base = sessa.get_config(f"{task}/sessa")
+    vocab = 258 if task == "lm" else tasks.tokenizer(tasks.get_task(base.data)).vocab_size
+    target = param_count(model_config(base, vocab))
+    for mixer in ("transformer", "mamba2"):
+        cfg = model_config(sessa.get_config(f"{task}/{mixer}"), vocab)
+        assert cfg.d_model == matched_width(cfg, mixer, target)
+        assert abs(param_count(cfg) / target - 1) < 0.05
+    assert sessa.WIDTHS["sessa_nofb"] == sessa.WIDTHS["sessa"]  # the ablation changes nothing else
     with pytest.raises(ValueError, match="TASK/MIXER"):
         sessa.get_config("symbolsoup/lstm")
