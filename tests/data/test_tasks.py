@@ -284,7 +284,7 @@ def test_sessa_configs_hold_their_longest_examples_and_name_the_seed():
         for mixer in sessa.MIXERS:
             c = sessa.get_config(f"{task}/{mixer}/1")
             assert c.seed == 1 and c.workdir == f"runs/sessa/{task}/{mixer}/seed1"
-            assert c.model.mixer == mixer and c.train.steps == sessa.STEPS
+            assert c.model.mixer == mixer and c.train.steps == sessa.STEPS[task]
             if task != "lm":
                 longest = max(len(tasks.get_task(c.data).example("train", i).tokens) for i in range(200))
                 assert longest <= c.seq_len + 1 <= tasks.get_task(c.data).max_len("train")
