@@ -21,7 +21,7 @@ CPU scale: a run is STEPS[task] steps of 16 rows, a few minutes on 2 shared core
 left every mixer at chance on SymbolSoup). SymbolSoup uses the
 official generator with every parameter as published except the length, 100 to 150 tokens
 instead of 400 to 600 (the same layout, shorter blocks); the training set is the official
-20,000 examples, of which a run sees 24,000 (1.2 epochs). Diffuse MQAR trains at lags 16 to 32 and is tested
+20,000 examples, of which a run sees 16,000. Diffuse MQAR trains at lags 16 to 32 and is tested
 at 8 to 128 (4x the longest training lag). LM: bytes of the standard library, length 128.
 The test sets are smaller than the paper's 2,000 to keep evaluation under a minute.
 """
@@ -32,7 +32,7 @@ from data import tasks
 MIXERS = ("sessa", "transformer", "mamba2", "sessa_nofb")
 # d_model per mixer (a Sessa block has ~9 D^2 parameters, a Transformer block ~7 D^2).
 WIDTHS = {"sessa": 64, "transformer": 72, "sessa_nofb": 64, "mamba2": 88}
-STEPS = {"symbolsoup": 1500, "mqar": 1000, "lm": 1000}
+STEPS = {"symbolsoup": 1000, "mqar": 500, "lm": 400}
 TASKS = {
     "symbolsoup": dict(min_tokens=100, max_tokens=150, eval_examples=400),
     "mqar": dict(lag_min=16, lag_max=32, eval_lags=(8, 16, 32, 64, 128), eval_examples=500),
