@@ -1,0 +1,188 @@
+"""PaTH Householder transport and FoX gates: every algorithm against explicit matrix products,
+the route convention, the paper's identities, decoding, head dimensions and bad input."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from positional import householder as hh
+from positional.alibi import alibi_slopes
+from positional.attention import attention, reference_attention
+from positional.fox import forget_bias
+
+
+def inputs(key=0, b=2, t=11, h=4, kh=2, d=8, beta_range=(0.0, 2.0), dtype=jnp.float32):
+    ks = jax.random.split(jax.random.key(key), 5)
+    q = jax.random.normal(ks[0], (b, t, h, d))
+    k, v, w = (jax.random.normal(kk, (b, t, kh, d)) for kk in ks[1:4])
+    w = w / jnp.linalg.norm(w, axis=-1, keepdims=True)
+    beta = jax.random.uniform(ks[4], (b, t, kh), minval=beta_range[0], maxval=beta_range[1])
+    return q.astype(dtype), k.astype(dtype), v.astype(dtype), w, beta
+
+
+def product_scores(q, k, w, beta):
+    """Logits q_i^T H_i ... H_{j+1} k_j / sqrt(D) from explicit D x D products (NumPy float64)."""
+    q, k, w, beta = (np.asarray(x, np.float64) for x in (q, k, w, beta))
+    b, t, h, d = q.shape
+    g = h // k.shape[2]
+    out = np.full((b, h, t, t), -np.inf)
+    for bi in range(b):
+        for hi in range(h):
+            kv = hi // g
+            for i in range(t):
+                p = np.eye(d)
+                for j in range(i, -1, -1):  # p = H_i ... H_{j+1}
+                    out[bi, hi, i, j] = q[bi, i, hi] @ p @ k[bi, j, kv] / np.sqrt(d)
+                    p = p @ (np.eye(d) - beta[bi, j, kv] * np.outer(w[bi, j, kv], w[bi, j, kv]))
+    return out
+
+
+def product_attention(q, k, v, w, beta):
+    s = product_scores(q, k, w, beta)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    g = q.shape[2] // k.shape[2]
+    return np.einsum("bhij,bjhd->bihd", p, np.repeat(np.asarray(v, np.float64), g, axis=2))
+
+
+def test_dense_ut_and_route_products_match_explicit_products():
+    q, k, v, w, beta = inputs()
+    qh, kh_, wh, bh = hh._heads_first(q, k, w, beta)
+    s = np.asarray(hh.path_scores(qh, kh_, wh, bh)).reshape(2, 4, 11, 11) / np.sqrt(8)
+    expected = product_scores(q, k, w, beta)
+    tril = np.tril(np.ones((11, 11), bool))
+    np.testing.assert_allclose(s[..., tril], expected[..., tril], atol=2e-5)
+    p = hh.route_products(w[0, :, 1], beta[0, :, 1])  # [T, T, D, D]
+    np.testing.assert_allclose(np.einsum("d,ijde,je->ij", q[0, 7, 2], p, k[0, :, 1])[7, :8] / np.sqrt(8),
+                               expected[0, 2, 7, :8], atol=2e-5)
+
+
+def test_route_convention_query_step_counts_key_step_does_not():
+    """Which H_t lie on the route from key j to query i: t in (j, i]."""
+    q, k, v, w, beta = inputs(t=6)
+    qh, kh_, wh, _ = hh._heads_first(q, k, w, beta)
+    scores = jax.jit(hh.path_scores)
+    plain = np.asarray(scores(qh, kh_, wh, jnp.zeros((2, 2, 6))))
+    for t in range(6):
+        only = jnp.zeros((2, 2, 6)).at[..., t].set(1.5)
+        s = np.asarray(scores(qh, kh_, wh, only))
+        i, j = np.meshgrid(np.arange(6), np.arange(6), indexing="ij")
+        on_route = (j < t) & (t <= i)
+        changed = ~np.isclose(s, plain, atol=1e-6).all(axis=(0, 1, 2))
+        assert (changed[j <= i] == on_route[j <= i]).all(), t
+
+
+@pytest.mark.parametrize("t,chunk,segments", [(11, 4, False), (16, 4, True), (9, 16, False), (13, 1, False)])
+def test_chunked_equals_reference_values_and_gradients(t, chunk, segments):
+    q, k, v, w, beta = inputs(t=t)
+    seg = jnp.asarray([[1] * 5 + [2] * (t - 5), [3] * t]) if segments else None
+    bias = forget_bias(jax.random.uniform(jax.random.key(3), (2, t, 4), minval=-1.0, maxval=0.0))
+
+    def loss(fn, q, k, v, w, beta):
+        out = fn(q, k, v, w, beta)
+        return jnp.sum(out * jnp.cos(jnp.arange(out.size).reshape(out.shape))), out
+
+    def ref(q, k, v, w, beta):
+        return reference_attention(q, k, v, bias_fn=bias, segment_ids=seg,
+                                   score_fn=hh.dense_score_fn(w, beta, 8 ** -0.5))
+
+    def chunked(q, k, v, w, beta):
+        return hh.chunked_attention(q, k, v, w, beta, bias_fn=bias, segment_ids=seg, chunk=chunk)
+
+    def grads(fn):
+        return jax.jit(jax.value_and_grad(lambda *a: loss(fn, *a), argnums=range(5), has_aux=True))(
+            q, k, v, w, beta)
+
+    (_, o1), g1 = grads(ref)
+    (_, o2), g2 = grads(chunked)
+    np.testing.assert_allclose(o1, o2, atol=2e-5)
+    for a, b in zip(g1, g2):
+        np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_reference_equals_explicit_products_end_to_end():
+    q, k, v, w, beta = inputs(t=9)
+    out = reference_attention(q, k, v, score_fn=hh.dense_score_fn(w, beta, 8 ** -0.5))
+    np.testing.assert_allclose(out, product_attention(q, k, v, w, beta), atol=1e-5)
+
+
+def test_bf16_inputs_fp32_transport():
+    q, k, v, w, beta = inputs(t=20, dtype=jnp.bfloat16)
+    out = hh.chunked_attention(q, k, v, w, beta, chunk=8)
+    assert out.dtype == jnp.bfloat16
+    exact = product_attention(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), w, beta)
+    np.testing.assert_allclose(np.asarray(out, np.float32), exact, atol=3e-2)
+
+
+def test_beta_zero_is_nope():
+    q, k, v, w, _ = inputs(t=10)
+    zero = jnp.zeros((2, 10, 2))
+    for out in (jax.jit(hh.chunked_attention, static_argnames="chunk")(q, k, v, w, zero, chunk=4),
+                reference_attention(q, k, v, score_fn=hh.dense_score_fn(w, zero, 8 ** -0.5))):
+        np.testing.assert_allclose(out, attention(q, k, v), atol=1e-5)
+
+
+@pytest.mark.parametrize("d,n", [(4, 3), (8, 5)])
+def test_mean_route_with_uniform_directions_and_beta_two(d, n):
+    """w uniform on the sphere, beta = 2: E[P_n] = (1 - 2/d)^n I (Monte Carlo)."""
+    samples = 20000
+    w = jax.random.normal(jax.random.key(d), (samples, n, d))
+    w = w / jnp.linalg.norm(w, axis=-1, keepdims=True)
+    h = hh.householder_matrices(w, jnp.full((samples, n), 2.0))
+    p = h[:, 0]
+    for t in range(1, n):
+        p = jnp.matmul(h[:, t], p, precision=hh.HIGHEST)
+    mean = np.asarray(p.mean(0))
+    # Each entry of P_n is bounded by 1, so its mean has standard error <= 1/sqrt(samples).
+    np.testing.assert_allclose(mean, (1 - 2 / d) ** n * np.eye(d), atol=5 / np.sqrt(samples))
+
+
+def test_routes_are_orthogonal_when_beta_is_two():
+    _, k, _, w, _ = inputs(t=12)
+    two = jnp.full((2, 12, 2), 2.0)
+    p = hh.route_products(w[0, :, 0], two[0, :, 0])
+    np.testing.assert_allclose(jnp.einsum("ijde,ijfe->ijdf", p, p)[np.tril_indices(12)],
+                               np.broadcast_to(np.eye(8), (78, 8, 8)), atol=1e-5)
+    ops = hh.chunk_products(w, two, 5)
+    np.testing.assert_allclose(jnp.einsum("bnkde,bnkfe->bnkdf", ops, ops),
+                               np.broadcast_to(np.eye(8), ops.shape), atol=1e-5)
+
+
+@pytest.mark.parametrize("chunk", [3, 5, 64])
+def test_transport_to_end_is_the_last_route(chunk):
+    _, k, _, w, beta = inputs(t=13)
+    out = hh.transport_to_end(k, w, beta, chunk)
+    p = hh.route_products(w[1, :, 0], beta[1, :, 0])
+    np.testing.assert_allclose(out[1, :, 0], jnp.einsum("jde,je->jd", p[-1], k[1, :, 0]), atol=1e-5)
+
+
+@pytest.mark.parametrize("d", [16, 48, 100, 256])
+def test_any_head_dimension(d):
+    q, k, v, w, beta = inputs(t=10, h=2, kh=1, d=d)
+    out = hh.chunked_attention(q, k, v, w, beta, chunk=4)
+    np.testing.assert_allclose(out, product_attention(q, k, v, w, beta), atol=2e-5)
+
+
+def test_fox_with_constant_gates_is_alibi():
+    slopes = alibi_slopes(4)
+    log_f = jnp.broadcast_to(-jnp.asarray(slopes, jnp.float32), (2, 9, 4))
+    qi, kj = jnp.arange(9), jnp.arange(9)
+    fox = forget_bias(log_f)(qi, kj)
+    alibi = -slopes[None, :, None, None] * (qi[:, None] - kj[None, :])[None, None]
+    tril = np.tril(np.ones((9, 9), bool))
+    np.testing.assert_allclose(np.asarray(fox)[..., tril], np.broadcast_to(alibi, fox.shape)[..., tril],
+                               atol=1e-5)
+
+
+def test_bad_input_names_the_problem():
+    q, k, v, w, beta = inputs(t=6)
+    with pytest.raises(ValueError, match="beta"):
+        hh.chunked_attention(q, k, v, w, beta + 2.5)
+    with pytest.raises(ValueError, match="w"):
+        hh.chunked_attention(q, k, v, w[..., :4], beta)
+    with pytest.raises(ValueError, match="beta"):
+        hh.chunked_attention(q, k, v, w, beta[..., 0])
+    from models.registry import make_scheme
+    with pytest.raises(ValueError, match="rank"):
+        make_scheme("path", num_heads=2, head_dim=8, rank=0)
