@@ -351,7 +351,8 @@ def probe_runs(workdirs, *, length: int, windows: int = 2, log=print) -> dict:
     """The transport probes (positional/probes/transport.py) on held-out text, per run and layer.
 
     Attention-mass probes apply to every scheme; the spectral gap, route decay and value
-    cancellation to schemes with step angles (features 'psi' / 'theta').
+    cancellation to schemes with step angles (features 'psi' / 'theta'); the spectral gap
+    (per kv head) and route decay (routes up to 128 steps) to Householder steps ('w', 'beta').
     """
     from models.lm import attention_internals
     from positional.probes import transport
@@ -374,6 +375,12 @@ def probe_runs(workdirs, *, length: int, windows: int = 2, log=print) -> dict:
                 rec.update(spectral_gap=np.asarray(transport.spectral_gap(feats["psi"])).tolist(),
                            route_decay={n: float(d.max()) for n, d in zip(lengths, decay)},
                            value_ratio=float(cancel["ratio"]))
+            elif isinstance(feats, dict) and "beta" in feats:  # Householder steps (PaTH)
+                lengths = [n for n in ROUTE_LENGTHS if n < min(length, 129)]
+                decay = transport.householder_route_decay(feats["w"], feats["beta"], lengths)
+                rec.update(spectral_gap=np.asarray(transport.householder_spectral_gap(feats["w"],
+                                                                                      feats["beta"])).tolist(),
+                           route_decay={n: float(d.max()) for n, d in zip(lengths, decay)})
             layers.append(rec)
         name = run_name(workdir, workdirs)
         results["runs"][name] = {"workdir": workdir, "step": step, "scheme": config.model.scheme,
@@ -400,7 +407,7 @@ def probe_report(results: dict, out: str) -> str:
                 g = np.asarray(rec["spectral_gap"])
                 gap = f"{g.min():.3f} / {np.median(g):.3f}"
                 decay = " / ".join(f"{rec['route_decay'].get(n, float('nan')):.3f}" for n in (16, 128))
-                ratio = f"{rec['value_ratio']:.3f}"
+                ratio = f"{rec['value_ratio']:.3f}" if "value_ratio" in rec else "-"
             lines.append(f"| {name} | {i} | {far} | {gap} | {decay} | {ratio} |")
         mass = np.mean([rec["mass_by_distance"] for rec in run["layers"]], axis=0)
         axes[0].loglog(np.arange(1, len(mass)), mass[1:], label=name)

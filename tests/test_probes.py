@@ -53,7 +53,7 @@ def test_value_cancellation():
     assert float(transport.value_cancellation(w, v, scrambled, window=8)["ratio"]) < 0.5
 
 
-@pytest.mark.parametrize("scheme", ["rope", "so2_learned_qk", "alibi"])
+@pytest.mark.parametrize("scheme", ["rope", "so2_learned_qk", "alibi", "path_fox"])
 def test_attention_internals_reproduce_the_layer(scheme):
     m = DecoderLM(ModelConfig(vocab_size=30, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2,
                               scheme=scheme), rngs=nnx.Rngs(0))
@@ -70,3 +70,20 @@ def test_attention_internals_reproduce_the_layer(scheme):
     q, k, v, f = blk.attn._qkv(h, tokens, index, None, None)
     out = blk.attn.scheme.attend(q, k, v, f, positions=index)
     np.testing.assert_allclose(jnp.einsum("bhij,bjhd->bihd", w, layers[0]["v"]), out, atol=1e-5)
+
+
+@pytest.mark.parametrize("d", [4, 8])
+def test_householder_gap_and_route_decay_with_uniform_directions(d):
+    """w uniform on the sphere, beta = 2: E[H] = (1 - 2/d) I and E[P_n] = (1 - 2/d)^n I."""
+    w = jax.random.normal(jax.random.key(d), (64, 130, 1, d))
+    w = w / jnp.linalg.norm(w, axis=-1, keepdims=True)
+    beta = jnp.full((64, 130, 1), 2.0)
+    gap = transport.householder_spectral_gap(w, beta)
+    np.testing.assert_allclose(gap, 1 - 2 / d, atol=0.02)
+    decay = transport.householder_route_decay(w, beta, [1, 2, 4])
+    # The route means have per-entry standard error about 1/sqrt(64 * 130) and the operator
+    # norm of a d x d mean picks up about sqrt(d) times that.
+    np.testing.assert_allclose(decay[:, 0], [(1 - 2 / d) ** n for n in (1, 2, 4)], atol=0.06)
+    # Steps of one fixed direction never mix: E[P_n] keeps norm 1 (no gap).
+    fixed = jnp.broadcast_to(jnp.eye(d)[0], w.shape)
+    assert float(transport.householder_spectral_gap(fixed, beta)[0]) == pytest.approx(1.0)

@@ -75,3 +75,36 @@ def value_cancellation(weights, v, theta, window: int, layout: str = "half") -> 
     norm = lambda x: jnp.linalg.norm(x[:, :, window:], axis=-1).mean()  # noqa: E731
     return {"identity": norm(plain), "transported": norm(moved),
             "ratio": norm(moved) / jnp.maximum(norm(plain), 1e-30)}
+
+
+def householder_spectral_gap(w: jnp.ndarray, beta: jnp.ndarray) -> jnp.ndarray:
+    """||E[H_t]||_op with H_t = I - beta_t w_t w_t^T, over all tokens, per kv head: [K].
+
+    w [B, T, K, D], beta [B, T, K]. E[H] = I - E[beta w w^T] is symmetric, so its operator
+    norm is its largest |eigenvalue|: below 1 iff the gained directions span R^D.
+    """
+    w, beta = w.astype(jnp.float32), beta.astype(jnp.float32)
+    mean = jnp.eye(w.shape[-1]) - jnp.einsum("btk,btkd,btke->kde", beta, w, w) / (w.shape[0] * w.shape[1])
+    return jnp.abs(jnp.linalg.eigvalsh(mean)).max(-1)
+
+
+def householder_route_decay(w: jnp.ndarray, beta: jnp.ndarray, lengths) -> jnp.ndarray:
+    """||E[P_n]||_op for routes of n steps, P_n = H_{s+n} ... H_{s+1}, per kv head: [len(lengths), K].
+
+    The mean runs over every start s with s + n < T (and the batch); the routes of all starts
+    grow together, one left product per step, so memory is [B, T, K, D, D].
+    """
+    import jax  # local: the SO(2) probes above need only jax.numpy
+    w, beta = w.astype(jnp.float32), beta.astype(jnp.float32)
+    b, t, kh, d = w.shape
+    eye = jnp.eye(d)
+
+    def grow(p, n):  # p[:, s] = P_{n-1} starting after s; multiply by H_{s+n}
+        ws, bs = jnp.roll(w, -n, axis=1), jnp.roll(beta, -n, axis=1)
+        p = p - bs[..., None, None] * ws[..., :, None] * jnp.einsum("btkd,btkde->btke", ws, p)[..., None, :]
+        valid = (jnp.arange(t) + n < t)[None, :, None, None, None]
+        mean = jnp.where(valid, p, 0.0).sum((0, 1)) / (b * jnp.maximum(t - n, 1))
+        return p, jnp.linalg.norm(mean, ord=2, axis=(-2, -1))
+
+    _, norms = jax.lax.scan(grow, jnp.broadcast_to(eye, (b, t, kh, d, d)), jnp.arange(1, max(lengths) + 1))
+    return norms[jnp.asarray(lengths) - 1]
