@@ -220,6 +220,7 @@ def evaluate_runs(workdirs, *, multipliers=None, max_multiplier=None, tokens=Non
             r = task_accuracy_at(config, model, n_examples=config.eval.get("task_examples", 0))
             log(f"{name:>16s}  {config.data.name} accuracy {r['accuracy']:.4f}  ({r['seconds']:.1f}s)")
             results["runs"][name] = {"workdir": workdir, "step": step, "scheme": config.model.scheme,
+                                     "mixer": config.model.get("mixer", "attention"),
                                      "model": _model_name(config), "task": config.data.name,
                                      "train_len": config.seq_len, "task_results": r}
             continue
@@ -240,9 +241,10 @@ def evaluate_runs(workdirs, *, multipliers=None, max_multiplier=None, tokens=Non
 
 
 def _model_name(config) -> str:
-    """The mixer (where the model config has one) and the position scheme."""
+    """The position scheme of the decoder block, or the mixer of a Sessa macro-block (not every
+    mixer uses the scheme; results.json has both)."""
     mixer = config.model.get("mixer", "attention")
-    return config.model.scheme if mixer == "attention" else f"{mixer} ({config.model.scheme})"
+    return config.model.scheme if mixer == "attention" else mixer
 
 
 def _runs(results: dict, *, task: bool) -> dict:
