@@ -2,6 +2,9 @@
 
     python benchmarks/train_throughput.py                   # all schemes, 16 x 256 tokens
     python benchmarks/train_throughput.py --schemes rope,alibi --steps 10 --rounds 3
+    python benchmarks/train_throughput.py --schemes rope,path@blockwise --seq-len 512 --block-size 64
+
+A scheme written name@impl trains with that attention impl; the others use --impl.
 
 Each scheme gets the default model (configs/default.py, byte vocab 258) and a jitted step like
 train.py's: forward + backward through `token_nll`, then the AdamW update from
@@ -37,9 +40,10 @@ VOCAB = 258
 BASELINE = "rope"
 
 
-def make_step(scheme: str, impl: str) -> tuple[Callable, tuple]:
+def make_step(scheme: str, impl: str, block_size: int = 512) -> tuple[Callable, tuple]:
     """A jitted (state, tokens) -> (state, loss) for the default model with `scheme`."""
     config = get_config(scheme)
+    config.model.block_size = block_size
     model = DecoderLM(model_config(config, VOCAB), rngs=nnx.Rngs(config.seed))
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     params = nnx.to_pure_dict(params)
@@ -89,9 +93,10 @@ def main(argv: list[str] | None = None) -> dict[str, list[float]]:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--warmup", type=int, default=2, help="untimed steps after compiling")
     p.add_argument("--impl", default="reference", help="attention impl, as model.attention_impl")
+    p.add_argument("--block-size", type=int, default=512, help="model.block_size (blockwise impls)")
     args = p.parse_args(argv)
     schemes = args.schemes.split(",")
-    unknown = [s for s in schemes if s not in REGISTRY]
+    unknown = [s for s in schemes if s.split("@")[0] not in REGISTRY]
     if unknown:
         raise SystemExit(f"unknown scheme(s) {unknown}; registered: {', '.join(REGISTRY)}")
 
@@ -102,7 +107,8 @@ def main(argv: list[str] | None = None) -> dict[str, list[float]]:
     steps, states = {}, {}
     for s in schemes:
         t0 = time.perf_counter()
-        steps[s], states[s] = make_step(s, args.impl)
+        name, _, impl = s.partition("@")
+        steps[s], states[s] = make_step(name, impl or args.impl, args.block_size)
         states[s], _ = time_steps(steps[s], states[s], batches, 1 + args.warmup)  # compile + warm up
         print(f"# {s}: compile + {args.warmup} warm-up steps {time.perf_counter() - t0:.1f} s",
               file=sys.stderr, flush=True)

@@ -31,9 +31,9 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.scipy.linalg import solve_triangular
 
 from positional.attention import MASKED
+from positional.linalg import solve_unit_lower
 
 IMPLEMENTATIONS = ("reference", "blocked", "pallas")
 
@@ -88,7 +88,7 @@ def solve_reference(qb, kb, gamma, f, segment_ids=None) -> jax.Array:
     check_inputs(qb, kb, gamma, f)
     t = qb.shape[1]
     i_minus_b = jnp.eye(t, dtype=jnp.float32) - feedback_matrix(qb, kb, gamma, segment_ids)
-    return solve_triangular(i_minus_b, f.astype(jnp.float32), lower=True, unit_diagonal=True)
+    return solve_unit_lower(i_minus_b, f.astype(jnp.float32))
 
 
 # ---- tiles, shared with the Pallas kernel (2-D arrays, no batch) --------------------------------
@@ -178,8 +178,7 @@ def _forward_2d(qb, kb, lse, gamma, f, seg, c):
         h_past = lax.fori_loop(0, i, lambda j, acc: acc + dot(tile(j), _slice(s, j, c)),
                                jnp.zeros((c, f.shape[1]), jnp.float32))
         a_ii = tile(i)
-        s_i = solve_triangular(jnp.eye(c) - g_i * a_ii, _slice(f, i, c) + g_i * h_past, lower=True,
-                               unit_diagonal=True)
+        s_i = solve_unit_lower(jnp.eye(c) - g_i * a_ii, _slice(f, i, c) + g_i * h_past)
         return _put(s, i, c, s_i), _put(h, i, c, h_past + dot(a_ii, s_i))
     return lax.fori_loop(0, qb.shape[0] // c, chunk, (jnp.zeros_like(f), jnp.zeros_like(f)))
 
@@ -198,8 +197,8 @@ def _backward_2d(qb, kb, lse, gamma, s, h, seg, ds, c):
         i = n - 1 - step
         qb_i, lse_i, g_i = _slice(qb, i, c), _slice(lse, i, c), _slice(gamma, i, c)
         a_ii = alpha_tile(qb_i, _slice(kb, i, c), lse_i, i * c, i * c, scale, _seg(seg, i, i, c))
-        lam_i = solve_triangular(jnp.eye(c) - g_i * a_ii, _slice(ds, i, c) + _slice(rhs, i, c), trans=1,
-                                 lower=True, unit_diagonal=True)
+        lam_i = solve_unit_lower(jnp.eye(c) - g_i * a_ii, _slice(ds, i, c) + _slice(rhs, i, c),
+                                 transpose=True)
         dg_i = jnp.sum(lam_i * _slice(h, i, c), axis=1, keepdims=True)
 
         def tile(j, inner):
@@ -298,6 +297,6 @@ def decode_solve(kb_cache, s_cache, index, qb, kb, gamma, f):
     r = f.astype(jnp.float32) + jnp.einsum("bts,bsd->btd", b_np, s_cache.astype(jnp.float32),
                                            precision=lax.Precision.HIGHEST)
     b_nn = lax.dynamic_slice_in_dim(b, index, n, axis=2)
-    s_new = solve_triangular(jnp.eye(n) - b_nn, r, lower=True, unit_diagonal=True)
+    s_new = solve_unit_lower(jnp.eye(n) - b_nn, r)
     s_cache = lax.dynamic_update_slice_in_dim(s_cache, s_new.astype(s_cache.dtype), index, axis=1)
     return s_new, kb_cache, s_cache

@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 
 from positional.attention import MASKED, _check_shapes, attention
+from positional.linalg import unit_lower_inverse
 from positional.scheme import Scheme
 
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -89,9 +90,7 @@ def ut_matrix(w, beta) -> jax.Array:
     beta = beta.astype(jnp.float32)
     n = w.shape[-2]
     gram = jnp.einsum("...sd,...td->...st", w, w, precision=HIGHEST)
-    m = jnp.eye(n) + beta[..., :, None] * jnp.tril(gram, -1)
-    return jax.lax.linalg.triangular_solve(m, jnp.broadcast_to(jnp.eye(n) * beta[..., None, :], m.shape),
-                                           left_side=True, lower=True, unit_diagonal=True)
+    return unit_lower_inverse(jnp.eye(n) + beta[..., :, None] * jnp.tril(gram, -1)) * beta[..., None, :]
 
 
 def _route_terms(q, k, w, u):
