@@ -14,7 +14,7 @@ import time
 
 from absl import logging
 
-DEMO_SCHEMES = ("rope", "alibi", "nope", "so2_learned_qkv", "tapa")
+DEMO_SCHEMES = ("rope", "alibi", "nope", "so2_learned_qkv", "tapa", "path_fox")
 
 
 def main(argv=None) -> str:

@@ -25,6 +25,10 @@ def get_config(scheme: str | None = None) -> ml_collections.ConfigDict:
         dtype="float32",
     ))
 
+    if c.model.scheme.split("+")[0] in ("path", "path_fox"):
+        # PaTH trains with its chunked algorithm: the reference's one T x T solve costs O(T^3).
+        c.model.update(attention_impl="blockwise", block_size=64)
+
     c.data = default_data_config()
     c.seq_len = 256  # training length: tokens the model attends over per row
     c.batch_size = 16  # global batch, rows

@@ -8,7 +8,7 @@ runs/path/path_fox,runs/path/fox --out=runs/path/compare --max_multiplier=64
 
 Model, data order, step budget and seed are those of configs/accumulated.py, so its rope and
 so2_learned_qkv runs are the same runs (`configs/path.py:rope` retrains them under runs/path/).
-PaTH trains with its chunked algorithm (impl "blockwise", chunks of `block_size` tokens).
+PaTH trains with its chunked algorithm (configs/default.py sets impl "blockwise", 64-token chunks).
 """
 
 from configs import accumulated
@@ -18,8 +18,5 @@ VARIANTS = ("rope", "so2_learned_qkv", "path", "path_fox", "fox")
 
 def get_config(scheme: str = "path"):
     c = accumulated.get_config(scheme)
-    if scheme.startswith("path"):
-        c.model.update(attention_impl="blockwise", block_size=64)
-        c.eval.blockwise_from = 0  # the dense form's T x T solve is the slow path at every length
     c.workdir = f"runs/path/{scheme}"
     return c
