@@ -236,7 +236,8 @@ def evaluate_runs(workdirs, *, multipliers=None, max_multiplier=None, tokens=Non
         for r in rows:
             r["ratio"] = r["ppl"] / train_ppl if train_ppl else None
         results["runs"][name] = {"workdir": workdir, "step": step, "scheme": config.model.scheme,
-                                 "train_len": config.seq_len, "results": rows}
+                                 "model": _model_name(config), "train_len": config.seq_len,
+                                 "results": rows}
     return results
 
 
@@ -292,12 +293,12 @@ def task_plot(results: dict, path: str) -> None:
 
 def markdown_table(results: dict) -> str:
     lengths = results["lengths"]
-    head = "| run | scheme | " + " | ".join(f"{n}" for n in lengths) + " |"
+    head = "| run | model | " + " | ".join(f"{n}" for n in lengths) + " |"
     lines = [head, "|" + "---|" * (len(lengths) + 2)]
     for name, run in _runs(results, task=False).items():
         cells = [f"{r['ppl']:.3f} ({r['ratio']:.2f}x)" if r["ratio"] else f"{r['ppl']:.3f}"
                  for r in run["results"]]
-        lines.append(f"| {name} | {run['scheme']} | " + " | ".join(cells) + " |")
+        lines.append(f"| {name} | {run['model']} | " + " | ".join(cells) + " |")
     return ("Perplexity by evaluation length (ratio to the training length in brackets); "
             f"{results['tokens']} scored tokens per length, stride {results['stride'] or 'none'}.\n\n"
             + "\n".join(lines) + "\n")
