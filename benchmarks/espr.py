@@ -3,6 +3,8 @@
     python benchmarks/espr.py                      # both parts
     python benchmarks/espr.py --part train --batch 8 --steps 5
     python benchmarks/espr.py --part rf --lengths 1024,4096,65536 --max-exact 32768
+    python benchmarks/espr.py --part cayley
+
 
 train: `espr` and `rope` training steps in one process, via benchmarks/train_throughput.py
 (interleaved rounds, median), printed as a ratio to RoPE.
@@ -10,6 +12,9 @@ rf: the forward time of one attention layer (scheme transform + attention, jitte
 `espr_rf` (blockwise prefix sums) and of exact `espr` attention (blockwise online softmax)
 at each length, their ratio, and the crossover: the first measured length from which the
 random-feature form is faster. Exact attention is timed up to --max-exact tokens only.
+cayley: one Cayley map P = (I - S)(I + S)^-1 of a head_dim x head_dim skew S, forward +
+backward, as `espr.cayley` computes it (Gauss-Jordan in XLA ops) against a LAPACK solve
+(`jnp.linalg.solve`), interleaved, median and max.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from flax import nnx  # noqa: E402
 from benchmarks import train_throughput  # noqa: E402
 from models.registry import get_entry, make_scheme  # noqa: E402
 from models.lm import ModelConfig  # noqa: E402
+from positional import espr  # noqa: E402
 
 
 def attention_forward(name: str, heads: int, head_dim: int, block: int, **options):
@@ -76,9 +82,32 @@ def rf_part(args) -> list[tuple]:
     return rows
 
 
+def cayley_part(args) -> None:
+    d = args.head_dim
+    eye = jnp.eye(d)
+    weights = jnp.arange(d * d, dtype=jnp.float32).reshape(d, d)  # a loss that reads every entry
+    routes = {"espr.cayley (Gauss-Jordan)": espr.cayley,
+              "LAPACK solve": lambda s: jnp.linalg.solve(eye + s, eye - s)}
+    fns = {name: jax.jit(jax.grad(lambda a, f=f: jnp.sum(f(espr.skew(a)) * weights)))
+           for name, f in routes.items()}
+    a = 0.1 * jax.random.normal(jax.random.key(0), (d, d))
+    times = {name: [] for name in fns}
+    for fn in fns.values():
+        jax.block_until_ready(fn(a))
+    for _ in range(args.repeats):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(a))
+            times[name].append(time.perf_counter() - t0)
+    print(f"\nCayley map of a {d} x {d} skew S, forward + backward, {args.repeats} interleaved calls\n\n"
+          "| route | median (ms) | max (ms) |\n|---|---:|---:|")
+    for name, ts in times.items():
+        print(f"| {name} | {statistics.median(ts) * 1e3:.2f} | {max(ts) * 1e3:.2f} |", flush=True)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--part", choices=("train", "rf", "both"), default="both")
+    p.add_argument("--part", choices=("train", "rf", "cayley", "both"), default="both")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--steps", type=int, default=5)
@@ -89,6 +118,7 @@ def main(argv=None):
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--features", type=int, default=128)
     p.add_argument("--block", type=int, default=512)
+    p.add_argument("--repeats", type=int, default=50, help="calls per route of the cayley part")
     args = p.parse_args(argv)
     print(f"machine: {platform.machine()}, {jax.devices()[0].platform} ({jax.device_count()} device), "
           f"jax {jax.__version__}", flush=True)
@@ -97,6 +127,8 @@ def main(argv=None):
                                str(args.seq_len), "--steps", str(args.steps), "--rounds", str(args.rounds)])
     if args.part in ("rf", "both"):
         rf_part(args)
+    if args.part == "cayley":
+        cayley_part(args)
 
 
 if __name__ == "__main__":

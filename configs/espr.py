@@ -1,11 +1,14 @@
 """ESPR / STRING rotations against RoPE on the embedded corpus (text, d_c = 1), at small scale.
 
     python train.py --config configs/espr.py:espr
-    python eval.py --workdirs=runs/espr/rope,runs/espr/espr --out=runs/espr/compare --max_multiplier=8
+    python eval.py --workdirs=runs/accumulated/rope,runs/espr/espr --out=runs/espr/compare \
+        --max_multiplier=64
 
-Every variant has the same model, data order, step budget and seed; sized to a few minutes on
-a 2-core CPU. The 2-D grid comparison (1-D RoPE over the flattened order, axial 2-D RoPE, espr
-with d_c = 2) is `python data/grid2d.py` (see docs/results/espr.md).
+Every variant has the same model, data order, step budget, seed and evaluation as
+configs/accumulated.py (tests/test_espr.py checks it), so its `rope` run serves as the
+baseline here too; sized to a few minutes on a 2-core CPU. The 2-D grid comparison (1-D
+RoPE over the flattened order, axial 2-D RoPE, espr with d_c = 2) is `python data/grid2d.py`
+(see docs/results/espr.md).
 """
 
 from configs import default
@@ -19,7 +22,8 @@ def get_config(scheme: str = "espr"):
     if scheme.startswith("espr_rf"):
         c.model.scheme_options = {"draw_seed": 0}  # a fixed draw: evaluation sees the training features
     c.seq_len, c.batch_size = 128, 16
-    c.train.update(steps=300, warmup_steps=30, lr=3e-3, log_every=50, checkpoint_every=300)
-    c.eval.update(multipliers=(0.5, 1, 2, 4, 8), tokens=8192, batch_size=8, blockwise_from=1024)
+    c.train.update(steps=600, warmup_steps=50, lr=3e-3, log_every=50, checkpoint_every=200)
+    c.eval.update(multipliers=(0.5, 1, 2, 4, 8, 16, 32, 64), tokens=16384, batch_size=8,
+                  blockwise_from=1024)
     c.workdir = f"runs/espr/{scheme}"
     return c

@@ -215,41 +215,50 @@ def cache_len(cache) -> int | float:
 
 
 def generate(model: DecoderLM, prompt: jax.Array, max_new_tokens: int, *, rng: jax.Array | None = None,
-             temperature: float = 0.0, max_len: int | None = None) -> jax.Array:
+             temperature: float = 0.0, max_len: int | None = None,
+             positions: jax.Array | None = None) -> jax.Array:
     """Prefill `prompt` [B, P] then sample `max_new_tokens`. Returns [B, P + max_new_tokens].
 
     temperature 0 is greedy decoding; otherwise tokens are sampled from softmax(logits / T)
     with `rng` (required), which also feeds schemes with random features. The whole loop is
-    one jitted `lax.scan`.
+    one jitted `lax.scan`. `positions` [B, P + max_new_tokens, d_c] place the prompt and every
+    generated token, for multi-axis schemes (ESPR); the others use the cache slots.
     """
     b, p = prompt.shape
     max_len = max_len or p + max_new_tokens
     check_cache_room(max_len, p, max_new_tokens)
     if temperature > 0 and rng is None:
         raise ValueError("sampling with temperature > 0 needs an explicit rng key")
+    if positions is not None and positions.shape[:2] != (b, p + max_new_tokens):
+        raise ValueError(f"generate positions must be [B, P + max_new_tokens, ...] = [{b}, "
+                         f"{p + max_new_tokens}, ...]; got shape {tuple(positions.shape)}")
     graphdef, state = nnx.split(model)
-    return _generate(graphdef, state, prompt, rng, max_new_tokens, float(temperature), max_len)
+    return _generate(graphdef, state, prompt, rng, max_new_tokens, float(temperature), max_len, positions)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 4, 5, 6))
-def _generate(graphdef, state, prompt, rng, max_new_tokens, temperature, max_len):
+def _generate(graphdef, state, prompt, rng, max_new_tokens, temperature, max_len, positions):
     model = nnx.merge(graphdef, state)
+    p = prompt.shape[1]
     feature_rng, sample_rng = (None, jax.random.key(0)) if rng is None else jax.random.split(rng)
-    logits, cache = model.decode(prompt, model.init_cache(prompt.shape[0], max_len), feature_rng)
+    logits, cache = model.decode(prompt, model.init_cache(prompt.shape[0], max_len), feature_rng,
+                                 positions=None if positions is None else positions[:, :p])
 
     def pick(logits, key):
         if temperature == 0:
             return jnp.argmax(logits, -1).astype(prompt.dtype)
         return jax.random.categorical(key, logits / temperature).astype(prompt.dtype)
 
-    def step(carry, key):
+    def step(carry, xs):
         last_logits, cache = carry
+        key, position = xs  # the new token's position [B, 1, ...], or None
         token = pick(last_logits, key)
-        logits, cache = model.decode(token[:, None], cache, feature_rng)
+        logits, cache = model.decode(token[:, None], cache, feature_rng, positions=position)
         return (logits[:, -1], cache), token
 
     keys = jax.random.split(sample_rng, max_new_tokens)
-    _, tokens = jax.lax.scan(step, (logits[:, -1], cache), keys)
+    new_positions = None if positions is None else jnp.moveaxis(positions[:, p:, None], 1, 0)
+    _, tokens = jax.lax.scan(step, (logits[:, -1], cache), (keys, new_positions))
     return jnp.concatenate([prompt, tokens.T], axis=1)
 
 

@@ -121,16 +121,53 @@ def check_skew(s, name: str = "S") -> None:
                          f"rotation; max |{name} + {name}^T| = {err:.3g}. Use skew(a) to build one")
 
 
-def cayley(s: jax.Array) -> jax.Array:
-    """P = (I - S)(I + S)^-1 = (I + S)^-1 (I - S) for skew S [..., D, D]; P is in SO(D).
+@jax.custom_vjp
+@jax.jit  # compiled once per shape, also when called outside jit
+def _inverse_unit_skew(s: jax.Array) -> jax.Array:
+    """(I + S)^-1 for skew S [..., D, D], by Gauss-Jordan elimination without pivoting.
 
-    I + S is invertible for skew S (its eigenvalues are 1 + i mu), and the two factors commute,
-    so one solve gives P. fp32 at least, HIGHEST matmul precision.
+    The symmetric part of I + S is I, and so is that of every Schur complement's (it becomes
+    I + s s^T), so every pivot is >= 1 and no pivoting is needed. Plain XLA ops rather than a
+    LAPACK call: on CPU the LAPACK solve runs on multi-threaded BLAS, whose threads fight the
+    XLA threads for the cores and cost tens of ms per call on a busy 2-core machine.
+    """
+    n = s.shape[-1]
+    eye = jnp.eye(n, dtype=s.dtype)
+    aug = jnp.concatenate([eye + s, jnp.broadcast_to(eye, s.shape)], -1)  # [..., D, 2D]
+
+    def eliminate(i, aug):
+        row = jax.lax.dynamic_index_in_dim(aug, i, -2, keepdims=False)  # [..., 2D]
+        row = row / jax.lax.dynamic_index_in_dim(row, i, -1)
+        col = jax.lax.dynamic_index_in_dim(aug, i, -1) * (jnp.arange(n) != i)[:, None]  # [..., D, 1]
+        aug = aug - col * row[..., None, :]
+        return jax.lax.dynamic_update_index_in_dim(aug, row, i, -2)
+
+    return jax.lax.fori_loop(0, n, eliminate, aug, unroll=8)[..., n:]
+
+
+def _inverse_unit_skew_fwd(s):
+    x = _inverse_unit_skew(s)
+    return x, x
+
+
+def _inverse_unit_skew_bwd(x, g):
+    # d(A^-1) = -A^-1 dA A^-1, so the cotangent of A (and of S) is -X^T G X^T.
+    xt = jnp.swapaxes(x, -1, -2)
+    return (-jnp.matmul(xt, jnp.matmul(g, xt, precision="highest"), precision="highest"),)
+
+
+_inverse_unit_skew.defvjp(_inverse_unit_skew_fwd, _inverse_unit_skew_bwd)
+
+
+def cayley(s: jax.Array) -> jax.Array:
+    """P = (I - S)(I + S)^-1 = (I + S)^-1 (I - S) = 2 (I + S)^-1 - I for skew S [..., D, D]; P in SO(D).
+
+    I + S is invertible for skew S (its eigenvalues are 1 + i mu); one inverse gives P, once
+    per step (it depends on parameters only). fp32 at least.
     """
     check_skew(s)
     s = s.astype(jnp.promote_types(s.dtype, jnp.float32))
-    eye = jnp.eye(s.shape[-1], dtype=s.dtype)
-    return jnp.linalg.solve(eye + s, eye - s)
+    return 2 * _inverse_unit_skew(s) - jnp.eye(s.shape[-1], dtype=s.dtype)
 
 
 def plane_generators(basis: jax.Array, beta: jax.Array) -> jax.Array:

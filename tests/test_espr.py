@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from models.lm import DecoderLM, ModelConfig
+from models.lm import DecoderLM, ModelConfig, generate
 from positional import espr
 from positional.rope import Rope, rope_angles, rope_frequencies, rotate
 
@@ -74,6 +74,13 @@ def test_cayley_is_an_orthogonal_involution_and_rejects_non_skew():
     np.testing.assert_allclose(p, 2 * np.linalg.inv(np.eye(D) + s) - np.eye(D), atol=1e-5)
     # Involution (T3.3): the Cayley map of P gives back S (P has no eigenvalue -1).
     np.testing.assert_allclose((np.eye(D) - p) @ np.linalg.inv(np.eye(D) + p), s, atol=1e-4)
+    # The Gauss-Jordan inverse's custom gradient equals that of a LAPACK solve.
+    a, c = (jnp.asarray(rng.normal(size=(D, D)), jnp.float32) for _ in range(2))
+    eye = jnp.eye(D)
+    grads = [jax.grad(lambda a, f=f: jnp.sum(f(espr.skew(a)) * c))(a)
+             for f in (espr.cayley, lambda s: jnp.linalg.solve(eye + s, eye - s))]
+    np.testing.assert_allclose(grads[0], grads[1], atol=1e-5)
+    assert np.abs(grads[0]).max() > 0.1
     with pytest.raises(ValueError, match="skew-symmetric"):
         espr.cayley(jnp.asarray(s + np.eye(D), jnp.float32))
 
@@ -312,6 +319,8 @@ def test_random_feature_attention_converges_to_softmax_attention():
 
 
 def test_espr_rf_decodes_multi_axis_positions_through_the_model():
+    forward = nnx.jit(lambda model, tokens, pos: model(tokens, positions=pos))
+    decode = nnx.jit(lambda model, tokens, cache, pos: model.decode(tokens, cache, positions=pos))
     for scheme in ("espr", "espr_rf"):
         cfg = ModelConfig(vocab_size=16, d_model=16, num_layers=1, num_heads=2, scheme=scheme,
                           scheme_options=(("draw_seed", 0), ("num_axes", 2)) if scheme == "espr_rf"
@@ -320,10 +329,24 @@ def test_espr_rf_decodes_multi_axis_positions_through_the_model():
         tokens = jnp.asarray(np.random.default_rng(10).integers(0, 16, (2, 6)), jnp.int32)
         pos = jnp.stack(jnp.meshgrid(jnp.arange(3), jnp.arange(2), indexing="ij"), -1).reshape(1, 6, 2)
         pos = jnp.broadcast_to(pos, (2, 6, 2)).astype(jnp.float32)
-        full = model(tokens, positions=pos)
+        full = forward(model, tokens, pos)
         cache = model.init_cache(2, 6)
-        out1, cache = model.decode(tokens[:, :4], cache, positions=pos[:, :4])
-        out2, cache = model.decode(tokens[:, 4:], cache, positions=pos[:, 4:])
+        out1, cache = decode(model, tokens[:, :3], cache, pos[:, :3])
+        out2, cache = decode(model, tokens[:, 3:], cache, pos[:, 3:])
         np.testing.assert_allclose(jnp.concatenate([out1, out2], 1), full, atol=2e-5)
         with pytest.raises(ValueError, match="num_axes = 2"):
             model(tokens)  # [B, T] positions cannot serve two axes
+    # generate places the prompt and every new token at its given position: greedy tokens are
+    # the argmax of the parallel forward at those positions (the last layout is the transpose).
+    for grid in (pos, pos[..., ::-1]):
+        out = generate(model, tokens[:, :2], 4, positions=grid)
+        np.testing.assert_array_equal(out[:, 2:], jnp.argmax(forward(model, out, grid)[:, 1:5], -1))
+    with pytest.raises(ValueError, match="pass positions"):
+        generate(model, tokens[:, :2], 4)
+
+
+def test_text_config_matches_the_accumulated_config_so_its_rope_run_is_the_baseline():
+    from configs import accumulated, espr as espr_config
+    a, b = espr_config.get_config("rope").to_dict(), accumulated.get_config("rope").to_dict()
+    assert a.pop("workdir") != b.pop("workdir")
+    assert a == b
