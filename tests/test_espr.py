@@ -343,10 +343,3 @@ def test_espr_rf_decodes_multi_axis_positions_through_the_model():
         np.testing.assert_array_equal(out[:, 2:], jnp.argmax(forward(model, out, grid)[:, 1:5], -1))
     with pytest.raises(ValueError, match="pass positions"):
         generate(model, tokens[:, :2], 4)
-
-
-def test_text_config_matches_the_accumulated_config_so_its_rope_run_is_the_baseline():
-    from configs import accumulated, espr as espr_config
-    a, b = espr_config.get_config("rope").to_dict(), accumulated.get_config("rope").to_dict()
-    assert a.pop("workdir") != b.pop("workdir")
-    assert a == b
