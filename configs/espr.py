@@ -5,25 +5,20 @@
         --max_multiplier=64
 
 Every variant has the same model, data order, step budget, seed and evaluation as
-configs/accumulated.py (tests/test_espr.py checks it), so its `rope` run serves as the
+configs/accumulated.py (tests/test_configs.py checks it), so its `rope` run serves as the
 baseline here too; sized to a few minutes on a 2-core CPU. The 2-D grid comparison (1-D
 RoPE over the flattened order, axial 2-D RoPE, espr with d_c = 2) is `python data/grid2d.py`
 (see docs/results/espr.md).
 """
 
-from configs import default
+from configs import accumulated
 
 VARIANTS = ("rope", "espr", "espr_rf")
 
 
 def get_config(scheme: str = "espr"):
-    c = default.get_config(scheme)
-    c.model.update(d_model=128, num_layers=3, num_heads=4)
+    c = accumulated.get_config(scheme)
     if scheme.startswith("espr_rf"):
         c.model.scheme_options = {"draw_seed": 0}  # a fixed draw: evaluation sees the training features
-    c.seq_len, c.batch_size = 128, 16
-    c.train.update(steps=600, warmup_steps=50, lr=3e-3, log_every=50, checkpoint_every=200)
-    c.eval.update(multipliers=(0.5, 1, 2, 4, 8, 16, 32, 64), tokens=16384, batch_size=8,
-                  blockwise_from=1024)
     c.workdir = f"runs/espr/{scheme}"
     return c

@@ -36,6 +36,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from positional.attention import MASKED
+from positional.kernels import check_tile
 from positional.feedback import alpha_tile, check_inputs, dlogit_tile, dot, lse_finish, lse_update
 
 # C when not given: TPU needs lane-sized (128) tiles; 64 keeps GPU tiles in registers.
@@ -52,17 +53,7 @@ class _Static:
 
 def check_blocks(block: int, backend: str, interpret: bool) -> None:
     """Raise naming the field when the chunk size cannot run on this backend."""
-    if interpret:
-        ok, need = block >= 1, "a positive integer"
-    elif backend == "gpu":
-        ok, need = block >= 16 and block & (block - 1) == 0, "a power of two >= 16 on GPU (Triton)"
-    elif backend == "tpu":
-        ok, need = block % 128 == 0 and block > 0, "a multiple of 128 on TPU (Mosaic)"
-    else:
-        raise ValueError(f"the feedback solve Pallas kernel runs on GPU or TPU, or in interpret mode; "
-                         f"backend {backend!r} needs interpret=True")
-    if not ok:
-        raise ValueError(f"feedback solve kernel block={block} is not usable: it must be {need}")
+    check_tile("feedback solve", "block", block, backend, interpret)
 
 
 def unit_lower_solve(m, r, *, transpose: bool = False):

@@ -38,6 +38,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from positional.attention import MASKED, _check_shapes
+from positional.kernels import check_tile
 from positional.so2 import wrap
 from positional.tapa import check_options, split_qk
 
@@ -66,17 +67,7 @@ class _Static:
 def check_blocks(block_q: int, block_k: int, backend: str, interpret: bool) -> None:
     """Raise naming the field when a tile size cannot run on this backend."""
     for name, size in (("block_q", block_q), ("block_k", block_k)):
-        if interpret:
-            ok, need = size >= 1, "a positive integer"
-        elif backend == "gpu":
-            ok, need = size >= 16 and size & (size - 1) == 0, "a power of two >= 16 on GPU (Triton)"
-        elif backend == "tpu":
-            ok, need = size % 128 == 0 and size > 0, "a multiple of 128 on TPU (Mosaic)"
-        else:
-            raise ValueError(f"the tapa Pallas kernel runs on GPU or TPU, or in interpret mode; "
-                             f"backend {backend!r} needs interpret=True")
-        if not ok:
-            raise ValueError(f"tapa kernel {name}={size} is not usable: it must be {need}")
+        check_tile("tapa", name, size, backend, interpret)
 
 
 def _mufu(op: str, x):
