@@ -18,9 +18,9 @@ def load(name: str):
 
 def test_train_throughput_runs(capsys):
     results = load("train_throughput").main(
-        ["--schemes", "rope,alibi", "--batch", "2", "--seq-len", "32", "--steps", "2", "--rounds", "2",
-         "--warmup", "0"])
-    assert set(results) == {"rope", "alibi"}
+        ["--schemes", "rope,alibi,path@blockwise", "--batch", "2", "--seq-len", "32", "--steps", "2",
+         "--rounds", "2", "--warmup", "0", "--block-size", "16"])
+    assert set(results) == {"rope", "alibi", "path@blockwise"}
     assert all(len(r) == 2 and min(r) > 0 for r in results.values())
     assert "| alibi |" in capsys.readouterr().out
 
@@ -45,3 +45,9 @@ def test_random_position_schemes_train_in_the_benchmark(capsys):
         ["--schemes", "rope,so2_random_qkv", "--batch", "2", "--seq-len", "32", "--steps", "1",
          "--rounds", "1", "--warmup", "0"])
     assert min(results["so2_random_qkv"]) > 0
+
+
+def test_path_length_runs(capsys):
+    seconds = load("path_length").main(["--lengths", "64", "--repeats", "1"])
+    assert set(seconds[64]) == {"rope", "path"} and min(seconds[64].values()) > 0
+    assert "| 64 |" in capsys.readouterr().out
