@@ -275,14 +275,18 @@ def task_plot(results: dict, path: str) -> None:
     plt = _pyplot()
     runs = _runs(results, task=True)
     fig, ax = plt.subplots(figsize=(6, 4))
-    for i, (name, run) in enumerate(runs.items()):
+    bars = []
+    for name, run in runs.items():
         by_group = {int(g): a for g, a in run["task_results"]["by_group"].items()}
         if list(by_group) == [0]:
-            ax.bar(i, run["task_results"]["accuracy"], label=name)
+            ax.bar(len(bars), run["task_results"]["accuracy"], label=name)
+            bars.append(name)
         else:
             ax.plot(list(by_group), list(by_group.values()), marker="o", label=name)
             ax.set_xscale("log", base=2)
             ax.set_xlabel("lag (tokens between the memory and query blocks)")
+    if bars:
+        ax.set_xticks(range(len(bars)), bars, rotation=20, fontsize=7)
     ax.set_ylabel("accuracy")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
