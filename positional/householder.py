@@ -136,10 +136,10 @@ def dense_score_fn(w, beta, scale):
 
 # ---- chunks ------------------------------------------------------------------------------------
 
-def _chunked(x, c, pad_value=0):
-    """[B, T, ...] -> [B, N, c, ...], padding T up to a multiple of c."""
+def _chunked(x, c, pad_value=0, n=None):
+    """[B, T, ...] -> [B, N, c, ...], padding T up to N * c (N = ceil(T / c) unless given)."""
     b, t = x.shape[:2]
-    n = -(-t // c)
+    n = n or -(-t // c)
     x = jnp.pad(x, [(0, 0), (0, n * c - t)] + [(0, 0)] * (x.ndim - 2), constant_values=pad_value)
     return x.reshape(b, n, c, *x.shape[2:])
 
@@ -188,15 +188,15 @@ def transport_to_end(k, w, beta, chunk: int = 64) -> jax.Array:
 
 
 def chunked_attention(q, k, v, w, beta, *, bias_fn=None, segment_ids=None, chunk: int = 64,
-                      scale: float | None = None) -> jax.Array:
+                      group: int = 8, scale: float | None = None) -> jax.Array:
     """PaTH attention with O(T * D) memory: returns [B, T, H, D] in q's dtype.
 
     For query chunk c and key chunk m < c the route splits as (prefix of chunk c up to i) x
     P_{c-1} ... P_{m+1} x (suffix of chunk m after j). Keys are carried to the end of their
     chunk once; queries are carried to the start of theirs, then back one whole chunk per
-    step of a scan over the chunk distance, all query chunks at once, with an online softmax.
-    The scan visits every (c, m) pair, masked where m < 0: about twice the work of a
-    triangular schedule, in exchange for one batched matmul per step.
+    step of a scan over the chunk distance, with an online softmax. Query chunks go `group`
+    at a time (so one step's tiles stay in cache), and a group skips the distances that
+    would take all its chunks before the start.
     """
     _check_shapes(q, k, v, segment_ids)
     check_transport(k, w, beta)
@@ -205,12 +205,14 @@ def chunked_attention(q, k, v, w, beta, *, bias_fn=None, segment_ids=None, chunk
     g = h // kh
     scale = d ** -0.5 if scale is None else scale
     c = min(chunk, t)
+    gq = min(group, -(-t // c))
+    n = -(-t // (c * gq)) * gq  # chunks, a whole number of groups
     f32 = jnp.float32
-    qc = jnp.moveaxis(_chunked(q.astype(f32).reshape(b, t, kh, g, d), c), (3, 4), (1, 2))  # [B,K,G,N,c,D]
-    kc, vc, wc = (jnp.moveaxis(_chunked(x.astype(f32), c), 3, 1) for x in (k, v, w))  # [B,K,N,c,D]
-    n = kc.shape[2]
-    u = ut_matrix(wc, jnp.moveaxis(_chunked(beta, c), 3, 1))  # [B,K,N,c,c]; padding: beta 0, H = I
-    seg = _chunked(jnp.zeros((b, t), jnp.int32) if segment_ids is None else segment_ids, c, -1)  # [B,N,c]
+    qc = _chunked(q.astype(f32).reshape(b, t, kh, g, d), c, n=n)
+    qc = jnp.moveaxis(qc, (3, 4), (1, 2))  # [B,K,G,N,c,D]
+    kc, vc, wc = (jnp.moveaxis(_chunked(x.astype(f32), c, n=n), 3, 1) for x in (k, v, w))  # [B,K,N,c,D]
+    u = ut_matrix(wc, jnp.moveaxis(_chunked(beta, c, n=n), 3, 1))  # [B,K,N,c,c]; padding: beta 0, H = I
+    seg = _chunked(jnp.zeros((b, t), jnp.int32) if segment_ids is None else segment_ids, c, -1, n)  # [B,N,c]
     pos = jnp.arange(n * c).reshape(n, c)
 
     k_end, uk = _carry_to_chunk_end(kc, wc, u)  # keys at their chunk's end; uk [B,K,N,c,c]
@@ -218,11 +220,12 @@ def chunked_attention(q, k, v, w, beta, *, bias_fn=None, segment_ids=None, chunk
     q_start = qc - jnp.matmul(jnp.matmul(qw, u[:, :, None], precision=HIGHEST), wc[:, :, None],
                               precision=HIGHEST)  # queries at their chunk's start
 
-    def scores(s, qpos, kpos, qseg, kseg):  # s [B,K,G,N,c,c] unscaled; pos [N,c]; seg [B,N,c]
+    def scores(s, qpos, kpos, qseg, kseg):  # s [B,K,G,M,c,c] unscaled; pos [M,c]; seg [B,M,c]
         s = s * scale
         if bias_fn is not None:
-            bias = jax.vmap(bias_fn, in_axes=(0, 0), out_axes=2)(qpos, kpos)  # [B|1, H|1, N, c, c]
-            bias = jnp.broadcast_to(bias, (bias.shape[0], h, n, c, c)).reshape(bias.shape[0], kh, g, n, c, c)
+            m = qpos.shape[0]
+            bias = jax.vmap(bias_fn, in_axes=(0, 0), out_axes=2)(qpos, kpos)  # [B|1, H|1, M, c, c]
+            bias = jnp.broadcast_to(bias, (bias.shape[0], h, m, c, c)).reshape(bias.shape[0], kh, g, m, c, c)
             s = s + bias.astype(f32)
         ok = (kpos[:, None, :] <= qpos[:, :, None]) & (kpos[:, None, :] < t)
         ok = ok[None] & (qseg[..., :, None] == kseg[..., None, :])  # [B,N,c,c]
@@ -233,23 +236,36 @@ def chunked_attention(q, k, v, w, beta, *, bias_fn=None, segment_ids=None, chunk
     s = scores(s, pos, pos, seg, seg)
     m0 = s.max(-1)
     p = jnp.exp(s - m0[..., None])
-    state = (q_start, m0, p.sum(-1), jnp.einsum("bkgnij,bknjd->bkgnid", p, vc, precision=HIGHEST))
+    near = (q_start, m0, p.sum(-1), jnp.einsum("bkgnij,bknjd->bkgnid", p, vc, precision=HIGHEST))
 
-    def far(state, delta):  # query chunk n_q sees key chunk n_q - delta
-        qt, m, row_sum, acc = state
-        src = jnp.clip(jnp.arange(n) - delta, 0)
-        kt, vt, wt, ut = (jnp.take(x, src, axis=2) for x in (k_end, vc, wc, u))
-        kseg = jnp.where((jnp.arange(n) >= delta)[None, :, None], jnp.take(seg, src, axis=1), -2)
-        s = scores(jnp.einsum("bkgnid,bknjd->bkgnij", qt, kt, precision=HIGHEST), pos, pos[src], seg, kseg)
-        m_new = jnp.maximum(m, s.max(-1))
-        p = jnp.exp(s - m_new[..., None])
-        corr = jnp.exp(m - m_new)
-        acc = acc * corr[..., None] + jnp.einsum("bkgnij,bknjd->bkgnid", p, vt, precision=HIGHEST)
-        qt = apply_product(qt, wt[:, :, None], ut[:, :, None], transpose=True)  # move past chunk src
-        return (qt, m_new, row_sum * corr + p.sum(-1), acc), None
+    def query_group(first):  # query chunks first .. first + gq - 1
+        ids = first + jnp.arange(gq)
+        qseg = jax.lax.dynamic_slice_in_dim(seg, first, gq, axis=1)
 
-    (_, _, row_sum, acc), _ = jax.lax.scan(jax.checkpoint(far), state, jnp.arange(1, n))
-    o = acc / row_sum[..., None]  # [B,K,G,N,c,D]
+        def far(state, delta):  # query chunk ids[i] sees key chunk ids[i] - delta
+            def update(state):
+                qt, m, row_sum, acc = state
+                src = jnp.clip(ids - delta, 0)
+                kt, vt, wt, ut = (jnp.take(x, src, axis=2) for x in (k_end, vc, wc, u))
+                kseg = jnp.where((ids >= delta)[None, :, None], jnp.take(seg, src, axis=1), -2)
+                s = jnp.einsum("bkgnid,bknjd->bkgnij", qt, kt, precision=HIGHEST)
+                s = scores(s, pos[ids], pos[src], qseg, kseg)
+                m_new = jnp.maximum(m, s.max(-1))
+                p = jnp.exp(s - m_new[..., None])
+                corr = jnp.exp(m - m_new)
+                acc = acc * corr[..., None] + jnp.einsum("bkgnij,bknjd->bkgnid", p, vt, precision=HIGHEST)
+                qt = apply_product(qt, wt[:, :, None], ut[:, :, None], transpose=True)  # past chunk src
+                return qt, m_new, row_sum * corr + p.sum(-1), acc
+
+            # At distances beyond the group's last chunk every key chunk is before the start.
+            return jax.lax.cond(delta < first + gq, jax.checkpoint(update), lambda s: s, state), None
+
+        state = tuple(jax.lax.dynamic_slice_in_dim(x, first, gq, axis=3) for x in near)
+        (_, _, row_sum, acc), _ = jax.lax.scan(far, state, jnp.arange(1, n))
+        return acc / row_sum[..., None]  # [B,K,G,gq,c,D]
+
+    o = jax.lax.map(jax.checkpoint(query_group), jnp.arange(0, n, gq))  # [N/gq,B,K,G,gq,c,D]
+    o = jnp.moveaxis(o, 0, 3).reshape(b, kh, g, n, c, d)
     o = jnp.moveaxis(o, (1, 2), (3, 4)).reshape(b, n * c, h, d)[:, :t]
     return o.astype(q.dtype)
 

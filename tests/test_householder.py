@@ -73,8 +73,9 @@ def test_route_convention_query_step_counts_key_step_does_not():
         assert (changed[j <= i] == on_route[j <= i]).all(), t
 
 
-@pytest.mark.parametrize("t,chunk,segments", [(11, 4, False), (16, 4, True), (9, 16, False), (13, 1, False)])
-def test_chunked_equals_reference_values_and_gradients(t, chunk, segments):
+@pytest.mark.parametrize("t,chunk,group,segments", [(11, 4, 8, False), (16, 4, 8, True), (9, 16, 8, False),
+                                                     (13, 1, 3, False), (22, 2, 2, True)])
+def test_chunked_equals_reference_values_and_gradients(t, chunk, group, segments):
     q, k, v, w, beta = inputs(t=t)
     seg = jnp.asarray([[1] * 5 + [2] * (t - 5), [3] * t]) if segments else None
     bias = forget_bias(jax.random.uniform(jax.random.key(3), (2, t, 4), minval=-1.0, maxval=0.0))
@@ -88,7 +89,7 @@ def test_chunked_equals_reference_values_and_gradients(t, chunk, segments):
                                    score_fn=hh.dense_score_fn(w, beta, 8 ** -0.5))
 
     def chunked(q, k, v, w, beta):
-        return hh.chunked_attention(q, k, v, w, beta, bias_fn=bias, segment_ids=seg, chunk=chunk)
+        return hh.chunked_attention(q, k, v, w, beta, bias_fn=bias, segment_ids=seg, chunk=chunk, group=group)
 
     def grads(fn):
         return jax.jit(jax.value_and_grad(lambda *a: loss(fn, *a), argnums=range(5), has_aux=True))(
