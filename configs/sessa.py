@@ -18,7 +18,7 @@ sets initialisation and data order; the task data sets themselves are fixed (tas
 the official generator).
 
 CPU scale: a run is STEPS[task] steps of 16 rows, a few minutes on 2 shared cores (300 steps
-left every mixer at chance on SymbolSoup). SymbolSoup uses the
+left Sessa near chance on SymbolSoup). SymbolSoup uses the
 official generator with every parameter as published except the length, 100 to 150 tokens
 instead of 400 to 600 (the same layout, shorter blocks); the training set is the official
 20,000 examples, of which a run sees 16,000. Diffuse MQAR trains at lags 16 to 32 and is tested
