@@ -43,7 +43,7 @@ HIGHEST = jax.lax.Precision.HIGHEST
 
 
 def check_transport(k, w, beta) -> None:
-    """Shapes always; beta's range (0, 2] where its values are known (not under jit)."""
+    """Shapes always; beta's range [0, 2] where its values are known (not under jit)."""
     if w.shape != k.shape:
         raise ValueError(f"Householder vectors w{w.shape} must have the keys' shape k{k.shape}")
     if beta.shape != k.shape[:3]:
