@@ -216,6 +216,11 @@ def chunked_attention(q, k, v, w, beta, *, bias_fn=None, segment_ids=None, chunk
     pos = jnp.arange(n * c).reshape(n, c)
 
     k_end, uk = _carry_to_chunk_end(kc, wc, u)  # keys at their chunk's end; uk [B,K,N,c,c]
+    # Whole-chunk operators P_m = I - W^T U W as dense D x D matrices: carrying a query past a
+    # chunk is then one matmul instead of three (when D <= c, as with 64-dim heads).
+    ops = None
+    if d <= c:
+        ops = jnp.eye(d) - jnp.einsum("...sd,...st,...te->...de", wc, u, wc, precision=HIGHEST)
     qw, _ = _route_terms(qc, kc[:, :, None], wc[:, :, None], u[:, :, None])
     q_start = qc - jnp.matmul(jnp.matmul(qw, u[:, :, None], precision=HIGHEST), wc[:, :, None],
                               precision=HIGHEST)  # queries at their chunk's start
@@ -246,7 +251,7 @@ def chunked_attention(q, k, v, w, beta, *, bias_fn=None, segment_ids=None, chunk
             def update(state):
                 qt, m, row_sum, acc = state
                 src = jnp.clip(ids - delta, 0)
-                kt, vt, wt, ut = (jnp.take(x, src, axis=2) for x in (k_end, vc, wc, u))
+                kt, vt = (jnp.take(x, src, axis=2) for x in (k_end, vc))
                 kseg = jnp.where((ids >= delta)[None, :, None], jnp.take(seg, src, axis=1), -2)
                 s = jnp.einsum("bkgnid,bknjd->bkgnij", qt, kt, precision=HIGHEST)
                 s = scores(s, pos[ids], pos[src], qseg, kseg)
@@ -254,7 +259,11 @@ def chunked_attention(q, k, v, w, beta, *, bias_fn=None, segment_ids=None, chunk
                 p = jnp.exp(s - m_new[..., None])
                 corr = jnp.exp(m - m_new)
                 acc = acc * corr[..., None] + jnp.einsum("bkgnij,bknjd->bkgnid", p, vt, precision=HIGHEST)
-                qt = apply_product(qt, wt[:, :, None], ut[:, :, None], transpose=True)  # past chunk src
+                if ops is None:  # past chunk src: q <- P_src^T q
+                    wt, ut = (jnp.take(x, src, axis=2) for x in (wc, u))
+                    qt = apply_product(qt, wt[:, :, None], ut[:, :, None], transpose=True)
+                else:
+                    qt = jnp.matmul(qt, jnp.take(ops, src, axis=2)[:, :, None], precision=HIGHEST)
                 return qt, m_new, row_sum * corr + p.sum(-1), acc
 
             # At distances beyond the group's last chunk every key chunk is before the start.
