@@ -159,12 +159,15 @@ def _carry_to_chunk_end(k, w, u):
     return k - jnp.matmul(jnp.swapaxes(uk, -1, -2), w, precision=HIGHEST), uk
 
 
+def dense_product(w, u) -> jax.Array:
+    """I - W^T U W as a D x D matrix: w [..., c, D], u [..., c, c] -> [..., D, D]."""
+    return jnp.eye(w.shape[-1]) - jnp.einsum("...sd,...st,...te->...de", w, u, w, precision=HIGHEST)
+
+
 def chunk_products(w, beta, chunk: int) -> jax.Array:
     """Dense products of whole chunks P_c = H_{last} ... H_{first}: w [B, T, K, D] -> [B, N, K, D, D]."""
     wc = jnp.moveaxis(_chunked(w.astype(jnp.float32), chunk), 3, 2)  # [B, N, K, c, D]
-    u = ut_matrix(wc, jnp.moveaxis(_chunked(beta, chunk), 3, 2))
-    eye = jnp.eye(w.shape[-1])
-    return eye - jnp.einsum("...sd,...st,...te->...de", wc, u, wc, precision=HIGHEST)
+    return dense_product(wc, ut_matrix(wc, jnp.moveaxis(_chunked(beta, chunk), 3, 2)))
 
 
 def transport_to_end(k, w, beta, chunk: int = 64) -> jax.Array:
@@ -178,7 +181,7 @@ def transport_to_end(k, w, beta, chunk: int = 64) -> jax.Array:
     wc = jnp.moveaxis(_chunked(w.astype(jnp.float32), chunk), 3, 2)
     u = ut_matrix(wc, jnp.moveaxis(_chunked(beta, chunk), 3, 2))
     to_chunk_end, _ = _carry_to_chunk_end(kc, wc, u)
-    ops = chunk_products(w, beta, chunk)  # [B, N, K, D, D]
+    ops = dense_product(wc, u)  # [B, N, K, D, D]
     # after[c] = P_{N-1} ... P_{c+1}: a reverse scan of left products, shifted by one chunk.
     suffix = jax.lax.associative_scan(lambda a, b: jnp.matmul(a, b, precision=HIGHEST), ops, reverse=True,
                                       axis=1)
@@ -220,7 +223,7 @@ def chunked_attention(q, k, v, w, beta, *, bias_fn=None, segment_ids=None, chunk
     # chunk is then one matmul instead of three (when D <= c, as with 64-dim heads).
     ops = None
     if d <= c:
-        ops = jnp.eye(d) - jnp.einsum("...sd,...st,...te->...de", wc, u, wc, precision=HIGHEST)
+        ops = dense_product(wc, u)
     qw, _ = _route_terms(qc, kc[:, :, None], wc[:, :, None], u[:, :, None])
     q_start = qc - jnp.matmul(jnp.matmul(qw, u[:, :, None], precision=HIGHEST), wc[:, :, None],
                               precision=HIGHEST)  # queries at their chunk's start
