@@ -377,7 +377,8 @@ def probe_runs(workdirs, *, length: int, windows: int = 2, log=print) -> dict:
             if isinstance(feats, dict) and "theta" in feats:
                 lengths = [n for n in ROUTE_LENGTHS if n < length]
                 decay = transport.route_decay(feats["theta"], lengths)
-                cancel = transport.value_cancellation(w, layer["v"], feats["theta"], config.seq_len,
+                v = jnp.repeat(layer["v"], w.shape[1] // layer["v"].shape[2], axis=2)  # per query head
+                cancel = transport.value_cancellation(w, v, feats["theta"], config.seq_len,
                                                       model.blocks[i].attn.scheme.layout)
                 rec.update(spectral_gap=np.asarray(transport.spectral_gap(feats["psi"])).tolist(),
                            route_decay={n: float(d.max()) for n, d in zip(lengths, decay)},

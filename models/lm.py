@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.registry import make_features, make_scheme
+from positional.attention import causal_softmax
 from positional.scheme import check_cache_room
 
 
@@ -99,11 +100,14 @@ class Attention(nnx.Module):
             features = self.features(x, tokens=tokens, index=index, segment_ids=segment_ids, rng=rng, **extra)
         return q, k, v, features
 
-    def __call__(self, x, *, tokens, positions, segment_ids=None, impl=None, rng=None):
+    def __call__(self, x, *, tokens, positions, segment_ids=None, impl=None, rng=None, key_slots=None):
         index = jnp.broadcast_to(jnp.arange(x.shape[1], dtype=jnp.int32), x.shape[:2])
         q, k, v, features = self._qkv(x, tokens, index, segment_ids, rng)
-        out = self.scheme.attend(q, k, v, features, positions=positions, segment_ids=segment_ids,
-                                 impl=impl or self.cfg.attention_impl, block_size=self.cfg.block_size)
+        if key_slots is not None:  # the perturbation probes (see Scheme.placed_attention)
+            out = self.scheme.placed_attention(q, k, v, features, positions=positions, key_slots=key_slots)
+        else:
+            out = self.scheme.attend(q, k, v, features, positions=positions, segment_ids=segment_ids,
+                                     impl=impl or self.cfg.attention_impl, block_size=self.cfg.block_size)
         return self.o(out.reshape(*x.shape[:2], -1))
 
     def decode(self, x, cache, *, tokens, rng=None, positions=None):
@@ -167,20 +171,29 @@ class DecoderLM(nnx.Module):
             return self.embed.attend(x) * self.cfg.d_model ** -0.5
         return self.head(x)
 
-    def __call__(self, tokens, *, positions=None, segment_ids=None, impl=None, rng=None) -> jax.Array:
+    def __call__(self, tokens, *, positions=None, segment_ids=None, impl=None, rng=None,
+                 key_slots=None) -> jax.Array:
         """tokens [B, T] int -> logits [B, T, vocab] (float32).
 
         positions: [B, T] int (default 0..T-1), or [B, T, d_c] for multi-axis schemes (ESPR).
 
         `rng` feeds schemes with random features (a different key per layer is derived from
         it); pass a fresh one per forward pass. Other schemes ignore it.
+
+        `key_slots` [B, T] int (probes only): in every layer, key and value j sit at slot
+        key_slots[:, j] (`Scheme.placed_attention`); attention models only.
         """
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+        extra = {}
+        if key_slots is not None:
+            if self.cfg.mixer != "attention":
+                raise ValueError(f"key_slots moves attention keys; mixer {self.cfg.mixer!r} has none")
+            extra = {"key_slots": key_slots}
         x = self.embed(tokens).astype(jnp.dtype(self.cfg.dtype))
         for i, block in enumerate(self.blocks):
             x = block(x, tokens=tokens, positions=positions, segment_ids=segment_ids, impl=impl,
-                      rng=_layer_key(rng, i))
+                      rng=_layer_key(rng, i), **extra)
         return self._logits(x).astype(jnp.float32)
 
     def init_cache(self, batch: int, max_len: int) -> list:
@@ -262,16 +275,18 @@ def _generate(graphdef, state, prompt, rng, max_new_tokens, temperature, max_len
     return jnp.concatenate([prompt, tokens.T], axis=1)
 
 
-def token_nll(model: DecoderLM, tokens, *, segment_ids=None, positions=None, impl=None, rng=None):
+def token_nll(model: DecoderLM, tokens, *, segment_ids=None, positions=None, impl=None, rng=None,
+              key_slots=None):
     """Next-token negative log-likelihood of rows of tokens.
 
     tokens [B, T + 1]: the model reads tokens[:, :-1] and predicts tokens[:, 1:]. Returns
     (nll [B, T] float32, weight [B, T] float32), weight 0 where the target starts another
-    document or is padding (segment id 0).
+    document or is padding (segment id 0). key_slots [B, T]: see DecoderLM.
     """
     seg_in = None if segment_ids is None else segment_ids[:, :-1]
     pos_in = None if positions is None else positions[:, :-1]
-    logits = model(tokens[:, :-1], positions=pos_in, segment_ids=seg_in, impl=impl, rng=rng)
+    extra = {} if key_slots is None else {"key_slots": key_slots}
+    logits = model(tokens[:, :-1], positions=pos_in, segment_ids=seg_in, impl=impl, rng=rng, **extra)
     targets = tokens[:, 1:]
     nll = -jnp.take_along_axis(jax.nn.log_softmax(logits), targets[..., None], axis=-1)[..., 0]
     if segment_ids is None:
@@ -280,12 +295,14 @@ def token_nll(model: DecoderLM, tokens, *, segment_ids=None, positions=None, imp
     return nll, weight.astype(jnp.float32)
 
 
-def attention_internals(model: DecoderLM, tokens, *, rng=None) -> list[dict]:
+def attention_internals(model: DecoderLM, tokens, *, rng=None, maps: bool = True) -> list[dict]:
     """What each layer's attention does on `tokens` [B, T], for the probes.
 
-    Per layer: 'weights' [B, H, T, T] (softmax weights after the scheme's transform and bias),
-    'v' [B, T, H, D] (values before transport, repeated over grouped query heads) and the
-    scheme's 'features'.
+    Per layer: 'q' [B, T, H, D], 'k', 'v' [B, T, K, D] (before the scheme's transform), the
+    scheme's 'features', 'out' [B, T, d_model] (the attention
+    sublayer's output, added to the residual stream) and, with `maps`, 'logits' and
+    'weights' [B, H, T, T] (the scheme's logits before the causal mask, and the softmax
+    weights).
     """
     b, t = tokens.shape
     index = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
@@ -293,10 +310,15 @@ def attention_internals(model: DecoderLM, tokens, *, rng=None) -> list[dict]:
     layers = []
     for i, block in enumerate(model.blocks):
         attn, key = block.attn, _layer_key(rng, i)
-        q, k, v, features = attn._qkv(block.attn_norm(x), tokens, index, None, key)
-        w = attn.scheme.weights(q, k, v, features, index)
-        layers.append({"weights": w.reshape(b, -1, t, t),
-                       "v": jnp.repeat(v, attn.cfg.num_heads // attn.cfg.kv_heads, axis=2),
-                       "features": features})
-        x = block(x, tokens=tokens, positions=index, rng=key)
+        h = block.attn_norm(x)
+        q, k, v, features = attn._qkv(h, tokens, index, None, key)
+        layer = {"q": q, "k": k, "v": v, "features": features}
+        if maps:
+            logits = attn.scheme.logits(q, k, v, features, index)
+            layer |= {"logits": logits.reshape(b, -1, t, t),
+                      "weights": causal_softmax(logits).reshape(b, -1, t, t)}
+        layer["out"] = attn(h, tokens=tokens, positions=index, rng=key)
+        x = x + layer["out"]
+        x = x + block.mlp(block.mlp_norm(x))
+        layers.append(layer)
     return layers

@@ -60,17 +60,28 @@ def _scores(qb, kb, qi, kj, bias_fn, scale, score_fn):
     return s
 
 
-def attention_weights(q, k, *, bias_fn: BiasFn | None = None, segment_ids=None, q_offset=0,
-                      scale: float | None = None, score_fn: ScoreFn | None = None) -> jax.Array:
-    """Softmax attention weights [B, K, G, T, S] (fp32), query head h = k * G + g."""
+def attention_logits(q, k, *, bias_fn: BiasFn | None = None, q_offset=0, scale: float | None = None,
+                     score_fn: ScoreFn | None = None) -> jax.Array:
+    """Every query's score of every key [B, K, G, T, S] (fp32, no mask), query head h = k * G + g."""
     b, t, h, d = q.shape
     kh = k.shape[2]
     scale = d ** -0.5 if scale is None else scale
-    qi = q_offset + jnp.arange(t)
-    kj = jnp.arange(k.shape[1])
-    s = _scores(q.reshape(b, t, kh, h // kh, d), k, qi, kj, bias_fn, scale, score_fn)
+    return _scores(q.reshape(b, t, kh, h // kh, d), k, q_offset + jnp.arange(t), jnp.arange(k.shape[1]),
+                   bias_fn, scale, score_fn)
+
+
+def causal_softmax(logits, segment_ids=None, q_offset=0) -> jax.Array:
+    """Softmax over the keys each query sees, of logits [B, K, G, T, S]."""
+    qi, kj = q_offset + jnp.arange(logits.shape[-2]), jnp.arange(logits.shape[-1])
     mask = _mask(qi, kj, segment_ids, segment_ids)[:, :, None]
-    return jax.nn.softmax(jnp.where(mask, s, MASKED), axis=-1)
+    return jax.nn.softmax(jnp.where(mask, logits, MASKED), axis=-1)
+
+
+def attention_weights(q, k, *, bias_fn: BiasFn | None = None, segment_ids=None, q_offset=0,
+                      scale: float | None = None, score_fn: ScoreFn | None = None) -> jax.Array:
+    """Softmax attention weights [B, K, G, T, S] (fp32), query head h = k * G + g."""
+    s = attention_logits(q, k, bias_fn=bias_fn, q_offset=q_offset, scale=scale, score_fn=score_fn)
+    return causal_softmax(s, segment_ids, q_offset)
 
 
 def reference_attention(q, k, v, *, bias_fn: BiasFn | None = None, segment_ids=None,

@@ -31,7 +31,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from positional.attention import IMPLEMENTATIONS, BiasFn, ScoreFn, attention, attention_weights
+from positional.attention import (IMPLEMENTATIONS, MASKED, BiasFn, ScoreFn, attention, attention_logits,
+                                 causal_softmax)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,10 +91,49 @@ class Scheme:
         out = self.attention(q, k, v, features, segment_ids=segment_ids, impl=impl, block_size=block_size)
         return self.transform_out(out, features, positions)
 
+    def logits(self, q, k, v, features, positions) -> jax.Array:
+        """Attention logits [B, K, G, T, T] of the parallel form, fp32, before the causal mask
+        (entries above the diagonal are scores the mask discards). For the probes."""
+        return self._scored(q, k, v, features, positions)[0]
+
+    def _scored(self, q, k, v, features, positions):
+        """(logits [B, K, G, T, T], transformed values) of the parallel form."""
+        q, k, v = self.transform(q, k, v, features, positions)
+        return attention_logits(q, k, bias_fn=self.score_bias(features), score_fn=self.score_fn(features)), v
+
     def weights(self, q, k, v, features, positions) -> jax.Array:
         """Softmax attention weights [B, K, G, T, T] of the parallel form (for the probes)."""
-        q, k, _ = self.transform(q, k, v, features, positions)
-        return attention_weights(q, k, bias_fn=self.score_bias(features), score_fn=self.score_fn(features))
+        return causal_softmax(self.logits(q, k, v, features, positions))
+
+    def placed_attention(self, q, k, v, features, *, positions, key_slots) -> jax.Array:
+        """Causal attention in which key and value j sit at slot key_slots[b, j] instead of j.
+
+        The perturbation probes' attention (eval's analysis): key j is scored, and its value
+        transformed, as the content of slot key_slots[b, j], under the real features and
+        positions of the sequence (the transport between that slot and the query is the real
+        one), while the mask stays causal in content: query i reads key j iff j <= i, wherever
+        it sits, so nothing from the future leaks. Moved keys must go to distinct slots;
+        key_slots = arange gives the ordinary attention. Materialises [B, H, T, T]; any scheme
+        whose logits `logits` gives. Returns [B, T, H, D].
+        """
+        b, t, h, d = q.shape
+        index = jnp.arange(t)
+        moved = key_slots != index
+        # Second pass: slot s holds the key moved there, or its own key where none was.
+        src = jnp.broadcast_to(index, (b, t)).at[jnp.arange(b)[:, None], jnp.where(moved, key_slots, t)].set(
+            jnp.broadcast_to(index, (b, t)), mode="drop")
+
+        def gather(x, idx):
+            return jnp.take_along_axis(x, idx[:, :, None, None], axis=1)
+
+        own, v_own = self._scored(q, k, v, features, positions)
+        at, v_at = self._scored(q, gather(k, src), gather(v, src), features, positions)
+        at = jnp.take_along_axis(at, jnp.broadcast_to(key_slots[:, None, None, None], at.shape), axis=-1)
+        scores = jnp.where(moved[:, None, None, None], at, own)
+        w = jax.nn.softmax(jnp.where(index[None, :] <= index[:, None], scores, MASKED), axis=-1)
+        values = jnp.where(moved[:, :, None, None], gather(v_at, key_slots), v_own)
+        out = jnp.einsum("bkgts,bskd->btkgd", w, values.astype(jnp.float32)).reshape(b, t, h, -1)
+        return self.transform_out(out.astype(q.dtype), features, positions)
 
     def attention(self, q, k, v, features, *, segment_ids=None, q_offset=0, impl="reference",
                   block_size=512) -> jax.Array:

@@ -69,7 +69,18 @@ def test_attention_internals_reproduce_the_layer(scheme):
     index = jnp.broadcast_to(jnp.arange(10), (2, 10))
     q, k, v, f = blk.attn._qkv(h, tokens, index, None, None)
     out = blk.attn.scheme.attend(q, k, v, f, positions=index)
-    np.testing.assert_allclose(jnp.einsum("bhij,bjhd->bihd", w, layers[0]["v"]), out, atol=1e-5)
+    values = jnp.repeat(layers[0]["v"], 2, axis=2)  # kv head h // 2 serves query head h
+    np.testing.assert_allclose(jnp.einsum("bhij,bjhd->bihd", w, values), out, atol=1e-5)
+    np.testing.assert_allclose(layers[0]["out"], blk.attn.o(out.reshape(2, 10, -1)), atol=1e-5)
+    causal = jnp.tril(jnp.ones((10, 10), bool))
+    np.testing.assert_allclose(jax.nn.softmax(jnp.where(causal, layers[0]["logits"], -jnp.inf)), w, atol=1e-6)
+    # The next layer reads the residual stream the model computes.
+    x = m.embed(tokens) + layers[0]["out"]
+    x = x + blk.mlp(blk.mlp_norm(x))
+    h1 = m.blocks[1].attn_norm(x)
+    np.testing.assert_allclose(layers[1]["q"], m.blocks[1].attn._qkv(h1, tokens, index, None, None)[0],
+                               atol=1e-5)
+    assert "logits" not in attention_internals(m, tokens, maps=False)[0]
 
 
 @pytest.mark.parametrize("d", [4, 8])

@@ -3,7 +3,8 @@ how far attention logits split into a positional part and a semantic part.
 
   three_axis_fit      W_ij ~ a_{i-j} + b_i + c_j on the causal triangle (Sec 3.1, App A);
   fake_logits,        W'_dj = w(d, q, k_j): key j's content scored at a fake distance d, or at
-  slot_swap_logits      slot i - d with the real intervening transport (Sec 3.2; the note's D2);
+  slot_swap_logits,     slot i - d with the real intervening transport (Sec 3.2; the note's D2);
+  placed_fake_logits    the same through any scheme's own logits;
   fake_distance_fit   W'_dj ~ a_d + b_j in closed form (App B);
   pair_stats,         Observation 1 per rotary pair, the choice of R_slow, and the explicit
   slow_pairs,           f + g of Theorems 2/3 (Sec 3.4, App C);
@@ -173,6 +174,23 @@ def slot_swap_logits(q: jnp.ndarray, k: jnp.ndarray, transport: jnp.ndarray,
         shape = q.shape[:-1] + transport.shape[:1] + q.shape[-1:]
         moved = rotate(jnp.broadcast_to(q[..., None, :], shape).astype(jnp.float32), transport, layout)
     return jnp.einsum("...de,...je->...dj", moved, k.astype(jnp.float32))
+
+
+def placed_fake_logits(logits_fn, q, k, v, query: int, keys) -> jnp.ndarray:
+    """The slot swap run through the scheme itself: W'_dj = logit of the query at slot `query`
+    with key j's content placed at slot query - d, d = 0..query, for any scheme (bilinear or
+    not: TAPA, FoX biases), with the real features and positions of the sequence.
+
+    logits_fn(q, k, v) -> [B, K, G, T, T]: the scheme's logits with its features and positions
+    bound (`Scheme.logits`). q [B, T, H, D], k, v [B, T, K, D] before the scheme's transform;
+    keys [n_k] int. Returns [B, K, G, query + 1, n_k]. One full logit map per key: O(n_k T^2).
+    For RoPE this is the paper's fake distance, for bilinear schemes `slot_swap_logits`.
+    """
+    def one(j):
+        kj, vj = (jnp.broadcast_to(jax.lax.dynamic_slice_in_dim(x, j, 1, axis=1), x.shape) for x in (k, v))
+        return jnp.flip(logits_fn(q, kj, vj)[..., query, :query + 1], -1)
+
+    return jnp.moveaxis(jax.lax.map(one, jnp.asarray(keys)), 0, -1)
 
 
 @jax.jit
