@@ -174,8 +174,9 @@ def _pyplot():
     return plt
 
 
-def load_run(workdir: str):
-    """(config, model with the latest complete checkpoint's parameters, step) of a training run."""
+def load_run(workdir: str, untrained: bool = False):
+    """(config, model with the latest complete checkpoint's parameters, step) of a training run;
+    with `untrained`, the model as its config initialises it (seed included), step 0."""
     from train import init_state, load_params, make_mesh
     path = os.path.join(workdir, "config.json")
     if not os.path.isfile(path):
@@ -187,6 +188,8 @@ def load_run(workdir: str):
     from data import pipeline
     vocab = config.model.vocab_size or pipeline.tokenizer(config.data).vocab_size
     graphdef, rest, _, _, state = init_state(config, vocab, make_mesh(config))
+    if untrained:
+        return config, nnx.merge(graphdef, state["params"], rest), 0
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
                             state["params"])
     step, params = load_params(workdir, abstract)
