@@ -51,3 +51,9 @@ def test_path_length_runs(capsys):
     seconds = load("path_length").main(["--lengths", "64", "--repeats", "1"])
     assert set(seconds[64]) == {"rope", "path"} and min(seconds[64].values()) > 0
     assert "| 64 |" in capsys.readouterr().out
+
+
+def test_logit_fits_runs(capsys):
+    rows = load("logit_fits").main(["--lengths", "48", "--repeats", "1"])
+    assert rows[0]["three_axis"] > 0 and rows[0]["max_diff"] < 1e-3  # the fit is the dense solve's
+    assert "| 48 |" in capsys.readouterr().out
