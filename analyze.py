@@ -85,16 +85,15 @@ def decompose(model, tokens, train_len: int) -> tuple[list[dict], dict]:
                "three_axis_a": three["a"].mean(0), "fake_a": fake["a"].mean(0)}
         if isinstance(scheme, Rope):
             q, k = jnp.moveaxis(layer["q"], 2, 1), _per_head(layer["k"], heads)
+            stats = [lp.pair_stats(q[:, h], k[:, h], scheme.theta, train_len, scheme.layout)
+                     for h in range(heads)]
             for m in SLOW_PAIRS:
-                rs = []
-                for h in range(heads):
-                    stats = lp.pair_stats(q[:, h], k[:, h], scheme.theta, train_len, scheme.layout)
-                    slow = lp.slow_pairs(stats, m)
-                    rs.append(lp.explicit_fg(q[:, h], k[:, h], scheme.theta, slow, scheme.layout)["r"])
+                slow = [lp.slow_pairs(st, m) for st in stats]
+                rs = [lp.explicit_fg(q[:, h], k[:, h], scheme.theta, slow[h], scheme.layout)["r"]
+                      for h in range(heads)]
                 rec[f"fg_r_{m}"] = jnp.stack(rs, -1).mean(0)
-            stats = lp.pair_stats(q, k, scheme.theta, train_len, scheme.layout)
-            rec["pairs"] = {key: stats[key] for key in ("rotation", "kbar_share", "coherence", "deviation",
-                                                        "theta_delta")}
+            rec["pairs"] = {key: jnp.stack([st[key] for st in stats])  # [H, D/2]
+                            for key in ("rotation", "kbar_share", "coherence", "deviation", "theta_delta")}
         layers.append(jax.tree.map(lambda x: np.asarray(x).tolist(), rec))
         shown = (("logits", layer["logits"]), ("three_axis", three["fit"]), ("fake", fake["w"]),
                  ("fake_fit", fake["fit"]))
@@ -234,6 +233,23 @@ def per_layer_table(results: dict) -> str:
     return "\n".join(lines)
 
 
+def pairs_table(results: dict) -> str:
+    """Observation 1 for RoPE runs, per layer and head: how much of the mean key's energy sits
+    in the slow pairs (theta_r L_train < pi), and the statistics of its most prominent pair."""
+    keys = ("rotation", "kbar_share", "coherence", "deviation", "theta_delta")
+    lines = ["| run | layer | head | kbar energy in slow pairs | top pair | " + " | ".join(keys) + " |",
+             "|---|---|---|---|---|" + "---|" * len(keys)]
+    for name, run in results["runs"].items():
+        for i, layer in enumerate(run["layers"]):
+            pr = {key: np.asarray(x) for key, x in layer.get("pairs", {}).items()}
+            for h in range(len(pr.get("rotation", []))):
+                top = int(pr["kbar_share"][h].argmax())
+                slow = pr["kbar_share"][h][pr["rotation"][h] < math.pi].sum()
+                lines.append(f"| {name} | {i} | {h} | {slow:.3f} | {top} | "
+                             + " | ".join(f"{pr[key][h][top]:.3f}" for key in keys) + " |")
+    return "\n".join(lines)
+
+
 def perturbation_table(results: dict, mode: str) -> str:
     cells = [(g, r) for g in results["gammas"] for r in results["l_maxes"]]
     head = "| run | clean ppl | " + " | ".join(f"{g} / {r}" for g, r in cells) + " |"
@@ -357,7 +373,8 @@ def write_analysis(results: dict, maps: dict, out: str) -> str:
     plot_perturbation(results, out)
     plot_shift(results, out)
     parts = ["## Logit decompositions (r over layers x heads x windows)", summary_table(results),
-             "## Per layer (mean over windows)", per_layer_table(results)]
+             "## Per layer (mean over windows)", per_layer_table(results),
+             "## Observation 1 (RoPE heads, pooled per layer)", pairs_table(results)]
     for mode in perturb.MODES:
         parts += [f"## Perturbation '{mode}': change in perplexity, columns gamma / l_max",
                   perturbation_table(results, mode)]

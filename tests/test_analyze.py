@@ -28,7 +28,7 @@ def test_analysis_of_a_trained_and_an_untrained_model(tiny_run, tmp_path):
         for key in ("three_axis_r_all", "fake_r_all", "fg_r_1", "fg_r_4"):
             r = np.asarray([layer[key] for layer in layers])
             assert np.isfinite(r).all() and (np.abs(r) <= 1 + 1e-6).all()
-        assert len(layers[0]["fake_a"][0]) == 32 and len(layers[0]["pairs"]["rotation"]) == 8
+        assert len(layers[0]["fake_a"][0]) == 32 and np.shape(layers[0]["pairs"]["rotation"]) == (2, 8)
         p = run["perturbation"]["delta_ppl"]
         assert all(p[f"{mode}/0.0/3"] == 0.0 for mode in ("text", "keys", "positions"))  # T8
         assert all(p[f"{mode}/0.5/3"] != 0.0 for mode in ("text", "keys", "positions"))
@@ -41,6 +41,7 @@ def test_analysis_of_a_trained_and_an_untrained_model(tiny_run, tmp_path):
     assert all(a < b for a, b in zip(trained, fresh))
     md = write_analysis(results, maps, str(tmp_path))
     assert "| rope (untrained) | rope |" in md and "## Perturbation 'keys'" in md
+    assert "| rope | 1 | 1 |" in md  # Observation 1: layer 1, head 1
     assert json.load(open(tmp_path / "analysis.json"))["gammas"] == [0.0, 0.5]
     for png in ("maps_rope.png", "curves_rope.png", "maps_rope_untrained_.png", "perturbation.png",
                 "feature_shift.png"):
