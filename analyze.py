@@ -345,13 +345,15 @@ def plot_perturbation(results: dict, out: str) -> None:
 def plot_shift(results: dict, out: str) -> None:
     plt = _pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for name, run in results["runs"].items():
+    for i, (name, run) in enumerate(results["runs"].items()):
         s = run["feature_shift"]
         centres = [(lo + hi) / 2 / run["train_len"] for lo, hi in s["buckets"]]
-        axes[0].plot(centres[1:], np.mean(s["kl"], axis=0), marker="o", label=name)
-        axes[1].plot(centres, s["log_ppl"], marker="o", label=name)
-    axes[0].set(xlabel="bucket centre / training length", ylabel="KL to within-length outputs (layer mean)",
-                yscale="log")
+        style = {"marker": "o", "label": name, "color": plt.cm.tab20(i % 20), "ls": ("-", "--")[i // 20 % 2]}
+        # The first point is the control: within-length outputs of other documents.
+        axes[0].plot(centres, [np.mean(s["kl_control"]), *np.mean(s["kl"], axis=0)], **style)
+        axes[1].plot(centres, s["log_ppl"], **style)
+    axes[0].set(xlabel="bucket centre / training length", yscale="log",
+                ylabel="KL to within-length outputs (layer mean)\nfirst point: the control")
     axes[1].set(xlabel="bucket centre / training length", ylabel="log-perplexity")
     for ax in axes:
         ax.set_xscale("log", base=2)
