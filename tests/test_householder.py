@@ -108,12 +108,25 @@ def test_reference_equals_explicit_products_end_to_end():
     np.testing.assert_allclose(out, product_attention(q, k, v, w, beta), atol=1e-5)
 
 
-def test_bf16_inputs_fp32_transport():
+def test_bf16_inputs_fp32_transport_values_and_gradients():
     q, k, v, w, beta = inputs(t=20, dtype=jnp.bfloat16)
     out = hh.chunked_attention(q, k, v, w, beta, chunk=8)
     assert out.dtype == jnp.bfloat16
     exact = product_attention(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), w, beta)
     np.testing.assert_allclose(np.asarray(out, np.float32), exact, atol=3e-2)
+
+    # Gradients with bf16 q, k, v against the fp32 reference at the same (rounded) inputs.
+    def grads(fn, dtype):
+        def loss(q, k, v, w, beta):
+            out = fn(*(x.astype(dtype) for x in (q, k, v)), w, beta).astype(jnp.float32)
+            return jnp.sum(out * jnp.cos(jnp.arange(out.size).reshape(out.shape)))
+        return jax.jit(jax.grad(loss, argnums=range(5)))(*(x.astype(jnp.float32) for x in (q, k, v)), w, beta)
+
+    fast = grads(lambda q, k, v, w, beta: hh.chunked_attention(q, k, v, w, beta, chunk=8), jnp.bfloat16)
+    ref = grads(lambda q, k, v, w, beta: reference_attention(
+        q, k, v, score_fn=hh.dense_score_fn(w, beta, 8 ** -0.5)), jnp.float32)
+    for name, a, b in zip("q k v w beta".split(), fast, ref):
+        assert np.linalg.norm(a - b) <= 1e-2 * np.linalg.norm(b), name  # seen: 1.3e-3 to 2.2e-3
 
 
 def test_beta_zero_is_nope():
