@@ -63,16 +63,24 @@ def _is_bias_only(entry: Entry) -> bool:
                      "init_cache", "decode_step"))
 
 
+def _options(entry: Entry) -> set:
+    return {f.name for f in dataclasses.fields(entry.scheme_cls)} - {"num_heads", "head_dim", "biases"}
+
+
 def make_scheme(name: str, *, num_heads: int, head_dim: int, **options) -> Scheme:
-    """Build the named scheme with user options (e.g. RoPE's base, scaling, factor)."""
+    """Build the named scheme with user options (e.g. RoPE's base, scaling, factor). An option
+    that the first part lacks goes to the added score-bias parts that have it ("path_fox" with
+    gate_bias sets FoX's)."""
     first, *added = name.split("+")
     entry = get_entry(first)
     added = [*entry.compose, *added]
-    fields = {f.name for f in dataclasses.fields(entry.scheme_cls)} - {"num_heads", "head_dim", "biases"}
-    unknown = set(options) - fields
+    fields = _options(entry)
+    part_fields = {part: _options(get_entry(part)) for part in added}
+    unknown = set(options) - fields - set().union(*part_fields.values())
     if unknown:
-        raise ValueError(f"scheme {first!r} has no option(s) {sorted(unknown)}; "
-                         f"its options are: {sorted(fields - set(entry.fixed)) or 'none'}")
+        valid = sorted(fields - set(entry.fixed)) + [o for p in added for o in sorted(part_fields[p])]
+        raise ValueError(f"scheme {name!r} has no option(s) {sorted(unknown)}; "
+                         f"its options are: {valid or 'none'}")
     fixed = set(options) & set(entry.fixed)
     if fixed:
         raise ValueError(f"scheme {first!r} fixes option(s) {sorted(fixed)}; choose another scheme")
@@ -83,9 +91,10 @@ def make_scheme(name: str, *, num_heads: int, head_dim: int, **options) -> Schem
             raise ValueError(f"{name!r}: only score-bias schemes can be added with '+', and {part!r} "
                              f"is not one; bias-only schemes: "
                              f"{', '.join(n for n, e in sorted(REGISTRY.items()) if _is_bias_only(e))}")
-        biases.append(make_scheme(part, num_heads=num_heads, head_dim=head_dim))
+        mine = {k: v for k, v in options.items() if k not in fields and k in part_fields[part]}
+        biases.append(make_scheme(part, num_heads=num_heads, head_dim=head_dim, **mine))
     return entry.scheme_cls(num_heads=num_heads, head_dim=head_dim, biases=tuple(biases),
-                            **entry.fixed, **options)
+                            **entry.fixed, **{k: v for k, v in options.items() if k in fields})
 
 
 def make_features(name: str, scheme: Scheme, cfg, *, rngs):

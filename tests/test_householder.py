@@ -200,3 +200,21 @@ def test_bad_input_names_the_problem():
     from models.registry import make_scheme
     with pytest.raises(ValueError, match="rank"):
         make_scheme("path", num_heads=2, head_dim=8, rank=0)
+
+
+def test_gate_bias_reaches_the_fox_part_of_a_composed_scheme():
+    from flax import nnx
+
+    from models.lm import DecoderLM, ModelConfig
+    from models.registry import make_scheme
+    assert make_scheme("path_fox", num_heads=4, head_dim=8, gate_bias=5.0).biases[0].gate_bias == 5.0
+    rope_fox = make_scheme("rope+fox", num_heads=4, head_dim=8, base=500.0, gate_bias=2.0)
+    assert (rope_fox.base, rope_fox.biases[0].gate_bias) == (500.0, 2.0)
+    with pytest.raises(ValueError, match="has no option.*'gate_bias'"):
+        make_scheme("path", num_heads=4, head_dim=8, gate_bias=5.0)
+    m = DecoderLM(ModelConfig(vocab_size=30, d_model=32, num_layers=1, num_heads=4, scheme="path_fox",
+                              scheme_options=(("gate_bias", 5.0),)), rngs=nnx.Rngs(0))
+    gates = m.blocks[0].attn.features.parts[1]
+    np.testing.assert_allclose(gates.proj.bias[...], 5.0)
+    np.testing.assert_allclose(jnp.exp(gates(jnp.zeros((1, 3, 32)), tokens=None, index=None)["log_forget"]),
+                               jax.nn.sigmoid(5.0), rtol=1e-6)  # f = 0.993 at the start
