@@ -22,7 +22,7 @@ import ml_collections
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
-from absl import app, logging
+from absl import app, flags, logging
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 from ml_collections import config_flags
@@ -343,7 +343,31 @@ def _progress(start, total):
 
 # ---- command line --------------------------------------------------------------------------
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/default.py", "experiment config")
+# New attributes are accepted so that scheme options need no placeholder in the config files
+# (--config.model.scheme_options.base=5e5); `check_overrides` rejects any other new field.
+_CONFIG = config_flags.DEFINE_config_file("config", "configs/default.py", "experiment config",
+                                          lock_config=False, accept_new_attributes=True)
+OPEN_FIELDS = ("model.scheme_options.", "model.mixer_options.")
+
+
+def check_overrides(config_path: str, override_paths) -> None:
+    """Raise if an override names a field the config file does not have (a typo, say), except
+    under the open option dicts (the scheme checks its own options)."""
+    import importlib.util
+    file, _, arg = config_path.partition(":")
+    spec = importlib.util.spec_from_file_location("_config_file", file)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    base = module.get_config(arg) if arg else module.get_config()
+    for path in override_paths:
+        if path.startswith(OPEN_FIELDS):
+            continue
+        node = base
+        for key in path.split("."):
+            if not isinstance(node, ml_collections.ConfigDict) or key not in node:
+                raise ValueError(f"unknown config field {path!r} (from --config.{path}); "
+                                 f"see {file} and configs/default.py for the fields")
+            node = node[key]
 
 
 def run_cli(fn):
@@ -358,6 +382,9 @@ def run_cli(fn):
 def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)  # orbax is chatty at INFO
+    flag = flags.FLAGS["config"]
+    run_cli(lambda: check_overrides(config_flags.get_config_filename(flag),
+                                    config_flags.get_override_values(flag)))
     summary = run_cli(lambda: train(_CONFIG.value))
     losses = summary["losses"]
     if losses:
