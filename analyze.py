@@ -43,7 +43,7 @@ import numpy as np
 from absl import app, flags
 from flax import nnx
 
-from eval import _pyplot, _windows, eval_impl, load_run, run_name
+from eval import _pyplot, _windows, cli_flags, eval_impl, load_run, run_name
 from models.lm import attention_internals, token_nll
 from positional.probes import logits as lp
 from positional.probes import perturb
@@ -403,13 +403,8 @@ flags.DEFINE_integer("shift_windows", 8, "windows for the feature shift")
 
 def main(argv):
     del argv
-    from absl import logging
     from train import run_cli
-    logging.set_verbosity(logging.WARNING)
-    FLAGS = flags.FLAGS
-    if not FLAGS.workdirs:
-        print("error: pass --workdirs=run1[,run2,...]", file=sys.stderr)
-        sys.exit(1)
+    FLAGS = cli_flags()
     m = FLAGS.shift_multiplier
     if m < 2 or m & (m - 1):
         print(f"error: --shift_multiplier={m} must be a power of two >= 2", file=sys.stderr)

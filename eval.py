@@ -508,15 +508,21 @@ flags.DEFINE_list("near_far", [], "with --probe_length: instead of the transport
                   "lo:hi,lo:hi (writes near_far.json / .md / .png)")
 
 
-def main(argv):
-    del argv
+def cli_flags():
+    """The parsed flags of an entry point that reads runs (this one, analyze.py), with logging
+    quiet; exits with one readable line when --workdirs is missing."""
     from absl import logging
-    from train import run_cli
     logging.set_verbosity(logging.WARNING)
-    FLAGS = flags.FLAGS
-    if not FLAGS.workdirs:
+    if not flags.FLAGS.workdirs:
         print("error: pass --workdirs=run1[,run2,...]", file=sys.stderr)
         sys.exit(1)
+    return flags.FLAGS
+
+
+def main(argv):
+    del argv
+    from train import run_cli
+    FLAGS = cli_flags()
     if FLAGS.near_far:
         if len(FLAGS.near_far) != 2 or not FLAGS.probe_length:
             print("error: --near_far=lo:hi,lo:hi needs two ranges and --probe_length", file=sys.stderr)
