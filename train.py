@@ -198,6 +198,59 @@ class _Stop:
         self.signal = signal.Signals(signum).name
 
 
+def _mesh_and_batch(config):
+    """The device mesh and the batch's sharding (rows over data x fsdp)."""
+    mesh = make_mesh(config)
+    n_batch_shards = mesh.shape["data"] * mesh.shape["fsdp"]
+    if config.batch_size % n_batch_shards:
+        raise ValueError(f"batch_size={config.batch_size} is not divisible by the {n_batch_shards} "
+                         "data x fsdp devices")
+    return mesh, NamedSharding(mesh, P(("data", "fsdp")))
+
+
+def dry_run(config: ml_collections.ConfigDict) -> dict:
+    """Compile the sharded train step of `config` on abstract inputs, allocating and running
+    nothing: the parameter count and XLA's memory analysis of the program each device runs."""
+    mesh, batch_sharding = _mesh_and_batch(config)
+    if config.model.vocab_size:
+        vocab = config.model.vocab_size
+    else:
+        from data import pipeline
+        vocab = pipeline.tokenizer(config.data).vocab_size
+    cfg = model_config(config, vocab)
+    model = nnx.eval_shape(lambda: DecoderLM(cfg, rngs=nnx.Rngs(config.seed)))
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    rest = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), rest)
+    params = nnx.to_pure_dict(params)
+    tx, _ = make_optimizer(config.train)
+    state = {"params": params, "opt_state": jax.eval_shape(tx.init, params),
+             "step": jax.ShapeDtypeStruct((), jnp.int32)}
+    state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=param_sharding(mesh, x)),
+                         state)
+    row = jax.ShapeDtypeStruct((config.batch_size, config.seq_len + 1), jnp.int32, sharding=batch_sharding)
+    batch = {"tokens": row, "segment_ids": row, "positions": row}
+    step = make_train_step(graphdef, rest, tx, config, jax.tree.map(lambda x: x.sharding, state),
+                           batch_sharding)
+    mem = step.lower(state, batch).compile().memory_analysis()
+    out = {"devices": jax.device_count(), "mesh": dict(mesh.shape),
+           "params": sum(math.prod(x.shape) for x in jax.tree.leaves(params)),
+           "argument_bytes": mem.argument_size_in_bytes, "output_bytes": mem.output_size_in_bytes,
+           "alias_bytes": mem.alias_size_in_bytes, "temp_bytes": mem.temp_size_in_bytes}
+    # Donated state is aliased to the output: it is counted once.
+    out["total_bytes"] = out["argument_bytes"] + out["output_bytes"] - out["alias_bytes"] + out["temp_bytes"]
+    return out
+
+
+def dry_run_report(r: dict) -> str:
+    gib = lambda b: f"{b / 2 ** 20:,.1f} MiB"  # noqa: E731
+    return "\n".join([
+        f"dry run: {r['devices']} devices, mesh {r['mesh']}, {r['params']:,} parameters",
+        "per device (XLA memory analysis of the compiled train step):",
+        f"  arguments {gib(r['argument_bytes'])}, outputs {gib(r['output_bytes'])} "
+        f"(aliased to arguments {gib(r['alias_bytes'])}), temporaries {gib(r['temp_bytes'])}",
+        f"  total {gib(r['total_bytes'])}"])
+
+
 def train(config: ml_collections.ConfigDict) -> dict:
     """Run (or resume) training. Returns a summary dict. Raises TrainingError on divergence."""
     from data import pipeline  # grain and TFDS are imported only when data is needed
@@ -205,14 +258,9 @@ def train(config: ml_collections.ConfigDict) -> dict:
     workdir = workdir_of(config)
     os.makedirs(workdir, exist_ok=True)
     tokenizer = pipeline.tokenizer(config.data)
-    mesh = make_mesh(config)
-    n_batch_shards = mesh.shape["data"] * mesh.shape["fsdp"]
-    if config.batch_size % n_batch_shards:
-        raise ValueError(f"batch_size={config.batch_size} is not divisible by the {n_batch_shards} "
-                         "data x fsdp devices")
+    mesh, batch_sharding = _mesh_and_batch(config)
     graphdef, rest, tx, schedule, state = init_state(config, tokenizer.vocab_size, mesh)
     state_shardings = jax.tree.map(lambda x: x.sharding, state)
-    batch_sharding = NamedSharding(mesh, P(("data", "fsdp")))
     train_step = make_train_step(graphdef, rest, tx, config, state_shardings, batch_sharding)
 
     loader = pipeline.train_loader(config.data, seed=config.seed, batch_size=config.batch_size,
@@ -385,6 +433,9 @@ def main(argv):
     flag = flags.FLAGS["config"]
     run_cli(lambda: check_overrides(config_flags.get_config_filename(flag),
                                     config_flags.get_override_values(flag)))
+    if _CONFIG.value.get("dry_run"):
+        print(dry_run_report(run_cli(lambda: dry_run(_CONFIG.value))))
+        return
     summary = run_cli(lambda: train(_CONFIG.value))
     losses = summary["losses"]
     if losses:

@@ -12,6 +12,7 @@ from data import default_data_config
 def get_config(scheme: str | None = None) -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.seed = 0
+    c.dry_run = False  # compile the sharded train step and print per-device memory; train nothing
     c.workdir = ""  # '' means runs/<config name>-<scheme>
 
     c.model = ml_collections.ConfigDict(dict(
@@ -22,7 +23,8 @@ def get_config(scheme: str | None = None) -> ml_collections.ConfigDict:
         tie_embeddings=True,
         attention_impl="reference",  # 'reference' | 'blockwise' (| 'pallas' where a scheme has one)
         block_size=512,
-        dtype="float32",
+        dtype="float32",  # compute dtype ("bfloat16": bf16 matmuls, fp32 parameters and optimizer)
+        remat="none",  # "none" | "block" | "dots": what each block keeps for the backward pass
     ))
 
     if c.model.scheme.split("+")[0] in ("path", "path_fox"):

@@ -19,6 +19,10 @@ from positional.attention import causal_softmax
 from positional.scheme import check_cache_room
 
 
+REMAT_POLICIES = {"none": None, "block": jax.checkpoint_policies.nothing_saveable,
+                  "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     vocab_size: int = 258
@@ -38,6 +42,10 @@ class ModelConfig:
     # macro-block with that mixer (models/sessa.py), configured by mixer_options (pairs, hashable).
     mixer: str = "attention"
     mixer_options: tuple = ()
+    # Rematerialisation of each block in the backward pass (REMAT_POLICIES): "none" keeps every
+    # activation; "block" keeps only each block's input; "dots" also keeps the matmul outputs
+    # without batch dimensions (the projections), recomputing the rest.
+    remat: str = "none"
 
     @classmethod
     def from_dict(cls, d) -> "ModelConfig":
@@ -51,6 +59,9 @@ class ModelConfig:
         return cls(**d)
 
     def __post_init__(self):
+        if self.remat not in REMAT_POLICIES:
+            raise ValueError(f"model.remat={self.remat!r} is not a rematerialisation policy; valid: "
+                             f"{', '.join(REMAT_POLICIES)}")
         if self.num_heads <= 0 or (self.head_dim == 0 and self.d_model % self.num_heads):
             raise ValueError(f"model.d_model={self.d_model} is not divisible by model.num_heads="
                              f"{self.num_heads}; set model.head_dim explicitly")
@@ -191,9 +202,15 @@ class DecoderLM(nnx.Module):
                 raise ValueError(f"key_slots moves attention keys; mixer {self.cfg.mixer!r} has none")
             extra = {"key_slots": key_slots}
         x = self.embed(tokens).astype(jnp.dtype(self.cfg.dtype))
+
+        def run(block, x, tokens, positions, segment_ids, rng, extra):  # arrays only: remat traces it
+            return block(x, tokens=tokens, positions=positions, segment_ids=segment_ids, impl=impl, rng=rng,
+                         **extra)
+
+        if self.cfg.remat != "none":
+            run = nnx.remat(run, policy=REMAT_POLICIES[self.cfg.remat])
         for i, block in enumerate(self.blocks):
-            x = block(x, tokens=tokens, positions=positions, segment_ids=segment_ids, impl=impl,
-                      rng=_layer_key(rng, i), **extra)
+            x = run(block, x, tokens, positions, segment_ids, _layer_key(rng, i), extra)
         return self._logits(x).astype(jnp.float32)
 
     def init_cache(self, batch: int, max_len: int) -> list:
