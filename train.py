@@ -28,6 +28,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from ml_collections import config_flags
 
 from data import DataError
+from models import sharding
 from models.lm import DecoderLM, ModelConfig, token_nll
 
 
@@ -67,18 +68,6 @@ def make_mesh(config) -> jax.sharding.Mesh:
                          axis_types=(jax.sharding.AxisType.Auto,) * len(sizes))
 
 
-def param_sharding(mesh, x) -> NamedSharding:
-    """FSDP: split the largest dimension divisible by the fsdp axis; replicate small arrays."""
-    n = mesh.shape["fsdp"]
-    spec = [None] * x.ndim
-    dims = sorted(range(x.ndim), key=lambda i: -x.shape[i])
-    for i in dims:
-        if n > 1 and x.shape[i] % n == 0:
-            spec[i] = "fsdp"
-            break
-    return NamedSharding(mesh, P(*spec))
-
-
 def make_optimizer(cfg) -> tuple[optax.GradientTransformation, optax.Schedule]:
     schedule = optax.warmup_cosine_decay_schedule(
         0.0, cfg.lr, cfg.warmup_steps, max(cfg.steps, cfg.warmup_steps + 1), cfg.lr * cfg.min_lr_ratio)
@@ -97,8 +86,8 @@ def init_state(config, vocab_size, mesh):
     params = nnx.to_pure_dict(params)
     tx, schedule = make_optimizer(config.train)
     state = {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32)}
-    # Optimizer moments have their parameter's shape, hence its sharding; counters replicate.
-    state = jax.tree.map(lambda x: jax.device_put(x, param_sharding(mesh, x)), state)
+    # Optimizer moments end in their parameter's path, hence get its sharding; counters replicate.
+    state = jax.device_put(state, sharding.state_shardings(mesh, state))
     return graphdef, rest, tx, schedule, state
 
 
@@ -116,7 +105,8 @@ def make_train_step(graphdef, rest, tx, config, state_shardings, batch_sharding)
     def step(state, batch):
         # Random position features get a fresh draw every step, reproducible from the seed.
         rng = jax.random.fold_in(jax.random.key(config.seed), state["step"])
-        loss, grads = jax.value_and_grad(loss_fn)(state["params"], batch, rng)
+        with sharding.activation_rules(batch_sharding.mesh):  # activations over the mesh as well
+            loss, grads = jax.value_and_grad(loss_fn)(state["params"], batch, rng)
         updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
         finite = jnp.all(jnp.stack([jnp.isfinite(x).all() for x in jax.tree.leaves(params)]))
@@ -225,8 +215,8 @@ def dry_run(config: ml_collections.ConfigDict) -> dict:
     tx, _ = make_optimizer(config.train)
     state = {"params": params, "opt_state": jax.eval_shape(tx.init, params),
              "step": jax.ShapeDtypeStruct((), jnp.int32)}
-    state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=param_sharding(mesh, x)),
-                         state)
+    state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state,
+                         sharding.state_shardings(mesh, state))
     row = jax.ShapeDtypeStruct((config.batch_size, config.seq_len + 1), jnp.int32, sharding=batch_sharding)
     batch = {"tokens": row, "segment_ids": row, "positions": row}
     step = make_train_step(graphdef, rest, tx, config, jax.tree.map(lambda x: x.sharding, state),

@@ -45,9 +45,10 @@ def get_config(scheme: str | None = None) -> ml_collections.ConfigDict:
     # pretrain-then-extend workflow. A directory of checkpoints; its latest complete one is used.
     c.init_from = ""
 
-    # Mesh axis sizes; -1 takes the remaining devices. Batch is split over data x fsdp,
-    # parameters and optimizer state over fsdp.
-    c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1))
+    # Mesh axis sizes; -1 takes the remaining devices. models/sharding.py maps the model onto
+    # them: batch over data x fsdp, parameters and optimizer state over fsdp (embed) and tensor
+    # (heads, mlp, vocab), activations' sequence dimension over sequence.
+    c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1, sequence=1))
 
     c.eval = ml_collections.ConfigDict(dict(
         multipliers=(0.5, 1, 2, 4, 8, 16),  # evaluation lengths as multiples of seq_len

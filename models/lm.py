@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.registry import make_features, make_scheme
+from models.sharding import constrain
 from positional.attention import causal_softmax
 from positional.scheme import check_cache_room
 
@@ -210,8 +211,9 @@ class DecoderLM(nnx.Module):
         if self.cfg.remat != "none":
             run = nnx.remat(run, policy=REMAT_POLICIES[self.cfg.remat])
         for i, block in enumerate(self.blocks):
+            x = constrain(x, ("batch", "sequence", None))
             x = run(block, x, tokens, positions, segment_ids, _layer_key(rng, i), extra)
-        return self._logits(x).astype(jnp.float32)
+        return constrain(self._logits(x).astype(jnp.float32), ("batch", "sequence", "vocab"))
 
     def init_cache(self, batch: int, max_len: int) -> list:
         return [blk.init_cache(batch, max_len) for blk in self.blocks]

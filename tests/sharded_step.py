@@ -1,0 +1,68 @@
+"""One train step of a tiny model on several meshes against one device (run by
+tests/test_scale.py in a process with simulated devices).
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=16 python tests/sharded_step.py \
+        rope,path_fox '[{"data": 2, "sequence": 4}]'
+
+Prints JSON: per scheme and mesh, the largest difference of the loss and gradient norm over
+two steps, and of the parameters after them, against the one-device run.
+"""
+
+import json
+import math
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+
+import train  # noqa: E402
+from models.sharding import MESH_AXES  # noqa: E402
+from tiny_setup import tiny_config  # noqa: E402
+
+VOCAB, ROWS, LENGTH = 64, 8, 32
+
+
+def one_step(config, sizes, batch):
+    sizes = {a: sizes.get(a, 1) for a in MESH_AXES}
+    n = math.prod(sizes.values())
+    mesh = jax.make_mesh(tuple(sizes.values()), MESH_AXES, devices=jax.devices()[:n],
+                         axis_types=(jax.sharding.AxisType.Auto,) * len(sizes))
+    graphdef, rest, tx, _, state = train.init_state(config, VOCAB, mesh)
+    batch_sharding = NamedSharding(mesh, P(("data", "fsdp")))
+    step = train.make_train_step(graphdef, rest, tx, config, jax.tree.map(lambda x: x.sharding, state),
+                                 batch_sharding)
+    batch = {k: jax.device_put(v, batch_sharding) for k, v in batch.items()}
+    state, metrics = step(state, batch)  # warm-up: the learning rate is 0 at step 0
+    state, second = step(state, batch)
+    return ([float(m[k]) for m in (metrics, second) for k in ("loss", "grad_norm")],
+            [np.asarray(x) for x in jax.tree.leaves(state["params"])])
+
+
+def main(schemes, meshes):
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, VOCAB, (ROWS, LENGTH + 1)).astype(np.int32)
+    segments = np.where(np.arange(LENGTH + 1) < 20, 1, 2).astype(np.int32) * np.ones((ROWS, 1), np.int32)
+    positions = np.where(segments == 1, np.arange(LENGTH + 1), np.arange(LENGTH + 1) - 20).astype(np.int32)
+    batch = {"tokens": tokens, "segment_ids": segments, "positions": positions}
+    out = {}
+    for scheme in schemes:
+        config = tiny_config("unused", scheme=scheme)
+        config.model.update(vocab_size=VOCAB, num_heads=4)
+        config.seq_len, config.batch_size = LENGTH, ROWS
+        loss0, params0 = one_step(config, {}, batch)
+        out[scheme] = {}
+        for sizes in meshes:
+            loss, params = one_step(config, sizes, batch)
+            out[scheme][json.dumps(sizes, sort_keys=True)] = {
+                "loss_and_grad_norm": float(np.abs(np.subtract(loss, loss0)).max()),
+                "params": max(float(np.abs(a - b).max()) for a, b in zip(params, params0))}
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1].split(","), json.loads(sys.argv[2]))
