@@ -57,3 +57,10 @@ def test_logit_fits_runs(capsys):
     rows = load("logit_fits").main(["--lengths", "48", "--repeats", "1"])
     assert rows[0]["three_axis"] > 0 and rows[0]["max_diff"] < 1e-3  # the fit is the dense solve's
     assert "| 48 |" in capsys.readouterr().out
+
+
+def test_sequence_parallel_runs(capsys):
+    rows = load("sequence_parallel").main(["--seq-len", "64", "--devices", "1,2"])
+    assert [r["devices"] for r in rows] == [1, 2] and rows[1]["mesh"]["sequence"] == 2
+    assert rows[1]["temp_bytes"] < rows[0]["temp_bytes"]  # the sequence axis splits the activations
+    assert "| rope | 2 |" in capsys.readouterr().out

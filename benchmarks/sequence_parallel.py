@@ -1,0 +1,70 @@
+"""Per-device memory of the sharded train step as the sequence axis grows, at a fixed total
+length: simulated CPU devices, XLA's memory analysis of the compiled step (train.dry_run).
+
+    python benchmarks/sequence_parallel.py --seq-len 4096 --devices 1,2,4,8 --schemes rope,path
+
+Each device count runs in its own process (`--xla_force_host_platform_device_count=n`) with
+mesh sequence=n, one row of --seq-len tokens, the default model. Nothing is allocated or run,
+so this measures the plan, not speed; the reference attention's T x T scores dominate, and
+they should fall as 1/n when the partitioner splits the queries over the sequence axis.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def child(scheme: str, seq_len: int, n: int, impl: str) -> dict:
+    sys.path.insert(0, str(ROOT))
+    from configs.default import get_config
+    from train import dry_run
+    c = get_config(scheme)
+    c.model.vocab_size, c.seq_len, c.batch_size = 258, seq_len, 1
+    c.mesh.update(data=1, sequence=n)
+    if impl:
+        c.model.attention_impl = impl
+    return dry_run(c)
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seq-len", type=int, default=4096)
+    p.add_argument("--devices", default="1,2,4,8")
+    p.add_argument("--schemes", default="rope")
+    p.add_argument("--impl", default="", help="attention impl (default: the scheme's default config)")
+    p.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child:
+        print(json.dumps(child(args.child[0], int(args.child[1]), int(args.child[2]), args.impl)))
+        return []
+    rows = []
+    for scheme in args.schemes.split(","):
+        for n in (int(x) for x in args.devices.split(",")):
+            env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={n}"}
+            cmd = [sys.executable, __file__, f"--impl={args.impl}", "--child", scheme, str(args.seq_len),
+                   str(n)]
+            run = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
+            if run.returncode:
+                raise RuntimeError(run.stderr[-2000:])
+            rows.append({"scheme": scheme, "devices": n, **json.loads(run.stdout.strip().splitlines()[-1])})
+            print(f"# {rows[-1]}", file=sys.stderr, flush=True)
+    print(f"\nper-device memory of the train step, {args.seq_len} tokens, one row, mesh sequence=n\n")
+    print("| scheme | devices | arguments MiB | temporaries MiB | total MiB | total x devices / one device |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        one = next(x for x in rows if x["scheme"] == r["scheme"] and x["devices"] == rows[0]["devices"])
+        mib = lambda b: f"{b / 2 ** 20:,.1f}"  # noqa: E731
+        print(f"| {r['scheme']} | {r['devices']} | {mib(r['argument_bytes'])} | {mib(r['temp_bytes'])} | "
+              f"{mib(r['total_bytes'])} | {r['total_bytes'] * r['devices'] / one['total_bytes']:.2f} |")
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,38 @@
+"""Long-context training on real hardware: rows of 131,072 tokens, the sequence split over
+devices (models/sharding.py), parameters and optimizer state over fsdp.
+
+    python train.py --config configs/long_context.py:gpu8/rope          # on the 8-GPU host
+    python train.py --config configs/long_context.py:gpu8/rope --config.dry_run=True
+
+The dry run compiles the sharded train step and prints each device's memory without
+allocating anything; on a machine without the hardware the same plan compiles for simulated
+CPU devices (XLA_FLAGS=--xla_force_host_platform_device_count=8, or 16 for tpu16). Variants:
+
+  gpu8    one host with 8 GPUs: mesh fsdp=2 x sequence=4, 2 rows per step
+  tpu16   a 16-chip TPU slice: mesh fsdp=4 x sequence=4, 4 rows per step
+
+after the slash, any registered scheme (default rope). The model: d_model 1024, 16 layers,
+16 heads of 64 (about 200M parameters), bf16 compute with fp32 parameters and optimizer
+state, each block rematerialised, blockwise attention in 1,024-token blocks (PaTH: its
+chunked form). Memory per device from the dry run is in benchmarks/RESULTS.md.
+"""
+
+from configs import default
+
+HARDWARE = {"gpu8": dict(fsdp=2, sequence=4), "tpu16": dict(fsdp=4, sequence=4)}
+
+
+def get_config(arg: str = "gpu8/rope"):
+    hardware, _, scheme = arg.partition("/")
+    if hardware not in HARDWARE:
+        raise ValueError(f"unknown hardware {hardware!r} in {arg!r}; valid: {', '.join(HARDWARE)}")
+    c = default.get_config(scheme or "rope")
+    c.model.update(d_model=1024, num_layers=16, num_heads=16, dtype="bfloat16", remat="block")
+    if c.model.attention_impl == "reference":
+        c.model.update(attention_impl="blockwise", block_size=1024)
+    c.seq_len = 131072
+    c.mesh.update(data=1, tensor=1, **HARDWARE[hardware])
+    c.batch_size = HARDWARE[hardware]["fsdp"]  # rows are split over data x fsdp
+    c.train.update(steps=10000, warmup_steps=500, lr=3e-4, checkpoint_every=250, eval_every=0)
+    c.workdir = f"runs/long_context/{hardware}-{scheme or 'rope'}"
+    return c
