@@ -8,8 +8,8 @@ The dry run compiles the sharded train step and prints each device's memory with
 allocating anything; on a machine without the hardware the same plan compiles for simulated
 CPU devices (XLA_FLAGS=--xla_force_host_platform_device_count=8, or 16 for tpu16). Variants:
 
-  gpu8    one host with 8 GPUs: mesh fsdp=2 x sequence=4, 2 rows per step
-  tpu16   a 16-chip TPU slice: mesh fsdp=4 x sequence=4, 4 rows per step
+  gpu8    one host with 8 GPUs: mesh sequence=8, 1 row per step
+  tpu16   a 16-chip TPU slice: mesh fsdp=2 x sequence=8, 2 rows per step
 
 after the slash, any registered scheme (default rope). The model: d_model 1024, 16 layers,
 16 heads of 64 (about 200M parameters), bf16 compute with fp32 parameters and optimizer
@@ -19,7 +19,7 @@ chunked form). Memory per device from the dry run is in benchmarks/RESULTS.md.
 
 from configs import default
 
-HARDWARE = {"gpu8": dict(fsdp=2, sequence=4), "tpu16": dict(fsdp=4, sequence=4)}
+HARDWARE = {"gpu8": dict(fsdp=1, sequence=8), "tpu16": dict(fsdp=2, sequence=8)}
 
 
 def get_config(arg: str = "gpu8/rope"):

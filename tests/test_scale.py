@@ -95,8 +95,8 @@ def test_every_scheme_on_every_mesh_equals_one_device():
 def test_long_context_configs():
     from configs import long_context
     c = long_context.get_config("tpu16/path_fox")
-    assert (c.seq_len, c.batch_size, c.model.scheme) == (131072, 4, "path_fox")
-    assert dict(c.mesh) == {"data": 1, "fsdp": 4, "tensor": 1, "sequence": 4}
+    assert (c.seq_len, c.batch_size, c.model.scheme) == (131072, 2, "path_fox")
+    assert dict(c.mesh) == {"data": 1, "fsdp": 2, "tensor": 1, "sequence": 8}
     assert c.model.attention_impl == "blockwise" and c.model.block_size == 64  # PaTH keeps its chunks
     assert long_context.get_config("gpu8").model.block_size == 1024
     with pytest.raises(ValueError, match="valid: gpu8, tpu16"):
