@@ -2,7 +2,7 @@
 tests/test_scale.py in a process with simulated devices).
 
     XLA_FLAGS=--xla_force_host_platform_device_count=16 python tests/sharded_step.py \
-        rope,path_fox '[{"data": 2, "sequence": 4}]'
+        rope,path_fox,mixer:sessa '[{"data": 2, "sequence": 4}]'
 
 Prints JSON: per scheme and mesh, the largest difference of the loss and gradient norm over
 two steps, and of the parameters after them, against the one-device run.
@@ -50,9 +50,10 @@ def main(schemes, meshes):
     positions = np.where(segments == 1, np.arange(LENGTH + 1), np.arange(LENGTH + 1) - 20).astype(np.int32)
     batch = {"tokens": tokens, "segment_ids": segments, "positions": positions}
     out = {}
-    for scheme in schemes:
-        config = tiny_config("unused", scheme=scheme)
-        config.model.update(vocab_size=VOCAB, num_heads=4)
+    for scheme in schemes:  # "mixer:sessa" runs a Sessa macro-block model instead
+        mixer = scheme.split(":")[1] if scheme.startswith("mixer:") else "attention"
+        config = tiny_config("unused", scheme="nope" if mixer != "attention" else scheme)
+        config.model.update(vocab_size=VOCAB, num_heads=4, mixer=mixer)
         config.seq_len, config.batch_size = LENGTH, ROWS
         loss0, params0 = one_step(config, {}, batch)
         out[scheme] = {}
