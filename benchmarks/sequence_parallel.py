@@ -4,9 +4,11 @@ length: simulated CPU devices, XLA's memory analysis of the compiled step (train
     python benchmarks/sequence_parallel.py --seq-len 4096 --devices 1,2,4,8 --schemes rope,path
 
 Each device count runs in its own process (`--xla_force_host_platform_device_count=n`) with
-mesh sequence=n, one row of --seq-len tokens, the default model. Nothing is allocated or run,
-so this measures the plan, not speed; the reference attention's T x T scores dominate, and
-they should fall as 1/n when the partitioner splits the queries over the sequence axis.
+mesh sequence=n, one row of --seq-len tokens, the default model. The memory is the plan (the
+dry run allocates nothing); the reference attention's T x T scores dominate, and they should
+fall as 1/n when the partitioner splits the queries over the sequence axis. With --steps the
+step also runs and its median wall time is reported: simulated devices share this host's
+cores, so that time shows the partitioned program's overhead, not a real speed-up.
 """
 
 from __future__ import annotations
@@ -21,16 +23,37 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def child(scheme: str, seq_len: int, n: int, impl: str) -> dict:
+def child(scheme: str, seq_len: int, n: int, impl: str, steps: int) -> dict:
     sys.path.insert(0, str(ROOT))
+    import time
+
+    import jax
+    import numpy as np
+
     from configs.default import get_config
-    from train import dry_run
+    from train import _mesh_and_batch, dry_run, init_state, make_train_step
     c = get_config(scheme)
     c.model.vocab_size, c.seq_len, c.batch_size = 258, seq_len, 1
     c.mesh.update(data=1, sequence=n)
     if impl:
         c.model.attention_impl = impl
-    return dry_run(c)
+    out = dry_run(c)
+    if steps:  # run the step too: wall time on simulated devices that share this host's cores
+        mesh, batch_sharding = _mesh_and_batch(c)
+        graphdef, rest, tx, _, state = init_state(c, 258, mesh)
+        shardings = jax.tree.map(lambda x: x.sharding, state)
+        step = make_train_step(graphdef, rest, tx, c, shardings, batch_sharding)
+        row = np.arange(seq_len + 1, dtype=np.int32)[None] % 258
+        batch = {k: jax.device_put(v, batch_sharding) for k, v in
+                 {"tokens": row, "segment_ids": np.ones_like(row), "positions": row}.items()}
+        times = []
+        for _ in range(steps + 1):
+            t0 = time.perf_counter()
+            state, metrics = step(state, batch)
+            float(metrics["loss"])
+            times.append(time.perf_counter() - t0)
+        out["step_seconds"] = float(np.median(times[1:]))
+    return out
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -39,30 +62,33 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--devices", default="1,2,4,8")
     p.add_argument("--schemes", default="rope")
     p.add_argument("--impl", default="", help="attention impl (default: the scheme's default config)")
+    p.add_argument("--steps", type=int, default=0, help="also run this many steps and report the median time")
     p.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
-        print(json.dumps(child(args.child[0], int(args.child[1]), int(args.child[2]), args.impl)))
+        print(json.dumps(child(args.child[0], int(args.child[1]), int(args.child[2]), args.impl, args.steps)))
         return []
     rows = []
     for scheme in args.schemes.split(","):
         for n in (int(x) for x in args.devices.split(",")):
             env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={n}"}
-            cmd = [sys.executable, __file__, f"--impl={args.impl}", "--child", scheme, str(args.seq_len),
-                   str(n)]
+            cmd = [sys.executable, __file__, f"--impl={args.impl}", f"--steps={args.steps}",
+                   "--child", scheme, str(args.seq_len), str(n)]
             run = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
             if run.returncode:
                 raise RuntimeError(run.stderr[-2000:])
             rows.append({"scheme": scheme, "devices": n, **json.loads(run.stdout.strip().splitlines()[-1])})
             print(f"# {rows[-1]}", file=sys.stderr, flush=True)
     print(f"\nper-device memory of the train step, {args.seq_len} tokens, one row, mesh sequence=n\n")
-    print("| scheme | devices | arguments MiB | temporaries MiB | total MiB | total x devices / one device |")
-    print("|---|---|---|---|---|---|")
+    print("| scheme | devices | arguments MiB | temporaries MiB | total MiB | total x devices / one device "
+          "| step s |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
         one = next(x for x in rows if x["scheme"] == r["scheme"] and x["devices"] == rows[0]["devices"])
         mib = lambda b: f"{b / 2 ** 20:,.1f}"  # noqa: E731
         print(f"| {r['scheme']} | {r['devices']} | {mib(r['argument_bytes'])} | {mib(r['temp_bytes'])} | "
-              f"{mib(r['total_bytes'])} | {r['total_bytes'] * r['devices'] / one['total_bytes']:.2f} |")
+              f"{mib(r['total_bytes'])} | {r['total_bytes'] * r['devices'] / one['total_bytes']:.2f} | "
+              f"{r.get('step_seconds', float('nan')):.2f} |")
     return rows
 
 
