@@ -59,9 +59,9 @@ def _fake_fit(scheme, q, k, v, features, query):
     """Fake-distance fit of the query at slot `query` against every earlier key, per head."""
     positions = jnp.broadcast_to(jnp.arange(q.shape[1]), q.shape[:2])
     fn = functools.partial(scheme.logits, features=features, positions=positions)
-    w = lp.placed_fake_logits(lambda q, k, v: fn(q, k, v), q, k, v, query, jnp.arange(query + 1))
-    fit = lp.fake_distance_fit(w.reshape(w.shape[0], -1, *w.shape[-2:]))
-    return {"w": w.reshape(w.shape[0], -1, *w.shape[-2:]), **fit}
+    w = lp.placed_fake_logits(fn, q, k, v, query, jnp.arange(query + 1))
+    w = w.reshape(w.shape[0], -1, *w.shape[-2:])  # [B, H, distances, keys]
+    return {"w": w, **lp.fake_distance_fit(w)}
 
 
 def _per_head(x, heads):

@@ -124,7 +124,7 @@ def test_key_slots_need_attention():
 def fake(scheme, query=T - 1):
     s, x = layer0(scheme)
     fn = functools.partial(s.logits, features=x["features"], positions=index)
-    w = logits.placed_fake_logits(lambda q, k, v: fn(q, k, v), x["q"], x["k"], x["v"], query, jnp.arange(T))
+    w = logits.placed_fake_logits(fn, x["q"], x["k"], x["v"], query, jnp.arange(T))
     return s, x, fn, w
 
 
