@@ -53,7 +53,21 @@ def forward(scheme, dtype="float32"):
         tokens = tokens_of(x) if tokens is None else tokens
         return layer(x, tokens=tokens, positions=positions, segment_ids=segment_ids, impl=impl, rng=RNG)
 
-    apply.graphdef = graphdef
+    @jax.jit
+    def decode(params, x, cache, tokens):  # jitted: eager decoding compiles every op on its own
+        return nnx.merge(graphdef, params).decode(x, cache, tokens=tokens, rng=RNG)
+
+    @functools.partial(jax.jit, static_argnames="impl")
+    def value_and_grads(params, x, positions, segment_ids, impl):
+        """d/d(params, x) of sum(sin(out)), with out: one program per impl, forward and backward."""
+        def loss(params, x):
+            out = apply(params, x, positions, segment_ids, impl=impl)
+            return jnp.sum(jnp.sin(out)), out
+        return jax.value_and_grad(loss, (0, 1), has_aux=True)(params, x)
+
+    apply.graphdef, apply.decode, apply.value_and_grads = graphdef, decode, value_and_grads
+    scheme_ = nnx.merge(graphdef, params).scheme
+    apply.impls, apply.relative = scheme_.impls, scheme_.relative
     return params, apply
 
 
@@ -79,10 +93,10 @@ def test_decode_equals_parallel(scheme):
     layer = nnx.merge(apply.graphdef, params)
     cache = layer.scheme.init_cache(2, T + 3, layer.cfg.kv_heads)
     tokens = tokens_of(x)
-    out, cache = layer.decode(x[:, :5], cache, tokens=tokens[:, :5], rng=RNG)  # chunked prefill
+    out, cache = apply.decode(params, x[:, :5], cache, tokens[:, :5])  # chunked prefill
     outs = [out]
     for t in range(5, T):  # then one token at a time
-        out, cache = layer.decode(x[:, t:t + 1], cache, tokens=tokens[:, t:t + 1], rng=RNG)
+        out, cache = apply.decode(params, x[:, t:t + 1], cache, tokens[:, t:t + 1])
         outs.append(out)
     np.testing.assert_allclose(jnp.concatenate(outs, 1), apply(params, x, pos), atol=2e-5, rtol=RTOL)
 
@@ -107,13 +121,7 @@ def test_implementations_agree_values_and_gradients(scheme):
     params, apply = forward(scheme)
     x, pos = example()
     seg = jnp.asarray([[1] * 6 + [2] * 6, [1] * T])
-
-    def loss(params, x, impl):
-        out = apply(params, x, pos, seg, impl=impl)
-        return jnp.sum(jnp.sin(out)), out
-
-    results = {impl: jax.value_and_grad(loss, (0, 1), has_aux=True)(params, x, impl)
-               for impl in make_layer(scheme).scheme.impls}
+    results = {impl: apply.value_and_grads(params, x, pos, seg, impl=impl) for impl in apply.impls}
     (_, ref_out), ref_grads = results.pop("reference")
     for (_, out), grads in results.values():
         np.testing.assert_allclose(out, ref_out, atol=2e-5, rtol=RTOL)
@@ -139,7 +147,7 @@ def test_bf16_is_finite_and_close(scheme):
     # phases reach tens of radians, where bf16 rounding of q (0.4%) moves a cosine by O(1).
     x = 0.25 * x
     ref = np.asarray(apply(params, x, pos))
-    for impl in make_layer(scheme).scheme.impls:
+    for impl in apply.impls:
         out16 = apply16(params16, x.astype(jnp.bfloat16), pos, impl=impl, tokens=tokens_of(x))
         assert out16.dtype == jnp.bfloat16
         assert np.isfinite(np.asarray(out16, np.float32)).all()
@@ -149,7 +157,7 @@ def test_bf16_is_finite_and_close(scheme):
 @pytest.mark.parametrize("scheme", [s for s in SCHEMES])
 def test_shift_invariance_of_relative_schemes(scheme):
     params, apply = forward(scheme)
-    if not make_layer(scheme).scheme.relative:
+    if not apply.relative:
         pytest.skip(f"{scheme} is not a relative scheme")
     x, pos = example()
     np.testing.assert_allclose(apply(params, x, pos + 1000), apply(params, x, pos), atol=5e-4)

@@ -1,5 +1,7 @@
 """The decoder LM: causality, KV-cache decoding exact against the parallel forward, generate."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,11 +24,21 @@ def tokens(t=14, b=2, seed=1):
     return jax.random.randint(jax.random.key(seed), (b, t), 0, V)
 
 
+def jitted(m):
+    """m's forward (tokens, rng=None) and decode (tokens, cache, rng=None), jitted: called
+    eagerly, every op compiles on its own, which takes most of these tests' time."""
+    graphdef, state = nnx.split(m)
+    forward = jax.jit(lambda state, x, rng=None: nnx.merge(graphdef, state)(x, rng=rng))
+    decode = jax.jit(lambda state, x, cache, rng=None: nnx.merge(graphdef, state).decode(x, cache, rng))
+    return functools.partial(forward, state), functools.partial(decode, state)
+
+
 def test_model_is_causal():
     m = model()
+    forward, _ = jitted(m)
     x = tokens()
     y = x.at[:, 9:].set((x[:, 9:] + 1) % V)
-    a, b = m(x), m(y)
+    a, b = forward(x), forward(y)
     np.testing.assert_allclose(a[:, :9], b[:, :9], atol=1e-6)
     assert not np.allclose(a[:, 9:], b[:, 9:])
 
@@ -34,14 +46,15 @@ def test_model_is_causal():
 @pytest.mark.parametrize("scheme", sorted(REGISTRY))
 def test_decode_equals_parallel_forward(scheme):
     m = model(scheme)
+    forward, decode = jitted(m)
     x = tokens()
     rng = jax.random.key(5)  # used by schemes with random features, the same for the whole sequence
-    parallel = m(x, rng=rng)
+    parallel = forward(x, rng=rng)
     cache = m.init_cache(2, 20)
-    logits, cache = m.decode(x[:, :6], cache, rng)  # prefill
+    logits, cache = decode(x[:, :6], cache, rng)  # prefill
     steps = [logits]
     for t in range(6, x.shape[1]):
-        logits, cache = m.decode(x[:, t:t + 1], cache, rng)
+        logits, cache = decode(x[:, t:t + 1], cache, rng)
         steps.append(logits)
     np.testing.assert_allclose(jnp.concatenate(steps, 1), parallel, atol=5e-5)
     assert int(cache[0]["index"]) == x.shape[1]
@@ -50,13 +63,14 @@ def test_decode_equals_parallel_forward(scheme):
 @pytest.mark.parametrize("tie", [True, False])
 def test_greedy_generate_is_argmax_of_the_parallel_forward(tie):
     m = model(tie_embeddings=tie)
+    forward, _ = jitted(m)
     prompt = tokens(t=5)
     out = generate(m, prompt, 6)
     assert out.shape == (2, 11)
     np.testing.assert_array_equal(out[:, :5], prompt)
     seq = prompt
     for _ in range(6):  # the slow way: rerun the whole prefix, take the argmax
-        seq = jnp.concatenate([seq, jnp.argmax(m(seq)[:, -1], -1)[:, None].astype(seq.dtype)], 1)
+        seq = jnp.concatenate([seq, jnp.argmax(forward(seq)[:, -1], -1)[:, None].astype(seq.dtype)], 1)
     np.testing.assert_array_equal(out, seq)
 
 
