@@ -91,16 +91,21 @@ def init_state(config, vocab_size, mesh):
     return graphdef, rest, tx, schedule, state
 
 
-def make_train_step(graphdef, rest, tx, config, state_shardings, batch_sharding):
-    impl = config.model.attention_impl
-
+def make_loss(graphdef, rest, config):
+    """The training loss (params, batch, rng) -> mean next-token NLL over the scored tokens."""
     def loss_fn(params, batch, rng):
         model = nnx.merge(graphdef, params, rest)
         nll, w = token_nll(model, batch["tokens"], segment_ids=batch["segment_ids"],
-                           positions=batch["positions"], impl=impl, rng=rng)
+                           positions=batch["positions"], impl=config.model.attention_impl, rng=rng)
         if "loss_mask" in batch:  # a synthetic task: only its answers are scored
             w = w * batch["loss_mask"][:, 1:]
         return jnp.sum(nll * w) / jnp.maximum(jnp.sum(w), 1.0)
+
+    return loss_fn
+
+
+def make_train_step(graphdef, rest, tx, config, state_shardings, batch_sharding):
+    loss_fn = make_loss(graphdef, rest, config)
 
     def step(state, batch):
         # Random position features get a fresh draw every step, reproducible from the seed.

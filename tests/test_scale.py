@@ -72,11 +72,12 @@ def sharded_step(schemes, meshes, devices):
 
 
 def check_sharded(result):
-    # Parameters after Adam's first non-zero step (lr 1.5e-3): entries with near-zero gradients
-    # move by lr * m / sqrt(v), which rounding in another summation order shifts by up to ~1e-5.
+    # Parameters after Adam's first non-zero step (lr 1.5e-3) only to within the learning rate:
+    # Adam divides by |g|, so a near-zero gradient entry that rounds differently in another
+    # summation order can move by up to ~lr (seen: ESPR's zero-initialised skew parameters).
     for scheme, by_mesh in result.items():
         for mesh, d in by_mesh.items():
-            assert d["loss_and_grad_norm"] < 1e-4 and d["params"] < 1e-4, (scheme, mesh, d)
+            assert d["loss"] < 1e-5 and d["grads"] < 1e-4 and d["params"] < 1.5e-3, (scheme, mesh, d)
 
 
 def test_sequence_and_tensor_parallel_steps_equal_one_device():
