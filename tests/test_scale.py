@@ -60,7 +60,7 @@ def test_dry_run_on_8_devices_shards_the_state(tmp_path):
     run = cli("train.py", "--config", "configs/default.py", "--config.dry_run=True", "--config.mesh.data=2",
               "--config.mesh.fsdp=4", *flags, env=env)
     assert run.returncode == 0, run.stderr[-2000:]
-    assert "8 devices, mesh {'data': 2, 'fsdp': 4}" in run.stdout and "total" in run.stdout
+    assert "8 devices, mesh {'data': 2, 'fsdp': 4, 'sequence': 1, 'tensor': 1}" in run.stdout and "total" in run.stdout
     assert not (tmp_path / "run").exists()
 
 
@@ -81,10 +81,11 @@ def check_sharded(result):
 
 
 def test_sequence_and_tensor_parallel_steps_equal_one_device():
-    """Two train steps of packed rows (two documents each) on data x sequence and on all four
-    axes equal the one-device steps: the partitioner keeps every cross-shard carry."""
-    meshes = [{"data": 2, "sequence": 4}, {"data": 2, "fsdp": 2, "tensor": 2, "sequence": 2}]
-    check_sharded(sharded_step(["rope", "path_fox"], meshes, 16))
+    """Gradients and train steps of packed rows (two documents each) on all four axes at once
+    equal the one-device ones: the partitioner keeps every cross-shard carry (PaTH's transport,
+    FoX's gate sums). Every scheme on three meshes: the slow test below."""
+    all_four = {"data": 2, "fsdp": 2, "tensor": 2, "sequence": 2}
+    check_sharded(sharded_step(["rope", "path_fox"], [all_four], 16))
 
 
 @pytest.mark.slow
