@@ -12,6 +12,14 @@ from positional.attention import attention, reference_attention
 from positional.fox import forget_bias
 
 
+# Jitted: called eagerly, every op compiles on its own, which took most of this file's time.
+# (test_bad_input_names_the_problem calls the library eagerly: its checks need concrete values.)
+chunked_attention = jax.jit(hh.chunked_attention, static_argnames=("bias_fn", "chunk", "group", "scale"))
+route_products = jax.jit(hh.route_products)
+dense_reference = jax.jit(lambda q, k, v, w, beta: reference_attention(  # 8-dim heads
+    q, k, v, score_fn=hh.dense_score_fn(w, beta, 8 ** -0.5)))
+
+
 def inputs(key=0, b=2, t=11, h=4, kh=2, d=8, beta_range=(0.0, 2.0), dtype=jnp.float32):
     ks = jax.random.split(jax.random.key(key), 5)
     q = jax.random.normal(ks[0], (b, t, h, d))
@@ -49,11 +57,11 @@ def product_attention(q, k, v, w, beta):
 def test_dense_ut_and_route_products_match_explicit_products():
     q, k, v, w, beta = inputs()
     qh, kh_, wh, bh = hh._heads_first(q, k, w, beta)
-    s = np.asarray(hh.path_scores(qh, kh_, wh, bh)).reshape(2, 4, 11, 11) / np.sqrt(8)
+    s = np.asarray(jax.jit(hh.path_scores)(qh, kh_, wh, bh)).reshape(2, 4, 11, 11) / np.sqrt(8)
     expected = product_scores(q, k, w, beta)
     tril = np.tril(np.ones((11, 11), bool))
     np.testing.assert_allclose(s[..., tril], expected[..., tril], atol=2e-5)
-    p = hh.route_products(w[0, :, 1], beta[0, :, 1])  # [T, T, D, D]
+    p = route_products(w[0, :, 1], beta[0, :, 1])  # [T, T, D, D]
     np.testing.assert_allclose(np.einsum("d,ijde,je->ij", q[0, 7, 2], p, k[0, :, 1])[7, :8] / np.sqrt(8),
                                expected[0, 2, 7, :8], atol=2e-5)
 
@@ -104,13 +112,13 @@ def test_chunked_equals_reference_values_and_gradients(t, chunk, group, segments
 
 def test_reference_equals_explicit_products_end_to_end():
     q, k, v, w, beta = inputs(t=9)
-    out = reference_attention(q, k, v, score_fn=hh.dense_score_fn(w, beta, 8 ** -0.5))
+    out = dense_reference(q, k, v, w, beta)
     np.testing.assert_allclose(out, product_attention(q, k, v, w, beta), atol=1e-5)
 
 
 def test_bf16_inputs_fp32_transport_values_and_gradients():
     q, k, v, w, beta = inputs(t=20, dtype=jnp.bfloat16)
-    out = hh.chunked_attention(q, k, v, w, beta, chunk=8)
+    out = chunked_attention(q, k, v, w, beta, chunk=8)
     assert out.dtype == jnp.bfloat16
     exact = product_attention(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), w, beta)
     np.testing.assert_allclose(np.asarray(out, np.float32), exact, atol=3e-2)
@@ -132,9 +140,9 @@ def test_bf16_inputs_fp32_transport_values_and_gradients():
 def test_beta_zero_is_nope():
     q, k, v, w, _ = inputs(t=10)
     zero = jnp.zeros((2, 10, 2))
-    for out in (jax.jit(hh.chunked_attention, static_argnames="chunk")(q, k, v, w, zero, chunk=4),
-                reference_attention(q, k, v, score_fn=hh.dense_score_fn(w, zero, 8 ** -0.5))):
-        np.testing.assert_allclose(out, attention(q, k, v), atol=1e-5)
+    for out in (chunked_attention(q, k, v, w, zero, chunk=4),
+                dense_reference(q, k, v, w, zero)):
+        np.testing.assert_allclose(out, jax.jit(attention)(q, k, v), atol=1e-5)
 
 
 @pytest.mark.parametrize("d,n", [(4, 3), (8, 5)])
@@ -155,10 +163,10 @@ def test_mean_route_with_uniform_directions_and_beta_two(d, n):
 def test_routes_are_orthogonal_when_beta_is_two():
     _, k, _, w, _ = inputs(t=12)
     two = jnp.full((2, 12, 2), 2.0)
-    p = hh.route_products(w[0, :, 0], two[0, :, 0])
+    p = route_products(w[0, :, 0], two[0, :, 0])
     np.testing.assert_allclose(jnp.einsum("ijde,ijfe->ijdf", p, p)[np.tril_indices(12)],
                                np.broadcast_to(np.eye(8), (78, 8, 8)), atol=1e-5)
-    ops = hh.chunk_products(w, two, 5)
+    ops = jax.jit(hh.chunk_products, static_argnames="chunk")(w, two, chunk=5)
     np.testing.assert_allclose(jnp.einsum("bnkde,bnkfe->bnkdf", ops, ops),
                                np.broadcast_to(np.eye(8), ops.shape), atol=1e-5)
 
@@ -166,15 +174,15 @@ def test_routes_are_orthogonal_when_beta_is_two():
 @pytest.mark.parametrize("chunk", [3, 5, 64])
 def test_transport_to_end_is_the_last_route(chunk):
     _, k, _, w, beta = inputs(t=13)
-    out = hh.transport_to_end(k, w, beta, chunk)
-    p = hh.route_products(w[1, :, 0], beta[1, :, 0])
+    out = jax.jit(hh.transport_to_end, static_argnames="chunk")(k, w, beta, chunk=chunk)
+    p = route_products(w[1, :, 0], beta[1, :, 0])
     np.testing.assert_allclose(out[1, :, 0], jnp.einsum("jde,je->jd", p[-1], k[1, :, 0]), atol=1e-5)
 
 
 @pytest.mark.parametrize("d", [16, 48, 100, 256])
 def test_any_head_dimension(d):
     q, k, v, w, beta = inputs(t=10, h=2, kh=1, d=d)
-    out = hh.chunked_attention(q, k, v, w, beta, chunk=4)
+    out = chunked_attention(q, k, v, w, beta, chunk=4)
     np.testing.assert_allclose(out, product_attention(q, k, v, w, beta), atol=2e-5)
 
 
