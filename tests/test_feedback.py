@@ -16,10 +16,14 @@ from positional import feedback as fb
 from positional.kernels.feedback_solve import check_blocks, feedback_solve_pallas
 
 
+# Jitted: called eagerly, every op compiles on its own. (The bad-input test calls the library.)
+solve_reference = jax.jit(fb.solve_reference)
+
+
 def _uniform_routing(t, gamma, f):
     """qb = kb = 0 gives alpha[t, j] = 1/t over the strict past; constant gamma."""
     zeros = jnp.zeros((1, t, 4))
-    return fb.solve_reference(zeros, zeros, jnp.full((1, t), gamma), f)
+    return solve_reference(zeros, zeros, jnp.full((1, t), gamma), f)
 
 
 @pytest.mark.parametrize("gamma, values, slope", [
@@ -75,7 +79,7 @@ def test_stability_bound(rho, sharp):
     """max_t ||s_t|| <= max_t ||f_t|| / (1 - rho) when |gamma_t| <= rho (Lemma 4.2)."""
     qb, kb, gamma, f = _random_inputs(jax.random.key(1), 2, 200, 8, 6, rho=rho, sharp=sharp)
     f = jnp.abs(f)  # same-sign inputs push s towards the bound
-    s = fb.solve_reference(qb, kb, gamma, f)
+    s = solve_reference(qb, kb, gamma, f)
     assert float(jnp.max(jnp.abs(gamma))) <= rho * (1 + 1e-6)  # rho itself rounded to fp32
     bound = jnp.max(jnp.linalg.norm(f, axis=-1), axis=1) / (1 - rho)
     assert bool(jnp.all(jnp.max(jnp.linalg.norm(s, axis=-1), axis=1) <= bound * (1 + 1e-5)))
@@ -84,22 +88,22 @@ def test_stability_bound(rho, sharp):
 def test_neumann_series_equals_the_solve():
     """B is nilpotent (strictly lower), so (I - B)^{-1} = sum_{k<T} B^k exactly."""
     qb, kb, gamma, f = _random_inputs(jax.random.key(2), 2, 24, 8, 3)
-    b = np.asarray(fb.feedback_matrix(qb, kb, gamma), np.float64)
+    b = np.asarray(jax.jit(fb.feedback_matrix)(qb, kb, gamma), np.float64)
     term, total = np.asarray(f, np.float64), np.zeros(f.shape)
     for _ in range(24):
         total, term = total + term, b @ term
     assert np.abs(term).max() == 0.0  # B^T = 0
-    np.testing.assert_allclose(fb.solve_reference(qb, kb, gamma, f), total, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(solve_reference(qb, kb, gamma, f), total, rtol=1e-5, atol=1e-5)
 
 
 def test_row_zero_and_the_recurrence():
     """s_0 = f_0 and s_t = f_t + gamma_t sum_{j<t} alpha[t, j] s_j, with alpha a softmax over j < t."""
     qb, kb, gamma, f = _random_inputs(jax.random.key(3), 1, 12, 8, 3)
-    alpha = np.asarray(fb.feedback_weights(qb, kb))[0]
+    alpha = np.asarray(jax.jit(fb.feedback_weights)(qb, kb))[0]
     np.testing.assert_array_equal(alpha[0], 0.0)
     np.testing.assert_allclose(alpha[1:].sum(-1), 1.0, rtol=1e-6)
     assert np.all(np.triu(alpha) == 0.0)
-    s, g, ff = (np.asarray(x)[0] for x in (fb.solve_reference(qb, kb, gamma, f), gamma, f))
+    s, g, ff = (np.asarray(x)[0] for x in (solve_reference(qb, kb, gamma, f), gamma, f))
     expected = [ff[0]]
     for t in range(1, 12):
         expected.append(ff[t] + g[t] * alpha[t, :t] @ np.stack(expected))
@@ -123,7 +127,7 @@ def test_implementations_agree_values_and_gradients(impl, t, block, d, dtype):
     value_and_grad = lambda fn: jax.jit(jax.value_and_grad(loss(fn), (0, 1, 2, 3)))  # noqa: E731
     s_fast = jax.jit(fast)(qb, kb, gamma, f)
     assert s_fast.dtype == jnp.float32 and s_fast.shape == (2, t, d)
-    np.testing.assert_allclose(s_fast, fb.solve_reference(qb, kb, gamma, f), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(s_fast, solve_reference(qb, kb, gamma, f), rtol=1e-5, atol=1e-5)
     _, g_ref = value_and_grad(fb.solve_reference)(qb, kb, gamma, f)
     _, g_fast = value_and_grad(fast)(qb, kb, gamma, f)
     for a, b in zip(g_ref, g_fast):
@@ -135,7 +139,7 @@ def test_implementations_agree_values_and_gradients(impl, t, block, d, dtype):
 def test_blocked_jits_and_vmaps():
     qb, kb, gamma, f = _random_inputs(jax.random.key(6), 3, 20, 4, 2)
     fast = jax.jit(jax.vmap(lambda *a: fb.solve_blocked(*(x[None] for x in a), block_size=8)[0]))
-    np.testing.assert_allclose(fast(qb, kb, gamma, f), fb.solve_reference(qb, kb, gamma, f), atol=1e-5)
+    np.testing.assert_allclose(fast(qb, kb, gamma, f), solve_reference(qb, kb, gamma, f), atol=1e-5)
 
 
 def test_decode_solve_extends_a_prefix_exactly():
@@ -149,7 +153,7 @@ def test_decode_solve_extends_a_prefix_exactly():
                                                    gamma[:, sl], f[:, sl])
         pieces.append(s_new)
         index += n
-    np.testing.assert_allclose(jnp.concatenate(pieces, 1), fb.solve_reference(qb, kb, gamma, f), atol=1e-5)
+    np.testing.assert_allclose(jnp.concatenate(pieces, 1), solve_reference(qb, kb, gamma, f), atol=1e-5)
 
 
 def test_bad_input_is_a_clear_error():
