@@ -37,6 +37,10 @@ def inputs(key, b=2, t=11, h=4, kh=2, d=8, s=None, dtype=jnp.float32):
             jax.random.normal(kv, (b, s, kh, d), dtype))
 
 
+# Jitted: called eagerly, every op compiles on its own. (test_bad_inputs calls the library.)
+reference = jax.jit(reference_attention, static_argnames=("bias_fn", "q_offset"))
+
+
 SEGMENTS = np.array([[1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3], [1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 0]])
 
 
@@ -52,7 +56,7 @@ def test_reference_matches_loops(with_bias, with_segments):
     q, k, v = inputs(jax.random.key(0))
     seg = jnp.asarray(SEGMENTS) if with_segments else None
     bias_fn = random_bias if with_bias else None
-    got = reference_attention(q, k, v, bias_fn=bias_fn, segment_ids=seg)
+    got = reference(q, k, v, bias_fn=bias_fn, segment_ids=seg)
     bias = np.asarray(random_bias(jnp.arange(11), jnp.arange(11))) if with_bias else None
     np.testing.assert_allclose(got, naive(q, k, v, bias, SEGMENTS if with_segments else None),
                                atol=1e-5)
@@ -62,7 +66,7 @@ def test_reference_with_offset_matches_loops():
     """Decoding: 3 queries at indices 5..7 against a cache of 9 keys (the last one unwritten)."""
     q, _, _ = inputs(jax.random.key(1), t=3)
     _, k, v = inputs(jax.random.key(2), t=9)
-    got = reference_attention(q, k, v, q_offset=5)
+    got = reference(q, k, v, q_offset=5)
     np.testing.assert_allclose(got, naive(q, k, v, q_offset=5), atol=1e-5)
 
 
@@ -92,13 +96,13 @@ def test_blockwise_with_offset():
     q, _, _ = inputs(jax.random.key(3), t=5)
     _, k, v = inputs(jax.random.key(4), t=20)
     blk = jax.jit(functools.partial(blockwise_attention, q_offset=12, block_size=4))
-    np.testing.assert_allclose(blk(q, k, v), reference_attention(q, k, v, q_offset=12), atol=2e-5)
+    np.testing.assert_allclose(blk(q, k, v), reference(q, k, v, q_offset=12), atol=2e-5)
 
 
 def test_bf16_inputs_accumulate_in_fp32():
     q, k, v = inputs(jax.random.key(5), t=64, dtype=jnp.bfloat16)
     for impl in ("reference", "blockwise"):
-        out = attention(q, k, v, impl=impl, block_size=16)
+        out = jax.jit(attention, static_argnames=("impl", "block_size"))(q, k, v, impl=impl, block_size=16)
         assert out.dtype == jnp.bfloat16
         exact = naive(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32))
         np.testing.assert_allclose(np.asarray(out, np.float32), exact, atol=2e-2)
