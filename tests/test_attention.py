@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from draws import normal
 from positional.attention import attention, blockwise_attention, reference_attention
 
 
@@ -33,8 +34,8 @@ def naive(q, k, v, bias=None, segment_ids=None, q_offset=0):
 def inputs(key, b=2, t=11, h=4, kh=2, d=8, s=None, dtype=jnp.float32):
     kq, kk, kv = jax.random.split(key, 3)
     s = s or t
-    return (jax.random.normal(kq, (b, t, h, d), dtype), jax.random.normal(kk, (b, s, kh, d), dtype),
-            jax.random.normal(kv, (b, s, kh, d), dtype))
+    return (normal(kq, (b, t, h, d), dtype), normal(kk, (b, s, kh, d), dtype),
+            normal(kv, (b, s, kh, d), dtype))
 
 
 # Jitted: called eagerly, every op compiles on its own. (test_bad_inputs calls the library.)
@@ -118,3 +119,13 @@ def test_bad_inputs():
         reference_attention(q[..., :4], k, v)
     with pytest.raises(ValueError, match="segment_ids"):
         reference_attention(q, k, v, segment_ids=jnp.zeros((2, 5), jnp.int32))
+
+
+def test_flat_draws_equal_shaped_draws():
+    """The test inputs of tests/draws.py (drawn flat, then reshaped) are jax.random's own draws."""
+    import draws
+    key = jax.random.key(0)
+    np.testing.assert_array_equal(draws.normal(key, (2, 3, 4), jnp.bfloat16),
+                                  jax.random.normal(key, (2, 3, 4), jnp.bfloat16))
+    np.testing.assert_array_equal(draws.uniform(key, (3, 2, 2), minval=-1.0, maxval=2.0),
+                                  jax.random.uniform(key, (3, 2, 2), minval=-1.0, maxval=2.0))

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from draws import normal
 from models.lm import Attention, ModelConfig
 from models.registry import REGISTRY
 
@@ -72,7 +73,7 @@ def forward(scheme, dtype="float32"):
 
 
 def example(key=0, b=2, t=T, dtype=jnp.float32):
-    x = jax.random.normal(jax.random.key(key), (b, t, 32), dtype)
+    x = normal(jax.random.key(key), (b, t, 32), dtype)
     return x, jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
 
 
@@ -80,7 +81,7 @@ def example(key=0, b=2, t=T, dtype=jnp.float32):
 def test_causal(scheme):
     params, apply = forward(scheme)
     x, pos = example()
-    changed = x.at[:, 7:].set(jax.random.normal(jax.random.key(9), x[:, 7:].shape))
+    changed = x.at[:, 7:].set(normal(jax.random.key(9), x[:, 7:].shape))
     a, b = apply(params, x, pos), apply(params, changed, pos)
     np.testing.assert_allclose(a[:, :7], b[:, :7], atol=1e-6)
     assert not np.allclose(a[:, 7:], b[:, 7:])

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from draws import normal
 from positional import feedback as fb
 from positional.kernels.feedback_solve import check_blocks, feedback_solve_pallas
 
@@ -67,10 +68,10 @@ def test_positional_code_sequence(gamma, values):
 
 def _random_inputs(key, b, t, dk, d, rho=0.9, dtype=jnp.float32, sharp=1.0):
     k = jax.random.split(key, 4)
-    qb = sharp * jax.random.normal(k[0], (b, t, dk))
-    kb = jax.random.normal(k[1], (b, t, dk))
-    gamma = fb.gain(3 * jax.random.normal(k[2], (b, t)), rho)
-    f = jax.random.normal(k[3], (b, t, d))
+    qb = sharp * normal(k[0], (b, t, dk))
+    kb = normal(k[1], (b, t, dk))
+    gamma = fb.gain(3 * normal(k[2], (b, t)), rho)
+    f = normal(k[3], (b, t, d))
     return qb.astype(dtype), kb.astype(dtype), gamma, f.astype(dtype)
 
 
@@ -118,7 +119,7 @@ IMPLS = {"blocked": fb.solve_blocked, "pallas": functools.partial(feedback_solve
     ("pallas", 19, 8, 20, jnp.float32), ("pallas", 13, 8, 6, jnp.bfloat16)])
 def test_implementations_agree_values_and_gradients(impl, t, block, d, dtype):
     qb, kb, gamma, f = _random_inputs(jax.random.key(4), 2, t, 8, d, dtype=dtype)
-    w = jax.random.normal(jax.random.key(5), (2, t, d))
+    w = normal(jax.random.key(5), (2, t, d))
     fast = functools.partial(IMPLS[impl], block=block) if impl == "pallas" else \
         functools.partial(IMPLS[impl], block_size=block)
     if impl == "pallas" and d == 20:  # two feature tiles on the grid

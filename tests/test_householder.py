@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from draws import normal, uniform
 from positional import householder as hh
 from positional.alibi import alibi_slopes
 from positional.attention import attention, reference_attention
@@ -22,10 +23,10 @@ dense_reference = jax.jit(lambda q, k, v, w, beta: reference_attention(  # 8-dim
 
 def inputs(key=0, b=2, t=11, h=4, kh=2, d=8, beta_range=(0.0, 2.0), dtype=jnp.float32):
     ks = jax.random.split(jax.random.key(key), 5)
-    q = jax.random.normal(ks[0], (b, t, h, d))
-    k, v, w = (jax.random.normal(kk, (b, t, kh, d)) for kk in ks[1:4])
+    q = normal(ks[0], (b, t, h, d))
+    k, v, w = (normal(kk, (b, t, kh, d)) for kk in ks[1:4])
     w = w / jnp.linalg.norm(w, axis=-1, keepdims=True)
-    beta = jax.random.uniform(ks[4], (b, t, kh), minval=beta_range[0], maxval=beta_range[1])
+    beta = uniform(ks[4], (b, t, kh), minval=beta_range[0], maxval=beta_range[1])
     return q.astype(dtype), k.astype(dtype), v.astype(dtype), w, beta
 
 
@@ -86,7 +87,7 @@ def test_route_convention_query_step_counts_key_step_does_not():
 def test_chunked_equals_reference_values_and_gradients(t, chunk, group, segments):
     q, k, v, w, beta = inputs(t=t)
     seg = jnp.asarray([[1] * 5 + [2] * (t - 5), [3] * t]) if segments else None
-    bias = forget_bias(jax.random.uniform(jax.random.key(3), (2, t, 4), minval=-1.0, maxval=0.0))
+    bias = forget_bias(uniform(jax.random.key(3), (2, t, 4), minval=-1.0, maxval=0.0))
 
     def loss(fn, q, k, v, w, beta):
         out = fn(q, k, v, w, beta)
@@ -149,7 +150,7 @@ def test_beta_zero_is_nope():
 def test_mean_route_with_uniform_directions_and_beta_two(d, n):
     """w uniform on the sphere, beta = 2: E[P_n] = (1 - 2/d)^n I (Monte Carlo)."""
     samples = 20000
-    w = jax.random.normal(jax.random.key(d), (samples, n, d))
+    w = normal(jax.random.key(d), (samples, n, d))
     w = w / jnp.linalg.norm(w, axis=-1, keepdims=True)
     h = hh.householder_matrices(w, jnp.full((samples, n), 2.0))
     p = h[:, 0]

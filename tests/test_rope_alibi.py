@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from draws import normal
 from models.registry import make_scheme
 from positional.alibi import alibi_slopes
 from positional.attention import reference_attention
@@ -31,7 +32,7 @@ def test_interleaved_layout_is_complex_multiplication():
 
 
 def test_half_layout_is_interleaved_up_to_a_permutation():
-    x = jax.random.normal(jax.random.key(0), (1, 6, 2, 8))
+    x = normal(jax.random.key(0), (1, 6, 2, 8))
     angles = rope_angles(jnp.arange(6)[None], rope_frequencies(8))
     perm = np.array([0, 4, 1, 5, 2, 6, 3, 7])  # half -> interleaved order of the dimensions
     half = rotate(x, angles, "half")
@@ -42,7 +43,7 @@ def test_half_layout_is_interleaved_up_to_a_permutation():
 @pytest.mark.parametrize("layout", ["half", "interleaved"])
 @pytest.mark.parametrize("scaling", ["none", "pi", "ntk", "yarn"])
 def test_scores_depend_on_relative_position_only(layout, scaling):
-    q, k = jax.random.normal(jax.random.key(1), (2, 1, 1, 1, 16))
+    q, k = normal(jax.random.key(1), (2, 1, 1, 1, 16))
     theta = rope_frequencies(16, scaling=scaling, factor=4.0)
 
     def score(m, n):
@@ -83,7 +84,7 @@ def test_ntk_keeps_highest_and_divides_lowest_frequency_by_the_factor():
 def test_yarn_scales_logits_by_the_temperature():
     scheme = make_scheme("rope", num_heads=1, head_dim=8, scaling="yarn", factor=4.0)
     plain = make_scheme("rope", num_heads=1, head_dim=8, base=10000.0)
-    q, k, v = jax.random.normal(jax.random.key(2), (3, 1, 1, 1, 8))
+    q, k, v = normal(jax.random.key(2), (3, 1, 1, 1, 8))
     pos = jnp.zeros((1, 1), jnp.int32)  # angle 0: only the temperature differs
     qy, ky, _ = scheme.transform(q, k, v, None, pos)
     qp, kp, _ = plain.transform(q, k, v, None, pos)
@@ -94,7 +95,7 @@ def test_rope_qkv_transports_values_by_the_relative_rotation():
     """out_i = sum_j a_ij R((i - j) theta) v_j with a_ij the RoPE attention weights."""
     scheme = make_scheme("rope_qkv", num_heads=2, head_dim=8)
     plain = make_scheme("rope", num_heads=2, head_dim=8)
-    q, k, v = jax.random.normal(jax.random.key(3), (3, 1, 6, 2, 8))
+    q, k, v = normal(jax.random.key(3), (3, 1, 6, 2, 8))
     pos = jnp.arange(6)[None]
     got = scheme.attend(q, k, v, positions=pos)
     qr, kr, _ = plain.transform(q, k, v, None, pos)
@@ -120,7 +121,7 @@ def test_alibi_slopes_by_hand():
 
 def test_alibi_bias_is_minus_slope_times_distance():
     scheme = make_scheme("alibi", num_heads=4, head_dim=8)
-    q, k, v = jax.random.normal(jax.random.key(4), (3, 1, 5, 4, 8))
+    q, k, v = normal(jax.random.key(4), (3, 1, 5, 4, 8))
     dist = np.arange(5)[:, None] - np.arange(5)[None, :]
     bias = -alibi_slopes(4)[:, None, None] * dist[None]
     got = scheme.attend(q, k, v, positions=jnp.arange(5)[None])

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from draws import normal
 from models import sessa
 from models.lm import DecoderLM, ModelConfig
 
@@ -25,10 +26,10 @@ def _forward(model):
 
 def test_ssd_chunked_matches_the_sequential_scan():
     k = jax.random.split(jax.random.key(0), 5)
-    x = jax.random.normal(k[0], (2, 37, 3, 4))
-    log_a = -jax.nn.softplus(jax.random.normal(k[1], (2, 37, 3)))
-    b, c = jax.random.normal(k[2], (2, 37, 5)), jax.random.normal(k[3], (2, 37, 5))
-    h0 = jax.random.normal(k[4], (2, 3, 4, 5))
+    x = normal(k[0], (2, 37, 3, 4))
+    log_a = -jax.nn.softplus(normal(k[1], (2, 37, 3)))
+    b, c = normal(k[2], (2, 37, 5)), normal(k[3], (2, 37, 5))
+    h0 = normal(k[4], (2, 3, 4, 5))
     y_seq, h_seq = jax.jit(sessa.ssd_sequential)(x, log_a, b, c, h0)
     y_chunk, h_chunk = jax.jit(sessa.ssd_chunked, static_argnames="chunk")(x, log_a, b, c, h0, chunk=8)
     np.testing.assert_allclose(y_chunk, y_seq, rtol=1e-5, atol=1e-5)
@@ -81,7 +82,7 @@ def _uniform_block(mixer, gamma):
 
 def _jacobian_tail_slope(block, t=96):
     """Log-log slope of ||dy_t / dx_0|| over lags 16..t-1 (x_0 is the source)."""
-    x = jax.random.normal(jax.random.key(4), (1, t, 8))
+    x = normal(jax.random.key(4), (1, t, 8))
     positions = jnp.arange(t)[None]
 
     def y_of_x0(x0):

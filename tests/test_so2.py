@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from draws import normal, uniform
 from models.registry import make_scheme
 from positional import so2
 from positional.rope import rope_frequencies
@@ -33,7 +34,7 @@ def angle_error(a, b):
 
 
 def test_accumulate_is_the_exclusive_segment_reset_prefix():
-    psi = jax.random.uniform(jax.random.key(0), (2, 9, 3), minval=-2, maxval=2)
+    psi = uniform(jax.random.key(0), (2, 9, 3), minval=-2, maxval=2)
     seg = np.array([[1, 1, 1, 2, 2, 3, 3, 3, 3], [1, 1, 1, 1, 1, 1, 1, 1, 1]])
     theta = so2.accumulate(psi, jnp.asarray(seg))
     assert angle_error(theta, reference_theta(psi, seg)) < 1e-6
@@ -84,7 +85,7 @@ def test_random_steps_are_bounded_fresh_per_key_and_fixed_per_index():
 @pytest.mark.parametrize("qkv", [False, True])
 def test_position_only_steps_reproduce_rope_exactly(layout, qkv):
     h, d, t = 2, 16, 20
-    q, k, v = jax.random.normal(jax.random.key(2), (3, 2, t, h, d))
+    q, k, v = normal(jax.random.key(2), (3, 2, t, h, d))
     pos = jnp.broadcast_to(jnp.arange(t), (2, t))
     rope = make_scheme("rope_qkv" if qkv else "rope", num_heads=h, head_dim=d, layout=layout)
     scheme = so2.SO2(num_heads=h, head_dim=d, rotate_values=qkv, layout=layout)
@@ -97,8 +98,8 @@ def test_position_only_steps_reproduce_rope_exactly(layout, qkv):
 def test_qkv_output_is_the_transported_value_sum():
     """out_i = sum_j a_ij R(Theta_j - Theta_i) v_j with a_ij from the rotated q, k."""
     h, d, t = 1, 4, 6
-    q, k, v = jax.random.normal(jax.random.key(3), (3, 1, t, h, d))
-    psi = jax.random.uniform(jax.random.key(4), (1, t, d // 2), minval=-1, maxval=1)
+    q, k, v = normal(jax.random.key(3), (3, 1, t, h, d))
+    psi = uniform(jax.random.key(4), (1, t, d // 2), minval=-1, maxval=1)
     theta = so2.accumulate(psi)
     scheme = so2.SO2(num_heads=h, head_dim=d, rotate_values=True, layout="interleaved")
     got = scheme.attend(q, k, v, {"psi": psi, "theta": theta}, positions=jnp.arange(t)[None])
@@ -122,9 +123,9 @@ def test_qkv_output_is_the_transported_value_sum():
 
 def test_composition_with_alibi_adds_its_bias():
     h, d, t = 4, 8, 10
-    q, k, v = jax.random.normal(jax.random.key(5), (3, 1, t, h, d))
+    q, k, v = normal(jax.random.key(5), (3, 1, t, h, d))
     pos = jnp.arange(t)[None]
-    psi = jax.random.uniform(jax.random.key(6), (1, t, d // 2))
+    psi = uniform(jax.random.key(6), (1, t, d // 2))
     feats = {"psi": psi, "theta": so2.accumulate(psi)}
     both = make_scheme("so2_learned_qkv+alibi", num_heads=h, head_dim=d)
     alone = make_scheme("so2_learned_qkv", num_heads=h, head_dim=d)

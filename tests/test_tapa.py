@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from draws import normal
 from models.registry import make_scheme
 from positional.attention import reference_attention
 from positional.kernels.tapa_attention import check_blocks, tapa_attention
@@ -61,7 +62,7 @@ def test_rope_expected_score_curve_and_monte_carlo():
     c_d = [np.cos(lam * freqs).sum() / d for lam in lams]
     np.testing.assert_allclose(c_d, [.5, .489, .4619, .4329, .3821, .3055, .2461, .1327, .1049, .0226],
                                atol=6e-4)
-    q = jax.random.normal(jax.random.key(0), (20000, 1, 1, d))
+    q = normal(jax.random.key(0), (20000, 1, 1, d))
     for lam, want in [(0, 11.314), (10, 8.646), (100, 6.913), (1000, 5.569), (10000, 2.116)]:
         angles = jnp.asarray(freqs, jnp.float32).reshape(1, 1, 1, -1)  # [B, T, 1, D/2]
         qr, kr = rotate(q, (lam + 7) * angles), rotate(q, 7 * angles)
@@ -96,8 +97,8 @@ def test_tapa_expected_logit_closed_form_and_monte_carlo(d):
         assert abs(tapa_expected_logit(c, 0, d) - 7.2) < 1e-9
         assert all(abs(tapa_expected_logit(c, r, d)) < 1e-7 for r in (1, 2, 10, 1000))
     kq, kn = jax.random.split(jax.random.key(d))
-    q = jax.random.normal(kq, (n, d))
-    k = c * q + math.sqrt(1 - c * c) * jax.random.normal(kn, (n, d))
+    q = normal(kq, (n, d))
+    k = c * q + math.sqrt(1 - c * c) * normal(kn, (n, d))
     for r in (0, 1, 3, 50):
         logit = pair_logits(q, k, r)
         want = tapa_expected_logit(c, r, d)
@@ -108,7 +109,7 @@ def test_tapa_variance_values():
     """Notes: c = 0, D = 128: Var = 1.0 at r = 0 and 0.50 for r >= 1 (Thm 3.3: >= sigma^2 / 2)."""
     n, d = 40000, 128
     kq, kk = jax.random.split(jax.random.key(5))
-    q, k = jax.random.normal(kq, (n, d)), jax.random.normal(kk, (n, d))
+    q, k = normal(kq, (n, d)), normal(kk, (n, d))
     for r, want in [(0, 1.0), (1, 0.5), (100, 0.5)]:
         logit = pair_logits(q, k, r)
         assert abs(logit.var() - want) < 0.03, (r, logit.var())
@@ -128,8 +129,8 @@ def _loss(fn):
 ])
 def test_kernel_matches_reference_values_and_gradients(t, h, kh, d, dtype, phase, bq, bk, segments):
     kq, kk, kv = jax.random.split(jax.random.key(t), 3)
-    q = jax.random.normal(kq, (2, t, h, d), dtype)
-    k, v = jax.random.normal(kk, (2, t, kh, d), dtype), jax.random.normal(kv, (2, t, kh, d), dtype)
+    q = normal(kq, (2, t, h, d), dtype)
+    k, v = normal(kk, (2, t, kh, d), dtype), normal(kv, (2, t, kh, d), dtype)
     # ids 1 and 2: padded query rows (id 0) then see no key at all, which must stay finite.
     seg = jnp.asarray(1 + (np.arange(t) >= t // 3)[None].repeat(2, 0), jnp.int32) if segments else None
     kern = functools.partial(tapa_attention, segment_ids=seg, phase=phase, block_q=bq, block_k=bk)
@@ -149,8 +150,8 @@ def test_kernel_matches_reference_values_and_gradients(t, h, kh, d, dtype, phase
 
 def test_kernel_with_a_query_offset_decoding():
     kq, kk, kv = jax.random.split(jax.random.key(3), 3)
-    q = jax.random.normal(kq, (1, 5, 2, 16))
-    k, v = jax.random.normal(kk, (1, 21, 2, 16)), jax.random.normal(kv, (1, 21, 2, 16))
+    q = normal(kq, (1, 5, 2, 16))
+    k, v = normal(kk, (1, 21, 2, 16)), normal(kv, (1, 21, 2, 16))
     got = jax.jit(functools.partial(tapa_attention, q_offset=16, block_q=8, block_k=8))(q, k, v)
     want = jax.jit(functools.partial(reference_attention, q_offset=16, score_fn=tapa_score_fn()))(q, k, v)
     np.testing.assert_allclose(got, want, atol=1e-5)
