@@ -17,7 +17,8 @@ Algorithms, all exact (tests/test_householder.py compares values and gradients):
   ut_matrix          the UT transform: H_n ... H_1 = I - W^T U W with U = (I + diag(beta) L)^-1
                      diag(beta), L the strictly lower part of W W^T (a unit-lower-triangular
                      solve). A contiguous range of steps uses the diagonal block of the same U,
-                     which gives every route at once (`path_scores`, O(T^2) memory);
+                     which gives every route at once (`path_scores`, O(T^2) memory; with
+                     `chunk`, one solve per chunk and a scan carrying earlier keys forward);
   chunk_products     each chunk's product in that compact form, combined across chunks by
                      `jax.lax.associative_scan`: the suffix products that carry every key to
                      the end of the sequence (a decode cache prefilled in parallel);
@@ -106,17 +107,44 @@ def _route_terms(q, k, w, u):
     return qw, wk
 
 
-def path_scores(q, k, w, beta) -> jax.Array:
+def path_scores(q, k, w, beta, chunk: int | None = None) -> jax.Array:
     """Unscaled logits q_i^T H_i ... H_{j+1} k_j for all j <= i (garbage above the diagonal).
 
-    q [B, K, G, T, D]; k, w [B, K, T, D]; beta [B, K, T] -> [B, K, G, T, T] fp32, with one
-    T x T unit-lower-triangular solve per kv head.
+    q [B, K, G, T, D]; k, w [B, K, T, D]; beta [B, K, T] -> [B, K, G, T, T] fp32. With chunk
+    None (or >= T) one T x T unit-lower-triangular solve per kv head gives every route (the
+    UT form over the whole range). Otherwise one solve per chunk of `chunk` tokens: a scan
+    over query chunks m carries all earlier keys to the start of chunk m (one D x D operator
+    per chunk), so the solves cost O(T * chunk^2) instead of O(T^3); the logits are the same.
     """
-    q, k = q.astype(jnp.float32), k.astype(jnp.float32)
-    u = ut_matrix(w, beta)[:, :, None]
-    qw, wk = _route_terms(q, k[:, :, None], w.astype(jnp.float32)[:, :, None], u)
-    qk = jnp.einsum("bkgid,bkjd->bkgij", q, k, precision=HIGHEST)
-    return qk - jnp.matmul(jnp.matmul(qw, u, precision=HIGHEST), wk, precision=HIGHEST)
+    b, kh, g, t, d = q.shape
+    c = t if chunk is None else min(chunk, t)
+    n = -(-t // c)
+    f32 = jnp.float32
+    qc, kc, wc = (_chunked(jnp.moveaxis(x.astype(f32), -2, 1), c) for x in (q, k, w))  # [B, N, c, ...]
+    qc = jnp.moveaxis(qc, (1, 2), (-3, -2))  # [B, K, G, N, c, D]
+    kc, wc = (jnp.moveaxis(x, (1, 2), (-3, -2)) for x in (kc, wc))  # [B, K, N, c, D]
+    u = ut_matrix(wc, jnp.moveaxis(_chunked(jnp.moveaxis(beta, -1, 1), c), -1, 1))  # [B, K, N, c, c]
+    k_end, uk = _carry_to_chunk_end(kc, wc, u)
+    qw, _ = _route_terms(qc, kc[:, :, None], wc[:, :, None], u[:, :, None])
+    near = jnp.einsum("bkgnid,bknjd->bkgnij", qc, kc, precision=HIGHEST) - jnp.matmul(
+        qw, uk[:, :, None], precision=HIGHEST)  # routes inside a chunk
+    if n == 1:
+        return near[:, :, :, 0, :t, :t]
+    q_start = qc - jnp.matmul(jnp.matmul(qw, u[:, :, None], precision=HIGHEST), wc[:, :, None],
+                              precision=HIGHEST)  # queries carried back to their chunk's start
+    ops = dense_product(wc, u)  # whole-chunk operators [B, K, N, D, D]
+
+    def step(carried, x):  # carried [B, K, N * c, D]: keys of chunks < m at the start of chunk m, else 0
+        qs, near_m, k_end_m, op, m = x
+        s = jnp.einsum("bkgid,bkjd->bkgij", qs, carried, precision=HIGHEST)
+        s = jax.lax.dynamic_update_slice_in_dim(s, near_m, m * c, axis=-1)
+        carried = jnp.einsum("bkjd,bked->bkje", carried, op, precision=HIGHEST)  # past chunk m
+        return jax.lax.dynamic_update_slice_in_dim(carried, k_end_m, m * c, axis=2), s
+
+    xs = (q_start, near, k_end, ops, jnp.arange(n))
+    xs = tuple(jnp.moveaxis(x, 3 if x.ndim == 6 else 2, 0) for x in xs[:4]) + xs[4:]
+    _, s = jax.lax.scan(step, jnp.zeros((b, kh, n * c, d), f32), xs)  # [N, B, K, G, c, N * c]
+    return jnp.moveaxis(s, 0, 3).reshape(b, kh, g, n * c, n * c)[..., :t, :t]
 
 
 def _heads_first(q, k, w, beta):
@@ -126,11 +154,11 @@ def _heads_first(q, k, w, beta):
     return qh, jnp.moveaxis(k, 1, 2), jnp.moveaxis(w, 1, 2), jnp.moveaxis(beta, 1, 2)
 
 
-def dense_score_fn(w, beta, scale):
+def dense_score_fn(w, beta, scale, chunk: int | None = None):
     """A `ScoreFn` for the reference attention (whole sequence in one block: q_offset 0)."""
     def score(qb, kb, qi, kj):  # qb [B, T, K, G, D], kb [B, T, K, D]
         kb, wh, bh = (jnp.moveaxis(x, 1, 2) for x in (kb, w, beta))
-        return path_scores(jnp.moveaxis(qb, 1, 3), kb, wh, bh) * scale
+        return path_scores(jnp.moveaxis(qb, 1, 3), kb, wh, bh, chunk) * scale
     return score
 
 
@@ -288,19 +316,21 @@ def chunked_attention(q, k, v, w, beta, *, bias_fn=None, segment_ids=None, chunk
 class Path(Scheme):
     """PaTH transport of keys; `features` = {'w': [B, T, K, D] unit, 'beta': [B, T, K] in (0, 2)}.
 
-    impl "reference" is the one-solve dense form (`path_scores`), "blockwise" the chunked form
-    with `block_size` tokens per chunk. The decode cache holds keys already carried to the latest
+    impl "reference" materialises the T x T logits (`path_scores`, one UT solve per
+    `solve_chunk` tokens), "blockwise" is the flash-style chunked form with `block_size` tokens
+    per chunk and O(T * D) memory. The decode cache holds keys already carried to the latest
     token; each new token applies its H_t to all of them (O(T * D) per token).
     """
     rank: int = 32  # w = normalise(conv(W_up W_down x)): the rank of that projection
     conv: int = 3  # width of the short causal convolution in w (0: none); 3 as the public layer
     qk_norm: bool = False  # RMS-normalise q and k per head (parameter-free) before the transport
+    solve_chunk: int = 64  # impl "reference": tokens per UT solve in the logits (0: one solve over T)
 
     relative = False  # routes depend on the tokens between, not on positions
 
     def __post_init__(self):
         super().__post_init__()
-        for name, least in (("rank", 1), ("conv", 0)):
+        for name, least in (("rank", 1), ("conv", 0), ("solve_chunk", 0)):
             if getattr(self, name) < least:
                 raise ValueError(f"PaTH option {name}={getattr(self, name)} must be >= {least}")
 
@@ -311,7 +341,7 @@ class Path(Scheme):
         return q, k, v
 
     def score_fn(self, features):  # the whole sequence as one block: reference attention only
-        return dense_score_fn(features["w"], features["beta"], self.head_dim ** -0.5)
+        return dense_score_fn(features["w"], features["beta"], self.head_dim ** -0.5, self.solve_chunk or None)
 
     def attention(self, q, k, v, features, *, segment_ids=None, q_offset=0, impl="reference", block_size=512):
         check_transport(k, features["w"], features["beta"])

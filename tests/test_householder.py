@@ -55,10 +55,12 @@ def product_attention(q, k, v, w, beta):
     return np.einsum("bhij,bjhd->bihd", p, np.repeat(np.asarray(v, np.float64), g, axis=2))
 
 
-def test_dense_ut_and_route_products_match_explicit_products():
+@pytest.mark.parametrize("chunk", [None, 1, 4, 5, 11, 64])
+def test_dense_ut_and_route_products_match_explicit_products(chunk):
     q, k, v, w, beta = inputs()
     qh, kh_, wh, bh = hh._heads_first(q, k, w, beta)
-    s = np.asarray(jax.jit(hh.path_scores)(qh, kh_, wh, bh)).reshape(2, 4, 11, 11) / np.sqrt(8)
+    scores = jax.jit(hh.path_scores, static_argnums=4)(qh, kh_, wh, bh, chunk)  # one solve per chunk
+    s = np.asarray(scores).reshape(2, 4, 11, 11) / np.sqrt(8)
     expected = product_scores(q, k, w, beta)
     tril = np.tril(np.ones((11, 11), bool))
     np.testing.assert_allclose(s[..., tril], expected[..., tril], atol=2e-5)
@@ -82,9 +84,12 @@ def test_route_convention_query_step_counts_key_step_does_not():
         assert (changed[j <= i] == on_route[j <= i]).all(), t
 
 
-@pytest.mark.parametrize("t,chunk,group,segments", [(11, 4, 8, False), (16, 4, 8, True), (9, 16, 8, False),
-                                                     (13, 1, 3, False), (22, 2, 2, True)])
-def test_chunked_equals_reference_values_and_gradients(t, chunk, group, segments):
+@pytest.mark.parametrize("t,chunk,group,segments,solve", [
+    (11, 4, 8, False, None), (16, 4, 8, True, 3), (9, 16, 8, False, None), (13, 1, 3, False, 4),
+    (22, 2, 2, True, 5)])
+def test_chunked_equals_reference_values_and_gradients(t, chunk, group, segments, solve):
+    """The flash-style chunked form against the materialised logits (one UT solve over T, or
+    one per `solve` tokens: both exact), values and gradients."""
     q, k, v, w, beta = inputs(t=t)
     seg = jnp.asarray([[1] * 5 + [2] * (t - 5), [3] * t]) if segments else None
     bias = forget_bias(uniform(jax.random.key(3), (2, t, 4), minval=-1.0, maxval=0.0))
@@ -95,7 +100,7 @@ def test_chunked_equals_reference_values_and_gradients(t, chunk, group, segments
 
     def ref(q, k, v, w, beta):
         return reference_attention(q, k, v, bias_fn=bias, segment_ids=seg,
-                                   score_fn=hh.dense_score_fn(w, beta, 8 ** -0.5))
+                                   score_fn=hh.dense_score_fn(w, beta, 8 ** -0.5, solve))
 
     def chunked(q, k, v, w, beta):
         return hh.chunked_attention(q, k, v, w, beta, bias_fn=bias, segment_ids=seg, chunk=chunk, group=group)
