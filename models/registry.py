@@ -131,7 +131,7 @@ register("espr_rf", Entry(EsprRF, features=EsprFeatures,
                               "plus num_features, draw_seed"))
 register("path", Entry(Path, features=HouseholderVectors,
                        doc="PaTH: keys carried by data-dependent Householder steps I - beta w w^T; options: "
-                           "rank, conv, qk_norm, solve_chunk (block_size is the chunk of the blockwise impl)"))
+                           "rank, conv, qk_norm, solve_chunk (block_size: the chunk of the blockwise impl)"))
 register("fox", Entry(Fox, features=ForgetGate, doc="Forgetting Transformer gate: cumulative log forget "
                                                     "gates added to the logits (a bias for any scheme)"))
 register("path_fox", Entry(Path, features=HouseholderVectors, compose=("fox",), doc="PaTH with FoX gates"))

@@ -341,7 +341,8 @@ class Path(Scheme):
         return q, k, v
 
     def score_fn(self, features):  # the whole sequence as one block: reference attention only
-        return dense_score_fn(features["w"], features["beta"], self.head_dim ** -0.5, self.solve_chunk or None)
+        w, beta = features["w"], features["beta"]
+        return dense_score_fn(w, beta, self.head_dim ** -0.5, self.solve_chunk or None)
 
     def attention(self, q, k, v, features, *, segment_ids=None, q_offset=0, impl="reference", block_size=512):
         check_transport(k, features["w"], features["beta"])

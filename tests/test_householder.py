@@ -192,6 +192,18 @@ def test_any_head_dimension(d):
     np.testing.assert_allclose(out, product_attention(q, k, v, w, beta), atol=2e-5)
 
 
+def test_scheme_solve_chunk_reaches_the_reference_logits():
+    """Path(solve_chunk=3) over 11 tokens (four solves) equals the explicit products."""
+    from models.registry import make_scheme
+    q, k, v, w, beta = inputs(t=11)
+    scheme = make_scheme("path", num_heads=4, head_dim=8, solve_chunk=3)
+    attend = jax.jit(lambda q, k, v, w, beta: scheme.attention(q, k, v, {"w": w, "beta": beta}))
+    out = attend(q, k, v, w, beta)
+    np.testing.assert_allclose(out, product_attention(q, k, v, w, beta), atol=2e-5)
+    with pytest.raises(ValueError, match="solve_chunk"):
+        make_scheme("path", num_heads=4, head_dim=8, solve_chunk=-1)
+
+
 def test_fox_with_constant_gates_is_alibi():
     slopes = alibi_slopes(4)
     log_f = jnp.broadcast_to(-jnp.asarray(slopes, jnp.float32), (2, 9, 4))
