@@ -359,23 +359,33 @@ class Path(Scheme):
         return {**cache, "k": cache["k"].astype(jnp.float32)}
 
     def decode_step(self, cache, q, k, v, features=None):
-        """Tokens one at a time: carry every cached key by H_t, append k_t, attend."""
+        """n new tokens at the cache index. One token: carry every cached key by H_t (a rank-one
+        update), append k_t, attend. Several (a prefill): the whole cache as one sequence in
+        which the cached slots take no step (beta 0: their keys are already carried to the
+        index) and the new tokens take theirs, attended by the chunked algorithm; the keys are
+        then carried to the last new token by `transport_to_end`. O(L * D) memory either way."""
         q, k, v = self.transform(q, k, v, features, None)
+        b, n = q.shape[:2]
         index = cache["index"]
         cache, bias_features = self.remember_features(cache, features)
+        bias_fn = self.score_bias(bias_features)
+        w, beta = features["w"].astype(jnp.float32), features["beta"].astype(jnp.float32)
 
-        def one(carry, x):
-            ck, cv, i = carry
-            qt, kt, vt, wt, bt = x  # [B, 1, ., D] ...; wt [B, K, D], bt [B, K]
-            ck = ck - bt[:, None, :, None] * wt[:, None] * jnp.einsum("bskd,bkd->bsk", ck, wt,
-                                                                     precision=HIGHEST)[..., None]
-            ck = jax.lax.dynamic_update_slice_in_dim(ck, kt.astype(ck.dtype), i, axis=1)
-            cv = jax.lax.dynamic_update_slice_in_dim(cv, vt.astype(cv.dtype), i, axis=1)
-            out = attention(qt, ck, cv, bias_fn=self.score_bias(bias_features), q_offset=i)
-            return (ck, cv, i + 1), out[:, 0]
+        def put(buf, x):
+            return jax.lax.dynamic_update_slice_in_dim(buf, x.astype(buf.dtype), index, axis=1)
 
-        xs = (q[:, :, None], k[:, :, None], v[:, :, None], features["w"].astype(jnp.float32),
-              features["beta"].astype(jnp.float32))
-        xs = jax.tree.map(lambda x: jnp.moveaxis(x, 1, 0), xs)
-        (ck, cv, _), out = jax.lax.scan(one, (cache["k"], cache["v"], index), xs)
-        return jnp.moveaxis(out, 0, 1), {**cache, "k": ck, "v": cv, "index": index + q.shape[1]}
+        cv = put(cache["v"], v)
+        if n == 1:  # the new token's own step does not act on its key: carry, then append
+            ck = cache["k"]
+            ck = put(ck - beta[..., None] * w * jnp.einsum("bskd,bkd->bsk", ck, w[:, 0], precision=HIGHEST)[
+                ..., None], k)
+            out = attention(q, ck, cv, bias_fn=bias_fn, q_offset=index)
+        else:
+            ck = put(cache["k"], k)
+            ws = put(jnp.zeros(ck.shape, jnp.float32), w)
+            betas = put(jnp.zeros(ck.shape[:3], jnp.float32), beta)
+            qs = put(jnp.zeros(ck.shape[:2] + q.shape[2:], q.dtype), q)
+            out = chunked_attention(qs, ck, cv, ws, betas, bias_fn=bias_fn)
+            out = jax.lax.dynamic_slice_in_dim(out, index, n, axis=1)
+            ck = transport_to_end(ck, ws, betas)
+        return out, {**cache, "k": ck, "v": cv, "index": index + n}
