@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from draws import normal
+from lowering import TRITON, lowered_for_gpu
 from positional import feedback as fb
 from positional.kernels.feedback_solve import check_blocks, feedback_solve_pallas
 
@@ -196,3 +197,15 @@ def test_kernel_lowers_for_tpu():
     finally:
         jax.default_backend = backend
         tpu_info.registry.pop(kind)
+
+
+def test_kernel_lowers_for_gpu():
+    """Forward (2 kernels) and backward (5) lower to Triton on this CPU. Whether the solve kernel,
+    which re-reads the chunks of s it wrote, needs a barrier there is for a GPU run to show."""
+    solve = functools.partial(feedback_solve_pallas, block=64, interpret=False)
+    qb = jax.ShapeDtypeStruct((1, 256, 64), jnp.bfloat16)
+    gamma = jax.ShapeDtypeStruct((1, 256), jnp.float32)
+    f = jax.ShapeDtypeStruct((1, 256, 256), jnp.bfloat16)
+    grad = jax.grad(lambda *a: solve(*a).sum(), (0, 1, 2, 3))
+    for fn, kernels in ((solve, 2), (grad, 5)):
+        assert lowered_for_gpu(fn, qb, qb, gamma, f).count(TRITON) == kernels

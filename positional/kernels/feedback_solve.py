@@ -164,9 +164,13 @@ def _cols(x, dt):
 
 
 def _call(kernel, st, grid, args, specs, out_like, out_specs):
+    params = {}
+    if not st.interpret and jax.default_backend() == "gpu":  # Triton: JAX's Mosaic GPU path has no dot here
+        from jax.experimental.pallas import triton as pltriton
+        params["compiler_params"] = pltriton.CompilerParams()
     return pl.pallas_call(functools.partial(kernel, st=st), grid=grid, in_specs=specs, out_specs=out_specs,
                           out_shape=[jax.ShapeDtypeStruct(x.shape, jnp.float32) for x in out_like],
-                          interpret=st.interpret)(*args)
+                          interpret=st.interpret, **params)(*args)
 
 
 def _forward(qb, kb, gamma, f, st):
