@@ -135,6 +135,16 @@ def test_sharded_training_on_8_devices_matches_one_device(tiny_run, tmp_path):
     np.testing.assert_allclose([sharded[s] for s in range(1, 13)], summary["losses"], rtol=2e-4)
     # The sharded checkpoint restores on this single-device process (a different mesh).
     assert load_params(str(tmp_path), _abstract(config))[0] == 12
+    # ... and training resumes from it on one device and on a tensor x sequence mesh alike.
+    shutil.copytree(tmp_path, tmp_path / "one", ignore=shutil.ignore_patterns("one"))
+    one = train(tiny_config(tmp_path / "one", steps=16))
+    run = cli("train.py", "--config", "configs/default.py", *overrides(tiny_config(tmp_path)),
+              "--config.train.steps=16", "--config.train.checkpoint_every=4",
+              "--config.mesh.tensor=2", "--config.mesh.sequence=4",
+              env={"XLA_FLAGS": "--xla_force_host_platform_device_count=8"})
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert one["step"] == 16 and len(one["losses"]) == 4
+    np.testing.assert_allclose([losses_of(tmp_path)[s] for s in range(13, 17)], one["losses"], rtol=2e-4)
 
 
 @pytest.mark.parametrize("flag,message", [
