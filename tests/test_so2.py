@@ -40,6 +40,13 @@ def test_accumulate_is_the_exclusive_segment_reset_prefix():
     assert angle_error(theta, reference_theta(psi, seg)) < 1e-6
     assert np.all(np.asarray(theta)[0, [0, 3, 5]] == 0)  # each document starts untransported
     assert float(jnp.abs(theta).max()) <= math.pi
+    # Gradient: d Theta_i / d psi_t = 1 for t < i in the same segment (wrapping has slope 1),
+    # so psi_t receives the sum of the cotangents of the later tokens of its segment.
+    g = np.asarray(normal(jax.random.key(1), (2, 9, 3)), np.float64)
+    later = (np.arange(9)[None, :, None] > np.arange(9)[None, None, :]) & (seg[:, :, None] == seg[:, None, :])
+    want = np.einsum("bit,bin->btn", later, g)  # later[b, i, t]: token i comes after t, same document
+    got = jax.jit(jax.grad(lambda p: jnp.sum(so2.accumulate(p, jnp.asarray(seg)) * g)))(psi)
+    np.testing.assert_allclose(got, want, atol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
