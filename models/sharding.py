@@ -21,6 +21,8 @@ import contextlib
 import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from positional.ring import ring_mesh
+
 MESH_AXES = ("data", "fsdp", "tensor", "sequence")
 
 # logical name -> mesh axis or axes (None: replicated)
@@ -88,10 +90,12 @@ _ACTIVE: list = []  # (mesh, rules) while a sharded program is traced
 @contextlib.contextmanager
 def activation_rules(mesh, rules=RULES):
     """Within this context, `constrain` pins activations to the mesh (train.py traces its step
-    inside it); outside, `constrain` does nothing, so the model runs unchanged anywhere."""
+    inside it) and attention impl "ring" splits the sequence over it (positional/ring.py);
+    outside, `constrain` does nothing, so the model runs unchanged anywhere."""
     _ACTIVE.append((mesh, rules))
     try:
-        yield
+        with ring_mesh(mesh):
+            yield
     finally:
         _ACTIVE.pop()
 

@@ -1,4 +1,5 @@
-"""Causal softmax attention: a reference and a blockwise (online-softmax) implementation.
+"""Causal softmax attention: a reference and a blockwise (online-softmax) implementation; a
+ring one over a device mesh, built on the blockwise one, is in positional/ring.py.
 
 Shapes: q [B, T, H, D]; k, v [B, S, K, D] with H % K == 0 (grouped-query attention: query head
 h reads key/value head h // (H // K)). Query t sits at absolute index `q_offset + t`, key s at
@@ -105,10 +106,25 @@ def blockwise_attention(q, k, v, *, bias_fn: BiasFn | None = None, segment_ids=N
     future of a query block are skipped (no FLOPs spent on them).
     """
     _check_shapes(q, k, v, segment_ids)
+    out, _ = blockwise_lse(q, k, v, bias_fn=bias_fn, segment_ids=segment_ids, q_offset=q_offset, scale=scale,
+                           score_fn=score_fn, block_size=block_size)
+    return out.astype(q.dtype)
+
+
+def blockwise_lse(q, k, v, *, bias_fn: BiasFn | None = None, segment_ids=None, key_segment_ids=None,
+                  q_offset=0, k_offset=0, scale: float | None = None, score_fn: ScoreFn | None = None,
+                  block_size: int = 512) -> tuple[jax.Array, jax.Array]:
+    """`blockwise_attention` with keys at indices k_offset + s, returning fp32 (out [B, T, H, D],
+    lse [B, T, H]), lse the log-sum-exp of each row's masked scores: results over disjoint key
+    sets merge by it (positional/ring.py). segment_ids [B, T] are the queries', key_segment_ids
+    [B, S] the keys' (default: the same array). Every query block must see the first key
+    block (k_offset <= q_offset); a query whose visible keys are all masked gets lse ~ MASKED.
+    """
     b, t, h, d = q.shape
     s_len, kh = k.shape[1], k.shape[2]
     g = h // kh
     scale = d ** -0.5 if scale is None else scale
+    key_segment_ids = segment_ids if key_segment_ids is None else key_segment_ids
     bq, bk = min(block_size, t), min(block_size, s_len)
     nq, nk = -(-t // bq), -(-s_len // bk)
     # Pad to whole blocks. Padded keys get index >= s_len... they are masked by giving them a
@@ -123,7 +139,7 @@ def blockwise_attention(q, k, v, *, bias_fn: BiasFn | None = None, segment_ids=N
         seg_k = jnp.where(key_valid, 0, -1)[None]
     else:
         seg_q = jnp.pad(segment_ids, ((0, 0), (0, pad_q)))
-        seg_k = jnp.where(key_valid[None], jnp.pad(segment_ids, ((0, 0), (0, pad_k))), -1)
+        seg_k = jnp.where(key_valid[None], jnp.pad(key_segment_ids, ((0, 0), (0, pad_k))), -1)
 
     def query_block(iq):
         q0 = iq * bq
@@ -138,7 +154,7 @@ def blockwise_attention(q, k, v, *, bias_fn: BiasFn | None = None, segment_ids=N
                 kb = jax.lax.dynamic_slice_in_dim(kp, k0, bk, axis=1)
                 vb = jax.lax.dynamic_slice_in_dim(vp, k0, bk, axis=1)
                 sk = jax.lax.dynamic_slice_in_dim(seg_k, k0, bk, axis=1)
-                kj = k0 + jnp.arange(bk)
+                kj = k_offset + k0 + jnp.arange(bk)
                 s = _scores(qb, kb, qi, kj, bias_fn, scale, score_fn)
                 s = jnp.where(_mask(qi, kj, sq, sk)[:, :, None], s, MASKED)
                 m_new = jnp.maximum(m, s.max(-1))
@@ -149,27 +165,36 @@ def blockwise_attention(q, k, v, *, bias_fn: BiasFn | None = None, segment_ids=N
                 return o_new, m_new, row_sum_new
 
             # A key block strictly after the last query of this block contributes nothing.
-            visible = ik * bk <= q_offset + q0 + bq - 1
+            visible = k_offset + ik * bk <= q_offset + q0 + bq - 1
             return jax.lax.cond(visible, jax.checkpoint(update), lambda c: c, carry), None
 
         init = (jnp.zeros((b, kh, g, bq, d), jnp.float32),
                 jnp.full((b, kh, g, bq), MASKED, jnp.float32),
                 jnp.zeros((b, kh, g, bq), jnp.float32))
-        (o, _, row_sum), _ = jax.lax.scan(key_block, init, jnp.arange(nk))
-        return o / row_sum[..., None]  # >= 1 for every real query: it always sees itself
+        (o, m, row_sum), _ = jax.lax.scan(key_block, init, jnp.arange(nk))
+        # row_sum >= 1 for every real query: the first key block is visible (masked keys count
+        # until a visible one resets them, and blockwise_attention's queries always see themselves).
+        return o / row_sum[..., None], m + jnp.log(row_sum)
 
-    o = jax.lax.map(jax.checkpoint(query_block), jnp.arange(nq))  # [nq, B, K, G, bq, D]
+    o, lse = jax.lax.map(jax.checkpoint(query_block), jnp.arange(nq))  # [nq, B, K, G, bq, (D)]
     o = jnp.moveaxis(o, 0, 3).reshape(b, kh, g, nq * bq, d)[:, :, :, :t]
-    return jnp.moveaxis(o, 3, 1).reshape(b, t, h, d).astype(q.dtype)
+    lse = jnp.moveaxis(lse, 0, 3).reshape(b, h, nq * bq)[:, :, :t]
+    return jnp.moveaxis(o, 3, 1).reshape(b, t, h, d), jnp.moveaxis(lse, 2, 1)
 
 
-IMPLEMENTATIONS = {"reference": reference_attention, "blockwise": blockwise_attention}
+def _ring(q, k, v, **kwargs) -> jax.Array:
+    from positional.ring import mesh_ring_attention  # it builds on blockwise_lse above
+    return mesh_ring_attention(q, k, v, **kwargs)
+
+
+# "ring": over the mesh in JAX's mesh context, else blockwise (positional/ring.py).
+IMPLEMENTATIONS = {"reference": reference_attention, "blockwise": blockwise_attention, "ring": _ring}
 
 
 def attention(q, k, v, *, impl: str = "reference", **kwargs) -> jax.Array:
-    """Dispatch to an implementation by name ("reference" or "blockwise")."""
+    """Dispatch to an implementation by name ("reference", "blockwise" or "ring")."""
     if impl not in IMPLEMENTATIONS:
         raise ValueError(f"unknown attention impl {impl!r}; valid: {sorted(IMPLEMENTATIONS)}")
-    if impl != "blockwise":
+    if impl == "reference":
         kwargs.pop("block_size", None)
     return IMPLEMENTATIONS[impl](q, k, v, **kwargs)

@@ -19,6 +19,8 @@ whose transport of a key changes as the sequence grows (PaTH) or that need state
 (accumulated angles) override the decode pair; schemes that change the whole path override
 `attend` too. `impls` lists the attention implementations a scheme runs on; a scheme with a
 fused kernel adds "pallas" and routes it in `attention`, the one attention call of both forms.
+Impl "ring" (positional/ring.py: the sequence split over the devices of a mesh) is the generic
+`attention`'s, so a scheme that overrides `attention` loses it unless its `impls` lists it.
 
 Shapes: q [B, T, H, D]; k, v [B, T, K, D]; positions, segment_ids [B, T] int32 (multi-axis
 schemes, ESPR, also take positions [B, T, d_c]).
@@ -47,6 +49,13 @@ class Scheme:
     relative = True
     #: attention implementations this scheme runs on.
     impls = tuple(IMPLEMENTATIONS)
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        # "ring" runs the generic attention below with the sequence split over devices; a scheme
+        # that brings its own `attention` (PaTH, ESPR random features) has it only if it says so.
+        if "attention" in vars(cls) and "impls" not in vars(cls):
+            cls.impls = tuple(i for i in cls.impls if i != "ring")
 
     def __post_init__(self):
         if self.needs_even_head_dim and self.head_dim % 2:
@@ -85,7 +94,8 @@ class Scheme:
                impl: str = "reference", block_size: int = 512) -> jax.Array:
         """Causal attention under this scheme. Returns [B, T, H, D]."""
         if impl not in self.impls:
-            raise ValueError(f"scheme {type(self).__name__} has no attention impl {impl!r}; "
+            why = ": ring splits the generic attention, which this scheme replaces" if impl == "ring" else ""
+            raise ValueError(f"scheme {type(self).__name__} has no attention impl {impl!r}{why}; "
                              f"valid: {', '.join(self.impls)}")
         q, k, v = self.transform(q, k, v, features, positions)
         out = self.attention(q, k, v, features, segment_ids=segment_ids, impl=impl, block_size=block_size)
@@ -138,8 +148,11 @@ class Scheme:
     def attention(self, q, k, v, features, *, segment_ids=None, q_offset=0, impl="reference",
                   block_size=512) -> jax.Array:
         """Attention on transformed q, k, v with this scheme's score and bias."""
-        return attention(q, k, v, bias_fn=self.score_bias(features), score_fn=self.score_fn(features),
-                         segment_ids=segment_ids, q_offset=q_offset, impl=impl, block_size=block_size)
+        hooks = {"bias_fn": self.score_bias(features), "score_fn": self.score_fn(features)}
+        if impl == "ring" and any(hooks.values()):  # built inside the ring's shard_map (positional/ring.py)
+            hooks = {"hooks": lambda f: (self.score_bias(f), self.score_fn(f)), "features": features}
+        return attention(q, k, v, segment_ids=segment_ids, q_offset=q_offset, impl=impl,
+                         block_size=block_size, **hooks)
 
     # ---- decode form -------------------------------------------------------------------------
     def init_cache(self, batch: int, max_len: int, num_kv_heads: int, dtype=jnp.float32) -> dict:

@@ -94,7 +94,7 @@ class Tapa(Scheme):
     block_q: int | None = None  # Pallas kernel tiles (impl="pallas"); None: the backend's default
     block_k: int | None = None
 
-    impls = ("reference", "blockwise", "pallas")
+    impls = ("reference", "blockwise", "ring", "pallas")  # all but "pallas" are the generic attention
 
     def __post_init__(self):
         super().__post_init__()

@@ -2,13 +2,15 @@
 tests/test_scale.py in a process with simulated devices).
 
     XLA_FLAGS=--xla_force_host_platform_device_count=16 python tests/sharded_step.py \
-        rope,path_fox,mixer:sessa '[{"data": 2, "sequence": 4}]'
+        rope,path_fox,mixer:sessa '[{"data": 2, "sequence": 4}]' [--impl ring]
 
 Prints JSON: per scheme and mesh, against the one-device run, the difference of the loss, the
 largest gradient difference relative to the largest gradient, and the largest parameter
-difference after two train steps.
+difference after two train steps. `--impl` sets model.attention_impl of both runs (default: the
+scheme's config); impl "ring" is ring attention on the meshes, blockwise on the one device.
 """
 
+import argparse
 import json
 import math
 import os
@@ -47,7 +49,7 @@ def one_step(config, sizes, batch):
     return float(loss), [np.asarray(x) for x in jax.tree.leaves((grads, state["params"]))]
 
 
-def main(schemes, meshes):
+def main(schemes, meshes, impl=None):
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, VOCAB, (ROWS, LENGTH + 1)).astype(np.int32)
     segments = np.where(np.arange(LENGTH + 1) < 20, 1, 2).astype(np.int32) * np.ones((ROWS, 1), np.int32)
@@ -59,6 +61,8 @@ def main(schemes, meshes):
         config = tiny_config("unused", scheme="nope" if mixer != "attention" else scheme)
         config.model.update(vocab_size=VOCAB, num_heads=4, mixer=mixer)
         config.seq_len, config.batch_size = LENGTH, ROWS
+        if impl:
+            config.model.attention_impl = impl
         loss0, params0 = one_step(config, {}, batch)
         out[scheme] = {}
         for sizes in meshes:
@@ -75,4 +79,9 @@ def main(schemes, meshes):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1].split(","), json.loads(sys.argv[2]))
+    p = argparse.ArgumentParser()
+    p.add_argument("schemes")
+    p.add_argument("meshes")
+    p.add_argument("--impl")
+    args = p.parse_args()
+    main(args.schemes.split(","), json.loads(args.meshes), args.impl)

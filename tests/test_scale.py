@@ -65,8 +65,9 @@ def test_dry_run_on_8_devices_shards_the_state(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
-def sharded_step(schemes, meshes, devices):
-    run = cli("tests/sharded_step.py", ",".join(schemes), json.dumps(meshes),
+def sharded_step(schemes, meshes, devices, impl=None):
+    impl = ["--impl", impl] if impl else []
+    run = cli("tests/sharded_step.py", ",".join(schemes), json.dumps(meshes), *impl,
               env={"XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"})
     assert run.returncode == 0, run.stderr[-3000:]
     return json.loads(run.stdout.strip().splitlines()[-1])

@@ -1,0 +1,90 @@
+"""Ring attention (positional/ring.py): against the reference on meshes of simulated devices
+(in subprocesses: tests/ring_check.py, tests/sharded_step.py --impl ring), its fallback to
+blockwise attention off a sequence mesh, and which schemes run on it."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from models.registry import REGISTRY, make_scheme
+from models.sharding import activation_rules
+from positional.attention import attention, blockwise_attention
+from positional.scheme import Scheme
+from positional.tapa import Tapa
+from test_scale import check_sharded, sharded_step
+from tiny_setup import cli
+
+
+def ring_check(meshes):
+    run = cli("tests/ring_check.py", json.dumps(meshes),
+              env={"XLA_FLAGS": "--xla_force_host_platform_device_count=8"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def check_ring(result, sizes):
+    held = (2 // sizes.get("data", 1), 2 // sizes.get("tensor", 1))  # B = 2 rows, K = 2 kv heads
+    for case, d in result.items():
+        bf16 = d["dtype"] == "bfloat16"
+        assert d["out"] <= (1e-2 if bf16 else 1e-5), (case, d)
+        for what in ("dq", "dk", "dv", "dbias"):  # bf16 gradients: one rounding of bf16 (2^-8 relative)
+            assert d.get(what, 0) <= (2e-2 if bf16 and what != "dbias" else 1e-5), (case, what, d)
+        if "held" in d:
+            assert tuple(d["held"]) == held, (case, d)
+
+
+def test_ring_equals_reference_on_data_by_sequence_mesh():
+    """sequence=4 with data=2: GQA, packed documents across shards, ALiBi and FoX-style biases
+    (values and gradients, the bias parameter's too), bf16; batch rows stay split over data."""
+    sizes = {"data": 2, "sequence": 4}
+    check_ring(ring_check([sizes]), sizes)
+
+
+@pytest.mark.slow
+def test_ring_equals_reference_on_sequence_and_tensor_meshes():
+    result = ring_check([{"sequence": 4}, {"tensor": 2, "sequence": 4}])
+    for sizes in ({"sequence": 4}, {"tensor": 2, "sequence": 4}):
+        key = json.dumps(sizes, sort_keys=True)
+        check_ring({c: d for c, d in result.items() if c.startswith(key + " ")}, sizes)
+
+
+def test_ring_train_step_equals_one_device():
+    """The FoX scheme's train step (a bias built from per-token gates, packed rows) with impl
+    "ring" on data=2 x sequence=4: loss, gradients and parameters as on one device."""
+    check_sharded(sharded_step(["fox"], [{"data": 2, "sequence": 4}], 8, impl="ring"))
+
+
+GENERIC = ["nope", "rope", "alibi", "tapa", "so2_random_qk", "so2_learned_qkv+alibi", "espr"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", GENERIC + ["mixer:sessa"])
+def test_ring_train_step_of_every_generic_scheme_equals_one_device(model):
+    meshes = [{"sequence": 4}, {"tensor": 2, "sequence": 4},
+              {"data": 2, "fsdp": 2, "tensor": 2, "sequence": 2}]
+    check_sharded(sharded_step([model], meshes, 16, impl="ring"))
+
+
+def test_ring_off_a_sequence_mesh_is_blockwise():
+    keys = jax.random.split(jax.random.key(0), 3)
+    q = jax.random.normal(keys[0], (1, 24, 4, 8))
+    k, v = (jax.random.normal(kk, (1, 24, 2, 8)) for kk in keys[1:])
+    want = blockwise_attention(q, k, v, block_size=8)
+    np.testing.assert_array_equal(attention(q, k, v, impl="ring", block_size=8), want)  # no mesh
+    mesh = jax.make_mesh((1, 1, 1, 1), ("data", "fsdp", "tensor", "sequence"))
+    with activation_rules(mesh):  # a mesh whose sequence axis has one device
+        np.testing.assert_array_equal(attention(q, k, v, impl="ring", block_size=8), want)
+
+
+def test_ring_is_for_schemes_with_the_generic_attention():
+    for name in sorted(REGISTRY):
+        scheme = make_scheme(name, num_heads=2, head_dim=8)
+        generic = type(scheme).attention in (Scheme.attention, Tapa.attention)  # Tapa: but for "pallas"
+        assert ("ring" in scheme.impls) == generic, name
+    x = jnp.zeros((1, 8, 2, 8))
+    for name in ("path", "path_fox", "espr_rf"):
+        with pytest.raises(ValueError, match="has no attention impl 'ring'.*valid: reference, blockwise$"):
+            make_scheme(name, num_heads=2, head_dim=8).attend(x, x, x, None, positions=None, impl="ring")
