@@ -79,13 +79,37 @@ def make_optimizer(cfg) -> tuple[optax.GradientTransformation, optax.Schedule]:
     ), schedule
 
 
+PARAM_DTYPES = ("float32", "bfloat16")
+
+
+def stored(params, cfg):
+    """Parameters in their storage dtype `train.param_dtype` (the optimizer state stays fp32)."""
+    if cfg.param_dtype not in PARAM_DTYPES:
+        raise ValueError(f"train.param_dtype={cfg.param_dtype!r}; valid: {', '.join(PARAM_DTYPES)}")
+    return jax.tree.map(lambda x: x.astype(cfg.param_dtype), params)
+
+
+def apply_optimizer(tx, grads, opt_state, params):
+    """One optimizer update in fp32 whatever the parameters' storage dtype: gradients and
+    parameters are widened, the moments are fp32, and the new parameters are rounded back to
+    their storage dtype (bf16 storage keeps no fp32 master copy, so an update smaller than
+    bf16's spacing at a weight is lost; keep float32 storage and model.dtype="bfloat16" for
+    bf16 compute over fp32 masters)."""
+    widen = lambda t: jax.tree.map(lambda x: x.astype(jnp.float32), t)  # noqa: E731
+    p32 = widen(params)
+    updates, opt_state = tx.update(widen(grads), opt_state, p32)
+    new = optax.apply_updates(p32, updates)
+    return jax.tree.map(lambda x, p: x.astype(p.dtype), new, params), opt_state
+
+
 def init_state(config, vocab_size, mesh):
     """Model structure and a sharded train state {'params', 'opt_state', 'step'}."""
     model = DecoderLM(model_config(config, vocab_size), rngs=nnx.Rngs(config.seed))
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     params = nnx.to_pure_dict(params)
     tx, schedule = make_optimizer(config.train)
-    state = {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32)}
+    state = {"params": stored(params, config.train), "opt_state": tx.init(params),
+             "step": jnp.zeros((), jnp.int32)}
     # Optimizer moments end in their parameter's path, hence get its sharding; counters replicate.
     state = jax.device_put(state, sharding.state_shardings(mesh, state))
     return graphdef, rest, tx, schedule, state
@@ -112,8 +136,7 @@ def make_train_step(graphdef, rest, tx, config, state_shardings, batch_sharding)
         rng = jax.random.fold_in(jax.random.key(config.seed), state["step"])
         with sharding.activation_rules(batch_sharding.mesh):  # activations over the mesh as well
             loss, grads = jax.value_and_grad(loss_fn)(state["params"], batch, rng)
-        updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
-        params = optax.apply_updates(state["params"], updates)
+        params, opt_state = apply_optimizer(tx, grads, state["opt_state"], state["params"])
         finite = jnp.all(jnp.stack([jnp.isfinite(x).all() for x in jax.tree.leaves(params)]))
         metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "params_finite": finite}
         return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
@@ -218,7 +241,8 @@ def dry_run(config: ml_collections.ConfigDict) -> dict:
     rest = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), rest)
     params = nnx.to_pure_dict(params)
     tx, _ = make_optimizer(config.train)
-    state = {"params": params, "opt_state": jax.eval_shape(tx.init, params),
+    state = {"params": jax.eval_shape(lambda p: stored(p, config.train), params),
+             "opt_state": jax.eval_shape(tx.init, params),
              "step": jax.ShapeDtypeStruct((), jnp.int32)}
     state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state,
                          sharding.state_shardings(mesh, state))

@@ -42,6 +42,7 @@ def get_config(scheme: str | None = None) -> ml_collections.ConfigDict:
         weight_decay=0.1, b1=0.9, b2=0.95, grad_clip=1.0,
         log_every=20, checkpoint_every=500, keep_checkpoints=2,
         eval_every=0, eval_tokens=65536,  # validation loss at the training length; 0 = off
+        param_dtype="float32",  # parameters' storage: "bfloat16" halves them (optimizer state stays fp32)
     ))
     # Continue from another run's parameters (fresh optimizer and step counter): the
     # pretrain-then-extend workflow. A directory of checkpoints; its latest complete one is used.

@@ -10,11 +10,13 @@ import sys
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 
 from tiny_setup import ROOT, cli, tiny_config
-from train import TrainingError, checkpoint_manager, load_params, train
+from train import TrainingError, checkpoint_manager, dry_run, load_params, train
 
 
 def losses_of(workdir):
@@ -50,6 +52,26 @@ def test_resume_continues_the_exact_loss_trajectory(tiny_run, tmp_path):
     resumed = train(config)
     assert resumed["step"] == 12
     assert resumed["losses"] == uninterrupted[4:]  # bitwise: same program, same data, same state
+
+
+def test_bf16_parameters_keep_fp32_optimizer_state(tiny_run, tmp_path):
+    """train.param_dtype="bfloat16": bf16 parameters (in the checkpoint too), fp32 Adam
+    moments, the losses of fp32 storage up to bf16 rounding, half the parameter bytes."""
+    _, summary = tiny_run
+    config = tiny_config(tmp_path / "bf16")
+    config.train.param_dtype = "bfloat16"
+    losses = train(config)["losses"]
+    np.testing.assert_allclose(losses, summary["losses"], rtol=2e-2)
+    manager = checkpoint_manager(tmp_path / "bf16" / "checkpoints", create=False)
+    state = manager.restore(12, args=ocp.args.Composite(state=ocp.args.StandardRestore()))["state"]
+    assert {x.dtype for x in jax.tree.leaves(state["params"])} == {np.dtype(jnp.bfloat16)}
+    assert {x.dtype for x in jax.tree.leaves(state["opt_state"]) if x.ndim} == {np.dtype(np.float32)}
+    assert load_params(str(tmp_path / "bf16"), _abstract(config))[0] == 12  # eval restores it (as fp32)
+    half = dry_run(config)
+    config.train.param_dtype = "float32"
+    assert dry_run(config)["argument_bytes"] - half["argument_bytes"] == 2 * half["params"]  # 4 -> 2 bytes
+    with pytest.raises(ValueError, match="param_dtype='float16'; valid: float32, bfloat16"):
+        train(tiny_config(tmp_path / "f16", param_dtype="float16"))
 
 
 def test_training_is_deterministic_given_the_seed(tiny_run, tmp_path):
