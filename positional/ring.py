@@ -13,11 +13,13 @@ partitioner's gather (impl "blockwise" on a sequence-sharded mesh) gives every d
 Semantics are those of `reference_attention` (GQA, causal and same-segment mask, fp32 scores,
 statistics and accumulation, output in q's dtype). Scores of a (query shard, key shard) pair use
 global indices (shard i's token t at i T/n + t), so `bias_fn(qi, kj)` and `score_fn(qb, kb, qi,
-kj)` (ALiBi, FoX, TAPA) work unchanged. Arrays those closures hold (FoX's gate sums F [B, H, T])
-enter the shard_map replicated: every device holds the whole array (the partitioner gathers it;
-for FoX B H T floats, small beside the activations) and its gradient is summed over the devices
-at the shard_map's boundary. A bias comes back for the whole batch and every head and each
-device keeps its own rows and heads of it, so one block's bias is computed for all of them.
+kj)` (ALiBi, FoX, TAPA) work unchanged. Schemes pass them as `hooks(features)`, built inside
+the shard_map from their per-token features passed in replicated: every device holds all of
+them (for FoX log f [B, T, H], small beside the activations) and recomputes, e.g., FoX's gate
+sums over the whole sequence; their gradients are summed over devices at the boundary. (Plain
+closures also work, but not over arrays of a partitioner-sharded program: see ring_attention.)
+A bias comes back for the whole batch and every head and each device keeps its own rows and
+heads of it, so one block's bias is computed for all of them.
 
 Batch stays split over `batch_axes` and heads over `head_axes` inside the shard_map where they
 divide (query and key/value heads both, so a query head's key/value head is on its device), as
@@ -29,10 +31,10 @@ step waits for the busiest (a zig-zag layout, device i holding chunks i and 2n-1
 it out; not done). The transfers happen in every step on every device.
 
 Gradients are JAX's autodiff through the scan, the cond and ppermute (whose transpose sends the
-cotangents the other way round). The scan keeps each step's visiting shard for the backward, so
+cotangents the other way round). The scan keeps each step's visiting shard and partial output, so
 the backward holds all T keys and values per device, O(T K D) as the gather does, while scores
 stay one block at a time; a custom VJP passing dK, dV round the ring would make it O(T K D / n).
-The shard_map runs with check_vma=False: with the check, JAX sums a closed-over array's gradient
+The shard_map runs with check_vma=False: with the check, JAX sums a replicated input's gradient
 inside the skip's cond, where the devices that skip never join the sum and the program hangs.
 """
 
