@@ -83,10 +83,12 @@ PARAM_DTYPES = ("float32", "bfloat16")
 
 
 def stored(params, cfg):
-    """Parameters in their storage dtype `train.param_dtype` (the optimizer state stays fp32)."""
-    if cfg.param_dtype not in PARAM_DTYPES:
-        raise ValueError(f"train.param_dtype={cfg.param_dtype!r}; valid: {', '.join(PARAM_DTYPES)}")
-    return jax.tree.map(lambda x: x.astype(cfg.param_dtype), params)
+    """Parameters in their storage dtype `train.param_dtype` (the optimizer state stays fp32;
+    runs saved before the field existed stored float32)."""
+    dtype = cfg.get("param_dtype", "float32")
+    if dtype not in PARAM_DTYPES:
+        raise ValueError(f"train.param_dtype={dtype!r}; valid: {', '.join(PARAM_DTYPES)}")
+    return jax.tree.map(lambda x: x.astype(dtype), params)
 
 
 def apply_optimizer(tx, grads, opt_state, params):

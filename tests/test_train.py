@@ -72,6 +72,14 @@ def test_bf16_parameters_keep_fp32_optimizer_state(tiny_run, tmp_path):
     assert dry_run(config)["argument_bytes"] - half["argument_bytes"] == 2 * half["params"]  # 4 -> 2 bytes
     with pytest.raises(ValueError, match="param_dtype='float16'; valid: float32, bfloat16"):
         train(tiny_config(tmp_path / "f16", param_dtype="float16"))
+    # A run saved before the field existed loads as float32 storage.
+    from eval import load_run
+    old = tmp_path / "old"
+    shutil.copytree(tmp_path / "bf16", old)
+    saved = json.loads((old / "config.json").read_text())
+    del saved["train"]["param_dtype"]
+    (old / "config.json").write_text(json.dumps(saved))
+    assert load_run(str(old))[2] == 12
 
 
 def test_training_is_deterministic_given_the_seed(tiny_run, tmp_path):
