@@ -68,7 +68,10 @@ def loss_and_grads(attend, q, k, v, param, bias, segment_ids):
         if bias and bias[0] is fox_bias and attend is not reference_attention:
             hooks = {"hooks": lambda f: (fox_bias(f), None), "features": param}
         else:
-            hooks = {"bias_fn": bias[0](param) if bias else None, "score_fn": None if bias else dot_score}
+            # A new score closure per call: the ring traces it (jax.closure_convert) at one device's
+            # block shapes, which SEEN records, and a cached trace would record nothing.
+            hooks = {"bias_fn": bias[0](param) if bias else None,
+                     "score_fn": None if bias else (lambda *a: dot_score(*a))}
         out = attend(q, k, v, segment_ids=segment_ids, **hooks)
         return jnp.sum(jnp.sin(out.astype(jnp.float32))), out
     return jax.jit(jax.value_and_grad(loss, (0, 1, 2, 3), has_aux=True))(q, k, v, param)
