@@ -35,9 +35,8 @@ row log-sum-exp; the backward recomputes each block's scores from them (no onlin
 p = exp(s - lse), ds = p (dp - rowsum(dO O))), keeps dq at home, and sends each key/value
 shard round the ring again with its dk, dv accumulating on the way, n passes, so they arrive
 back at their owner. Memory per device is O(T K D / n), one block of scores and the replicated
-features in both
-passes; the score's own gradient (bias parameters, TAPA's, FoX's gates) comes from jax.vjp of
-one block's scores. (Autodiff through the forward ring would keep every visiting shard: O(T)
+features in both passes; the score's own gradient (bias parameters, TAPA's, FoX's gates) comes
+from jax.vjp of one block's scores. (Autodiff through the forward ring would keep every visiting shard: O(T)
 per device, which is what the gather costs.) The shard_maps run with check_vma=False.
 """
 
