@@ -103,6 +103,7 @@ def test_long_context_configs():
     assert (c.seq_len, c.batch_size, c.model.scheme) == (131072, 2, "path_fox")
     assert dict(c.mesh) == {"data": 1, "fsdp": 2, "tensor": 1, "sequence": 8}
     assert c.model.attention_impl == "blockwise" and c.model.block_size == 64  # PaTH keeps its chunks
-    assert long_context.get_config("gpu8").model.block_size == 1024
+    c = long_context.get_config("gpu8")
+    assert (c.model.attention_impl, c.model.block_size) == ("ring", 1024)
     with pytest.raises(ValueError, match="valid: gpu8, tpu16"):
         long_context.get_config("gpu4/rope")
