@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from sequence_parallel import child, on_devices  # noqa: E402
 IMPLS = ("blockwise", "ring")
 
 
@@ -59,8 +59,6 @@ def layer(impl: str, seq_len: int, n: int, steps: int, heads: int, head_dim: int
 
 
 def step(impl: str, seq_len: int, n: int, steps: int) -> dict:
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from sequence_parallel import child
     out = child("rope", seq_len, n, impl, steps)
     return {**out, "seconds": out.get("step_seconds", float("nan"))}
 
@@ -85,14 +83,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rows = []
     for n in (int(x) for x in args.devices.split(",")):
         for impl in IMPLS:
-            env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={n}"}
-            cmd = [sys.executable, __file__, f"--what={args.what}", f"--steps={args.steps}",
-                   f"--heads={args.heads}", f"--head-dim={args.head_dim}", f"--block-size={args.block_size}",
-                   "--child", impl, str(args.seq_len), str(n)]
-            run = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
-            if run.returncode:
-                raise RuntimeError(run.stderr[-2000:])
-            rows.append({"impl": impl, "devices": n, **json.loads(run.stdout.strip().splitlines()[-1])})
+            flags = [f"--what={args.what}", f"--steps={args.steps}", f"--heads={args.heads}",
+                     f"--head-dim={args.head_dim}", f"--block-size={args.block_size}",
+                     "--child", impl, str(args.seq_len), str(n)]
+            rows.append({"impl": impl, "devices": n, **on_devices(__file__, n, flags)})
             print(f"# {rows[-1]}", file=sys.stderr, flush=True)
     what = ("forward + backward of one attention call, q, k, v [1, T, "
             f"{args.heads}, {args.head_dim}] fp32, block {args.block_size}" if args.what == "layer"

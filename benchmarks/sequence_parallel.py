@@ -56,6 +56,15 @@ def child(scheme: str, seq_len: int, n: int, impl: str, steps: int) -> dict:
     return out
 
 
+def on_devices(script: str, n: int, flags: list[str]) -> dict:
+    """Run `script` with `flags` in a process with n simulated devices; its last stdout line's JSON."""
+    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={n}"}
+    run = subprocess.run([sys.executable, script, *flags], capture_output=True, text=True, env=env, cwd=ROOT)
+    if run.returncode:
+        raise RuntimeError(run.stderr[-2000:])
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seq-len", type=int, default=4096)
@@ -71,13 +80,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rows = []
     for scheme in args.schemes.split(","):
         for n in (int(x) for x in args.devices.split(",")):
-            env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={n}"}
-            cmd = [sys.executable, __file__, f"--impl={args.impl}", f"--steps={args.steps}",
-                   "--child", scheme, str(args.seq_len), str(n)]
-            run = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
-            if run.returncode:
-                raise RuntimeError(run.stderr[-2000:])
-            rows.append({"scheme": scheme, "devices": n, **json.loads(run.stdout.strip().splitlines()[-1])})
+            flags = [f"--impl={args.impl}", f"--steps={args.steps}",
+                     "--child", scheme, str(args.seq_len), str(n)]
+            rows.append({"scheme": scheme, "devices": n, **on_devices(__file__, n, flags)})
             print(f"# {rows[-1]}", file=sys.stderr, flush=True)
     print(f"\nper-device memory of the train step, {args.seq_len} tokens, one row, mesh sequence=n\n")
     print("| scheme | devices | arguments MiB | temporaries MiB | total MiB | total x devices / one device "

@@ -65,3 +65,11 @@ def test_sequence_parallel_runs(capsys):
     assert rows[1]["temp_bytes"] < rows[0]["temp_bytes"]  # the sequence axis splits the activations
     assert all(r["step_seconds"] > 0 for r in rows)
     assert "| rope | 2 |" in capsys.readouterr().out
+
+
+def test_ring_attention_runs(capsys):
+    rows = load("ring_attention").main(["--seq-len", "256", "--devices", "2", "--steps", "0", "--heads", "2",
+                                        "--block-size", "64"])
+    assert [(r["impl"], r["devices"]) for r in rows] == [("blockwise", 2), ("ring", 2)]
+    assert rows[1]["total_bytes"] < rows[0]["total_bytes"]  # the ring keeps half the keys and values
+    assert "| 2 |" in capsys.readouterr().out
