@@ -5,7 +5,8 @@ L_k = U [(+)_u lambda_{k,u} J (+) 0_{d_null}] U^T for one shared orthogonal basi
 commute by construction; plane u turns by theta_u(r) = beta_u . r with beta_u in R^{d_c}
 (beta: [m, d_c]) and R_STR(r) = expm(sum_k r_k L_k) = U [(+)_u R2(theta_u(r)) (+) I] U^T.
 In U coordinates the active planes are the interleaved pairs (2u, 2u + 1) of the first
-d_act = 2m coordinates, the last d_null = d_h - 2m are null.
+d_act = 2m coordinates, the last d_null = d_h - 2m are null (`carry` hands them out in half
+layout, plane u at (u, m + u)).
 
 Score (T4.4): alpha_ij = (2m)^-1/2 q~_i . k~_j with q~ = Pi_act R_STR(r) P Pi_act q, where
 P = (I - S)(I + S)^-1 is the Cayley post-rotation of a skew S and Pi_act = U_a U_a^T
@@ -201,15 +202,22 @@ def read_in(basis: jax.Array, post: jax.Array, num_planes: int) -> jax.Array:
     return ua.T @ post @ ua @ ua.T
 
 
+def half_layout(w: jax.Array, axis: int = 0) -> jax.Array:
+    """Plane u's two axes (2u, 2u + 1) moved to (u, m + u) along `axis`."""
+    return jnp.concatenate([jax.lax.slice_in_dim(w, i, None, 2, axis) for i in (0, 1)], axis)
+
+
 def carry(x: jax.Array, readin: jax.Array, angles: jax.Array) -> jax.Array:
-    """z = R2(theta) W x: x [B, T, H, D], W [2m, D], angles [B, T, 1, m] -> [B, T, H, 2m] fp32."""
-    y = jnp.einsum("bthd,ed->bthe", x.astype(jnp.float32), readin.astype(jnp.float32),
+    """z = R2(theta) W x: x [B, T, H, D], W [2m, D], angles [B, T, 1, m] -> [B, T, H, 2m] fp32,
+    plane u at coordinates (u, m + u) (`half_layout`: contiguous halves rotate faster than
+    strided pairs; dot products of carried vectors do not see the order)."""
+    y = jnp.einsum("bthd,ed->bthe", x.astype(jnp.float32), half_layout(readin.astype(jnp.float32)),
                    precision=jax.lax.Precision.HIGHEST)
-    return rotate(y, angles, "interleaved")
+    return rotate(y, angles, "half")
 
 
 def carry_relaxed(x: jax.Array, post: jax.Array, basis: jax.Array, rot: jax.Array) -> jax.Array:
-    """z = U_a^T R(r) P Pi_act x for any rotations R(r): -> [B, T, H, 2m] fp32.
+    """z = U_a^T R(r) P Pi_act x for any rotations R(r): -> [B, T, H, 2m] fp32 (half layout).
 
     x [B, T, H, D]; post = P Pi_act [D, D]; basis = U_a [D, 2m]; rot [B, T, D, D]. With
     commuting plane generators U_a^T R(r) = R2(theta) U_a^T and this equals `carry`.
@@ -217,7 +225,7 @@ def carry_relaxed(x: jax.Array, post: jax.Array, basis: jax.Array, rot: jax.Arra
     hi = jax.lax.Precision.HIGHEST
     y = jnp.einsum("bthd,ed->bthe", x.astype(jnp.float32), post, precision=hi)
     y = jnp.einsum("btij,bthj->bthi", rot, y, precision=hi)
-    return jnp.einsum("ia,bthi->btha", basis, y, precision=hi)
+    return jnp.einsum("ia,bthi->btha", half_layout(basis, 1), y, precision=hi)
 
 
 # ---- positive random features -------------------------------------------------------------------

@@ -91,8 +91,12 @@ def scores(scheme_transform, q, k):
 
 
 def transformed(scheme, features, q, k, positions):
+    """Carried q, k with plane u back at coordinates (2u, 2u + 1) (carry uses the half layout)."""
     tq, tk, _ = scheme.transform(q, k, k, features, positions)
-    return np.asarray(tq, np.float64), np.asarray(tk, np.float64)
+    m = scheme.planes
+    pairs = np.stack([np.arange(m), m + np.arange(m)], 1).ravel()
+    order = np.concatenate([pairs, np.arange(2 * m, q.shape[-1])])
+    return np.asarray(tq, np.float64)[..., order], np.asarray(tk, np.float64)[..., order]
 
 
 def espr_features(u, post, beta, m):
