@@ -187,7 +187,7 @@ def _ring(q, k, v, **kwargs) -> jax.Array:
     return mesh_ring_attention(q, k, v, **kwargs)
 
 
-# "ring": over the mesh in JAX's mesh context, else blockwise (positional/ring.py).
+# "ring": over the mesh of the enclosing ring_mesh context, else blockwise (positional/ring.py).
 IMPLEMENTATIONS = {"reference": reference_attention, "blockwise": blockwise_attention, "ring": _ring}
 
 

@@ -232,7 +232,9 @@ def ring_attention(q, k, v, *, mesh, axis: str = "sequence", bias_fn: BiasFn | N
 
         zero_kv = jnp.zeros(k.shape, f32)
         init = (jnp.zeros(qg.shape, f32), dfeat0, (k, v, seg, zero_kv, zero_kv))
-        (dq, dfeat, (_, _, _, dk, dv)), _ = jax.lax.scan(step, init, jnp.arange(n))  # n passes: home again
+        (dq, dfeat, (kk, vv, sk, dk, dv)), _ = jax.lax.scan(step, init, jnp.arange(n - 1))
+        dq, dfeat, dk, dv = visit(dq, dfeat, kk, vv, sk, dk, dv, (me - n + 1) % n)
+        dk, dv = jax.lax.ppermute((dk, dv), axis, ring)  # the n-th pass takes dk, dv home, not k, v
         it = iter(jax.lax.psum(dfeat, tuple(mesh.axis_names)))
         dfeat = [next(it) if fl else np.zeros(x.shape, jax.dtypes.float0) for x, fl in zip(leaves, floats)]
         return dq.reshape(q.shape), dk, dv, jax.tree.unflatten(tree, dfeat)
