@@ -1,5 +1,6 @@
 """RoPE, its extensions and ALiBi against their definitions, with hand-computed values."""
 
+import functools
 import math
 
 import jax
@@ -38,6 +39,53 @@ def test_half_layout_is_interleaved_up_to_a_permutation():
     half = rotate(x, angles, "half")
     inter = rotate(x[..., perm], angles, "interleaved")
     np.testing.assert_allclose(half[..., perm], inter, atol=1e-6)
+
+
+def rotate_by_complex_numbers(x, angles, layout):
+    """The rotation as complex multiplication, differentiated by JAX's own autodiff."""
+    if layout == "half":
+        x1, x2 = jnp.split(x, 2, axis=-1)
+    else:
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+    z = (x1 + 1j * x2) * jnp.exp(1j * angles)
+    if layout == "half":
+        return jnp.concatenate([z.real, z.imag], axis=-1)
+    return jnp.stack([z.real, z.imag], axis=-1).reshape(*z.shape[:-1], -1)
+
+
+@pytest.mark.parametrize("layout", ["half", "interleaved"])
+@pytest.mark.parametrize("x_shape, angle_shape", [((2, 5, 3, 8), (2, 5, 1, 4)),  # shared by heads
+                                                  ((2, 5, 3, 8), (5, 1, 4)),  # shared by rows too
+                                                  ((2, 5, 1, 8), (2, 5, 3, 4)),  # x broadcast
+                                                  ((2, 5, 3, 8), (2, 5, 3, 4))])
+def test_rotate_gradients_match_autodiff_of_the_definition(layout, x_shape, angle_shape):
+    """rotate's written-out VJP (angle cotangent from the saved output) against autodiff."""
+    kx, ka, kg = jax.random.split(jax.random.key(1), 3)
+    x, angles = normal(kx, x_shape), normal(ka, angle_shape)
+    out_shape = jnp.broadcast_shapes(x_shape[:-1], angle_shape[:-1]) + x_shape[-1:]
+    g = normal(kg, out_shape)
+
+    def loss(fn, x, angles):
+        return jnp.sum(fn(x, angles, layout) * g)
+
+    want = jax.grad(lambda x, a: loss(rotate_by_complex_numbers, x, a), (0, 1))(x, angles)
+    got = jax.grad(lambda x, a: loss(rotate, x, a), (0, 1))(x, angles)
+    want_y = rotate_by_complex_numbers(x, angles, layout)
+    np.testing.assert_allclose(rotate(x, angles, layout), want_y, atol=1e-6)
+    for w, o in zip(want, got):
+        assert o.shape == w.shape
+        np.testing.assert_allclose(o, w, atol=2e-5)
+    # inverse=True is the rotation by -angles, gradients included.
+    inverse = functools.partial(rotate, inverse=True)
+    inv = jax.grad(lambda x, a: loss(inverse, x, a), (0, 1))(x, angles)
+    want_inv = jax.grad(lambda x, a: loss(rotate_by_complex_numbers, x, -a), (0, 1))(x, angles)
+    for w, o in zip(want_inv, inv):
+        np.testing.assert_allclose(o, w, atol=2e-5)
+    # bf16 input: the output and the input cotangent stay bf16, the angle cotangent fp32.
+    dx, da = jax.grad(lambda x, a: jnp.sum(rotate(x, a, layout).astype(jnp.float32) * g), (0, 1))(
+        x.astype(jnp.bfloat16), angles)
+    assert dx.dtype == jnp.bfloat16 and da.dtype == jnp.float32
+    np.testing.assert_allclose(da, want[1], atol=0.05 * float(jnp.abs(want[1]).max()))
 
 
 @pytest.mark.parametrize("layout", ["half", "interleaved"])
