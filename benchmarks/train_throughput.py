@@ -11,7 +11,9 @@ train.py's: forward + backward through `token_nll`, then the AdamW update from
 `train.make_optimizer`. Random token batches stand in for data, since the data pipeline is not
 what is measured. All schemes are compiled first, then timed in interleaved rounds (the order
 rotates each round) so that load from other jobs on a shared machine falls on all of them
-alike; the median round per scheme is reported.
+alike; the median round per scheme is reported. The process's CPU time is reported beside the
+wall clock: on a shared machine, time spent descheduled inflates the wall clock of whichever
+scheme it hits but not its CPU time, so the CPU-time ratio is the steadier of the two.
 """
 
 from __future__ import annotations
@@ -65,22 +67,27 @@ def make_step(scheme: str, impl: str, block_size: int = 512) -> tuple[Callable, 
 
 
 def time_steps(step: Callable, state, batches: list, n: int):
-    """Run n steps, cycling through batches; returns (state, seconds)."""
-    t0 = time.perf_counter()
+    """Run n steps, cycling through batches; returns (state, wall seconds, CPU seconds)."""
+    t0, c0 = time.perf_counter(), time.process_time()
     for i in range(n):
         state, loss = step(state, batches[i % len(batches)])
     jax.block_until_ready((state, loss))
-    return state, time.perf_counter() - t0
+    return state, time.perf_counter() - t0, time.process_time() - c0
 
 
-def markdown(results: dict[str, list[float]]) -> str:
-    base = statistics.median(results[BASELINE]) if BASELINE in results else None
-    lines = [f"| scheme | tokens/s (median) | min - max over rounds | ratio to {BASELINE} |",
-             "|---|---:|---:|---:|"]
+def markdown(results: dict[str, list[float]], cpu: dict[str, list[float]]) -> str:
+    """results: tokens per wall second per round; cpu: tokens per CPU second per round."""
+    def ratio(d, name):
+        if BASELINE not in d:
+            return "n/a"
+        return f"{statistics.median(d[name]) / statistics.median(d[BASELINE]):.2f}"
+
+    lines = [f"| scheme | tokens/s (median) | min - max over rounds | ratio to {BASELINE} | "
+             f"tokens per CPU-s (median) | ratio to {BASELINE} (CPU time) |",
+             "|---|---:|---:|---:|---:|---:|"]
     for name, rates in results.items():
-        med = statistics.median(rates)
-        ratio = f"{med / base:.2f}" if base else "n/a"
-        lines.append(f"| {name} | {med:,.0f} | {min(rates):,.0f} - {max(rates):,.0f} | {ratio} |")
+        lines.append(f"| {name} | {statistics.median(rates):,.0f} | {min(rates):,.0f} - {max(rates):,.0f} | "
+                     f"{ratio(results, name)} | {statistics.median(cpu[name]):,.0f} | {ratio(cpu, name)} |")
     return "\n".join(lines)
 
 
@@ -109,20 +116,22 @@ def main(argv: list[str] | None = None) -> dict[str, list[float]]:
         t0 = time.perf_counter()
         name, _, impl = s.partition("@")
         steps[s], states[s] = make_step(name, impl or args.impl, args.block_size)
-        states[s], _ = time_steps(steps[s], states[s], batches, 1 + args.warmup)  # compile + warm up
+        states[s] = time_steps(steps[s], states[s], batches, 1 + args.warmup)[0]  # compile + warm up
         print(f"# {s}: compile + {args.warmup} warm-up steps {time.perf_counter() - t0:.1f} s",
               file=sys.stderr, flush=True)
 
     tokens = args.batch * args.seq_len * args.steps
     results: dict[str, list[float]] = {s: [] for s in schemes}
+    cpu: dict[str, list[float]] = {s: [] for s in schemes}
     for r in range(args.rounds):
         for s in schemes[r % len(schemes):] + schemes[:r % len(schemes)]:
-            states[s], seconds = time_steps(steps[s], states[s], batches, args.steps)
+            states[s], seconds, cpu_seconds = time_steps(steps[s], states[s], batches, args.steps)
             results[s].append(tokens / seconds)
+            cpu[s].append(tokens / cpu_seconds)
 
     print(f"batch {args.batch} x seq_len {args.seq_len}, impl {args.impl}, {args.steps} steps x "
           f"{args.rounds} rounds, jax {jax.__version__} on {jax.devices()[0].platform}\n")
-    print(markdown(results))
+    print(markdown(results, cpu))
     return results
 
 

@@ -22,7 +22,8 @@ def test_train_throughput_runs(capsys):
          "--rounds", "2", "--warmup", "0", "--block-size", "16"])
     assert set(results) == {"rope", "alibi", "path@blockwise"}
     assert all(len(r) == 2 and min(r) > 0 for r in results.values())
-    assert "| alibi |" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "| alibi |" in out and "ratio to rope (CPU time)" in out
 
 
 def test_long_context_runs(capsys):
