@@ -74,3 +74,10 @@ def test_ring_attention_runs(capsys):
     assert [(r["impl"], r["devices"]) for r in rows] == [("blockwise", 2), ("ring", 2)]
     assert rows[1]["total_bytes"] < rows[0]["total_bytes"]  # the ring keeps half the keys and values
     assert "| 2 |" in capsys.readouterr().out
+
+
+def test_rotation_benchmark_runs(capsys):
+    rows = load("rotation").main(["--shape", "2,16,2,8", "--repeats", "1"])
+    assert set(rows) == {"forward", "fwd + bwd (x)", "fwd + bwd (x, angles)"}
+    assert all(t > 0 for row in rows.values() for t in row.values())
+    assert "| fwd + bwd (x, angles) |" in capsys.readouterr().out
