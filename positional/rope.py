@@ -112,7 +112,7 @@ def rotate(x: jax.Array, angles: jax.Array, layout: str = "half", inverse: bool 
     (`_rotate_bwd`): the rotation's derivative in its angle is J y (J the quarter turn, y the
     output), so the angle cotangent reads the saved output, which attention keeps anyway.
     XLA's own transpose re-sliced x and the cotangent into pair-half temporaries. With
-    `_cos_sin`, this is 4x faster than the plain form on CPU and brought the learned-angle
+    `_cos_sin`, this is 1.6-4.6x faster than the plain form on CPU and brought the learned-angle
     Q/K/V schemes from 0.86 to 0.94 of RoPE's training speed (benchmarks/RESULTS.md).
     """
     return _rotate(x, angles, layout, x.shape, -1.0 if inverse else 1.0)
