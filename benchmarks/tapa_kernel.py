@@ -29,8 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from positional.attention import blockwise_attention, reference_attention
-from positional.kernels.tapa_attention import tapa_attention
-from positional.tapa import tapa_score_fn
+from positional.tapa import tapa_attention, tapa_score_fn
 
 
 def rel(a, b):

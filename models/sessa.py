@@ -13,7 +13,7 @@ Mixers (`ModelConfig.mixer`), all [B, T, D] -> [B, T, D]:
               tanh(w_g . abar_t + b_g), b_g initialised to 1.0 as the official code does.
   sessa_nofb  the ablation B = 0 (s = f): the feedback branch removed, the rest unchanged.
   transformer the attention mixer alone, to be matched to Sessa in parameters by width
-              (`param_count`, `matched_width`); at equal width it is sessa_nofb.
+              (`models.lm.param_count`, `matched_width`); at equal width it is sessa_nofb.
   mamba2      a Mamba2-style selective SSM: causal depthwise conv + SiLU on (x, B, C),
               per-head dt = softplus(.), a_t = exp(-dt exp(A_log)), scalar decay per head,
               h_t = a_t h_{t-1} + dt_t x_t B_t^T, y_t = h_t C_t + D x_t, by the chunked SSD
@@ -27,13 +27,13 @@ feedback keys and past s; mamba2 carries its fixed-size state and the last conv 
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from models.layers import Attention
 from positional.feedback import decode_solve, feedback_solve, gain
 
 SESSA_DEFAULTS = {"gamma_max": 0.999, "feedback_dim": 0, "solve": "reference", "solve_block": 256}
@@ -56,11 +56,10 @@ def _dense(din, dout, cfg, rngs, bias=True):
 
 # ---- attention and Sessa -----------------------------------------------------------------------
 class AttentionMixer(nnx.Module):
-    """f = causal multi-head attention (models.lm.Attention, any registered scheme); with
+    """f = causal multi-head attention (models.layers.Attention, any registered scheme); with
     `feedback`, s = (I - B)^{-1} f in fp32."""
 
     def __init__(self, cfg, *, feedback: bool, rngs: nnx.Rngs):
-        from models.lm import Attention  # models.lm builds these blocks
         self.attn = Attention(cfg, rngs=rngs)
         self.feedback = feedback
         if not feedback:
@@ -95,7 +94,7 @@ class AttentionMixer(nnx.Module):
                 "s": jnp.zeros((batch, max_len, cfg.d_model), jnp.float32)}
 
     def decode(self, abar, cache, **kw):
-        """kw (tokens, rng, positions) as `models.lm.Attention.decode` takes them."""
+        """kw (tokens, rng, positions) as `models.layers.Attention.decode` takes them."""
         index = cache["index"]
         f, cache = self.attn.decode(abar, cache, **kw)
         if not self.feedback:
@@ -251,24 +250,3 @@ class MacroBlock(nnx.Module):
         abar, g = self._gate_inputs(x)
         s, cache = self.mixer.decode(abar, cache, **kw)
         return x + self.out_proj(s * g), cache
-
-
-def param_count(cfg) -> int:
-    """Parameters of the whole DecoderLM for `cfg`, counted without allocating them."""
-    from models.lm import DecoderLM
-    state = nnx.state(nnx.eval_shape(lambda: DecoderLM(cfg, rngs=nnx.Rngs(0))), nnx.Param)
-    return sum(math.prod(x.shape) for x in jax.tree.leaves(state))
-
-
-def matched_width(cfg, mixer: str, target: int, *, multiple: int = 0) -> int:
-    """The d_model (a multiple of `multiple`, default 2 * num_heads) whose `mixer` model has the
-    parameter count closest to `target`, everything else as in `cfg`."""
-    step = multiple or 2 * cfg.num_heads
-    count = lambda d: param_count(dataclasses.replace(cfg, mixer=mixer, d_model=d))  # noqa: E731
-    lo, hi = step, step
-    while count(hi) < target:  # parameter counts grow with width: bracket, then bisect
-        lo, hi = hi, hi * 2
-    while hi - lo > step:
-        mid = (lo + hi) // 2 // step * step
-        lo, hi = (mid, hi) if count(mid) < target else (lo, mid)
-    return min((lo, hi), key=lambda d: abs(count(d) - target))

@@ -1,198 +1,30 @@
-"""Causal softmax attention: a reference and a blockwise (online-softmax) implementation; a
-ring one over a device mesh, built on the blockwise one, is in positional/ring.py.
+"""The attention dispatcher: one call, an implementation chosen by name.
 
-Shapes: q [B, T, H, D]; k, v [B, S, K, D] with H % K == 0 (grouped-query attention: query head
-h reads key/value head h // (H // K)). Query t sits at absolute index `q_offset + t`, key s at
-index s, and query i sees key j iff j <= i (and, with segment ids, both are in the same
-segment). `q_offset` lets the same function serve decoding, where S is the cache length.
+    attention(q, k, v, impl="blockwise", bias_fn=..., segment_ids=...)
 
-Schemes that change the score pass `bias_fn(qi, kj) -> [B or 1, H or 1, len(qi), len(kj)]`, an
-additive logit bias evaluated on index vectors, so the blockwise version only ever builds one
-block of it. Schemes whose logit is not a dot product (TAPA) pass `score_fn(qb, kb, qi, kj)`,
-which replaces `scale * q.k` for one block: qb [B, tq, K, G, D], kb [B, tk, K, D] ->
-[B, K, G, tq, tk] fp32. Scores, softmax statistics and the output accumulation are fp32 whatever the
-input dtype; the output has q's dtype.
+Implementations (same arguments, same semantics; see positional/softmax.py for the shapes and
+the bias and score hooks):
+  "reference"  materialises the [B, H, T, S] scores (positional/softmax.py);
+  "blockwise"  online softmax over key blocks, O(T * block) memory (positional/softmax.py);
+  "ring"       the sequence split over the `sequence` axis of the enclosing `ring_mesh`, keys
+               and values passed around the ring (positional/ring.py); blockwise elsewhere.
+
+This module sits above every implementation it names, so none of them imports it.
 """
 
 from __future__ import annotations
 
-from typing import Callable
-
 import jax
-import jax.numpy as jnp
 
-BiasFn = Callable[[jax.Array, jax.Array], jax.Array]
-ScoreFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
-MASKED = -1e30  # finite, so a row is never all -inf and never NaN
+from positional.ring import mesh_ring_attention
+from positional.softmax import blockwise_attention, reference_attention
 
-
-def _check_shapes(q, k, v, segment_ids):
-    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
-        raise ValueError(f"attention expects [B, T, H, D] arrays, got q{q.shape} k{k.shape} v{v.shape}")
-    if k.shape != v.shape[:3] + (k.shape[3],) or q.shape[-1] != k.shape[-1]:
-        raise ValueError(f"incompatible q{q.shape} k{k.shape} v{v.shape}: key/value lengths and heads, "
-                         "and query/key head_dim must match")
-    if q.shape[2] % k.shape[2]:
-        raise ValueError(f"num query heads {q.shape[2]} is not a multiple of num kv heads {k.shape[2]}")
-    if segment_ids is not None and (segment_ids.shape != q.shape[:2] or q.shape[1] != k.shape[1]):
-        raise ValueError(f"segment_ids {segment_ids.shape} must be [B, T] with T = key length "
-                         f"(q{q.shape}, k{k.shape})")
-
-
-def _mask(qi, kj, seg_q, seg_k):
-    """Boolean [B or 1, 1, tq, tk]: causal and same-segment."""
-    m = (kj[None, :] <= qi[:, None])[None, None]
-    if seg_q is not None:
-        m = m & (seg_q[:, None, :, None] == seg_k[:, None, None, :])
-    return m
-
-
-def _scores(qb, kb, qi, kj, bias_fn, scale, score_fn):
-    """Scores of one query block against one key block: [B, K, G, tq, tk] in fp32."""
-    b, tq, kh, g, _ = qb.shape
-    if score_fn is None:
-        s = jnp.einsum("btkgd,bskd->bkgts", qb, kb, preferred_element_type=jnp.float32) * scale
-    else:
-        s = score_fn(qb, kb, qi, kj)
-    if bias_fn is not None:
-        bias = bias_fn(qi, kj).astype(jnp.float32)
-        bias = jnp.broadcast_to(bias, (bias.shape[0], kh * g, tq, kj.shape[0]))
-        s = s + bias.reshape(bias.shape[0], kh, g, tq, kj.shape[0])
-    return s
-
-
-def attention_logits(q, k, *, bias_fn: BiasFn | None = None, q_offset=0, scale: float | None = None,
-                     score_fn: ScoreFn | None = None) -> jax.Array:
-    """Every query's score of every key [B, K, G, T, S] (fp32, no mask), query head h = k * G + g."""
-    b, t, h, d = q.shape
-    kh = k.shape[2]
-    scale = d ** -0.5 if scale is None else scale
-    return _scores(q.reshape(b, t, kh, h // kh, d), k, q_offset + jnp.arange(t), jnp.arange(k.shape[1]),
-                   bias_fn, scale, score_fn)
-
-
-def causal_softmax(logits, segment_ids=None, q_offset=0) -> jax.Array:
-    """Softmax over the keys each query sees, of logits [B, K, G, T, S]."""
-    qi, kj = q_offset + jnp.arange(logits.shape[-2]), jnp.arange(logits.shape[-1])
-    mask = _mask(qi, kj, segment_ids, segment_ids)[:, :, None]
-    return jax.nn.softmax(jnp.where(mask, logits, MASKED), axis=-1)
-
-
-def attention_weights(q, k, *, bias_fn: BiasFn | None = None, segment_ids=None, q_offset=0,
-                      scale: float | None = None, score_fn: ScoreFn | None = None) -> jax.Array:
-    """Softmax attention weights [B, K, G, T, S] (fp32), query head h = k * G + g."""
-    s = attention_logits(q, k, bias_fn=bias_fn, q_offset=q_offset, scale=scale, score_fn=score_fn)
-    return causal_softmax(s, segment_ids, q_offset)
-
-
-def reference_attention(q, k, v, *, bias_fn: BiasFn | None = None, segment_ids=None,
-                        q_offset=0, scale: float | None = None, score_fn: ScoreFn | None = None
-                        ) -> jax.Array:
-    """Obviously correct causal attention; materialises the [B, H, T, S] score matrix."""
-    _check_shapes(q, k, v, segment_ids)
-    p = attention_weights(q, k, bias_fn=bias_fn, segment_ids=segment_ids, q_offset=q_offset, scale=scale,
-                          score_fn=score_fn)
-    o = jnp.einsum("bkgts,bskd->btkgd", p, v.astype(jnp.float32))
-    return o.reshape(q.shape).astype(q.dtype)
-
-
-def blockwise_attention(q, k, v, *, bias_fn: BiasFn | None = None, segment_ids=None,
-                        q_offset=0, scale: float | None = None, score_fn: ScoreFn | None = None,
-                        block_size: int = 512) -> jax.Array:
-    """Online-softmax attention over key blocks, for each query block in turn.
-
-    Memory is O(B * H * block_size^2) for scores plus O(T * D) for the output, in the forward
-    and, because both loops are rematerialised, in the backward too. Key blocks wholly in the
-    future of a query block are skipped (no FLOPs spent on them).
-    """
-    _check_shapes(q, k, v, segment_ids)
-    out, _ = blockwise_lse(q, k, v, bias_fn=bias_fn, segment_ids=segment_ids, q_offset=q_offset, scale=scale,
-                           score_fn=score_fn, block_size=block_size)
-    return out.astype(q.dtype)
-
-
-def blockwise_lse(q, k, v, *, bias_fn: BiasFn | None = None, segment_ids=None, key_segment_ids=None,
-                  q_offset=0, k_offset=0, scale: float | None = None, score_fn: ScoreFn | None = None,
-                  block_size: int = 512) -> tuple[jax.Array, jax.Array]:
-    """`blockwise_attention` with keys at indices k_offset + s, returning fp32 (out [B, T, H, D],
-    lse [B, T, H]), lse the log-sum-exp of each row's masked scores: results over disjoint key
-    sets merge by it (positional/ring.py). segment_ids [B, T] are the queries', key_segment_ids
-    [B, S] the keys' (default: the same array). Every query block must see the first key
-    block (k_offset <= q_offset); a query whose visible keys are all masked gets lse ~ MASKED.
-    """
-    b, t, h, d = q.shape
-    s_len, kh = k.shape[1], k.shape[2]
-    g = h // kh
-    scale = d ** -0.5 if scale is None else scale
-    key_segment_ids = segment_ids if key_segment_ids is None else key_segment_ids
-    bq, bk = min(block_size, t), min(block_size, s_len)
-    nq, nk = -(-t // bq), -(-s_len // bk)
-    # Pad to whole blocks. Padded keys get index >= s_len... they are masked by giving them a
-    # segment id no query has; padded queries are dropped at the end.
-    pad_q, pad_k = nq * bq - t, nk * bk - s_len
-    qg = jnp.pad(q.reshape(b, t, kh, g, d), ((0, 0), (0, pad_q), (0, 0), (0, 0), (0, 0)))
-    kp = jnp.pad(k, ((0, 0), (0, pad_k), (0, 0), (0, 0)))
-    vp = jnp.pad(v, ((0, 0), (0, pad_k), (0, 0), (0, 0)))
-    key_valid = jnp.arange(nk * bk) < s_len
-    if segment_ids is None:
-        seg_q = jnp.zeros((1, nq * bq), jnp.int32)
-        seg_k = jnp.where(key_valid, 0, -1)[None]
-    else:
-        seg_q = jnp.pad(segment_ids, ((0, 0), (0, pad_q)))
-        seg_k = jnp.where(key_valid[None], jnp.pad(key_segment_ids, ((0, 0), (0, pad_k))), -1)
-
-    def query_block(iq):
-        q0 = iq * bq
-        qb = jax.lax.dynamic_slice_in_dim(qg, q0, bq, axis=1)
-        sq = jax.lax.dynamic_slice_in_dim(seg_q, q0, bq, axis=1)
-        qi = q_offset + q0 + jnp.arange(bq)
-
-        def key_block(carry, ik):
-            def update(carry):
-                o, m, row_sum = carry
-                k0 = ik * bk
-                kb = jax.lax.dynamic_slice_in_dim(kp, k0, bk, axis=1)
-                vb = jax.lax.dynamic_slice_in_dim(vp, k0, bk, axis=1)
-                sk = jax.lax.dynamic_slice_in_dim(seg_k, k0, bk, axis=1)
-                kj = k_offset + k0 + jnp.arange(bk)
-                s = _scores(qb, kb, qi, kj, bias_fn, scale, score_fn)
-                s = jnp.where(_mask(qi, kj, sq, sk)[:, :, None], s, MASKED)
-                m_new = jnp.maximum(m, s.max(-1))
-                p = jnp.exp(s - m_new[..., None])
-                corr = jnp.exp(m - m_new)
-                row_sum_new = row_sum * corr + p.sum(-1)
-                o_new = o * corr[..., None] + jnp.einsum("bkgts,bskd->bkgtd", p, vb.astype(jnp.float32))
-                return o_new, m_new, row_sum_new
-
-            # A key block strictly after the last query of this block contributes nothing.
-            visible = k_offset + ik * bk <= q_offset + q0 + bq - 1
-            return jax.lax.cond(visible, jax.checkpoint(update), lambda c: c, carry), None
-
-        init = (jnp.zeros((b, kh, g, bq, d), jnp.float32),
-                jnp.full((b, kh, g, bq), MASKED, jnp.float32),
-                jnp.zeros((b, kh, g, bq), jnp.float32))
-        (o, m, row_sum), _ = jax.lax.scan(key_block, init, jnp.arange(nk))
-        # row_sum >= 1 for every real query: the first key block is visible (masked keys count
-        # until a visible one resets them, and blockwise_attention's queries always see themselves).
-        return o / row_sum[..., None], m + jnp.log(row_sum)
-
-    o, lse = jax.lax.map(jax.checkpoint(query_block), jnp.arange(nq))  # [nq, B, K, G, bq, (D)]
-    o = jnp.moveaxis(o, 0, 3).reshape(b, kh, g, nq * bq, d)[:, :, :, :t]
-    lse = jnp.moveaxis(lse, 0, 3).reshape(b, h, nq * bq)[:, :, :t]
-    return jnp.moveaxis(o, 3, 1).reshape(b, t, h, d), jnp.moveaxis(lse, 2, 1)
-
-
-def _ring(q, k, v, **kwargs) -> jax.Array:
-    from positional.ring import mesh_ring_attention  # it builds on blockwise_lse above
-    return mesh_ring_attention(q, k, v, **kwargs)
-
-
-# "ring": over the mesh of the enclosing ring_mesh context, else blockwise (positional/ring.py).
-IMPLEMENTATIONS = {"reference": reference_attention, "blockwise": blockwise_attention, "ring": _ring}
+IMPLEMENTATIONS = {"reference": reference_attention, "blockwise": blockwise_attention,
+                   "ring": mesh_ring_attention}
 
 
 def attention(q, k, v, *, impl: str = "reference", **kwargs) -> jax.Array:
-    """Dispatch to an implementation by name ("reference", "blockwise" or "ring")."""
+    """Dispatch to an implementation by name (a key of IMPLEMENTATIONS)."""
     if impl not in IMPLEMENTATIONS:
         raise ValueError(f"unknown attention impl {impl!r}; valid: {sorted(IMPLEMENTATIONS)}")
     if impl == "reference":

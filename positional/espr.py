@@ -40,10 +40,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from positional.attention import _check_shapes
-from positional import so2
+from positional.angles import wrap
 from positional.rope import rope_frequencies, rotate
 from positional.scheme import Scheme
+from positional.softmax import check_shapes
 
 # ---- generators, rotations, Cayley --------------------------------------------------------------
 
@@ -101,7 +101,7 @@ def plane_angles(positions: jax.Array, beta: jax.Array) -> jax.Array:
     far the position: a plain fp32 product at r = 65,536 is off by up to 2e-3 rad.
     """
     p, e = _two_product(positions.astype(jnp.float32)[..., None, :], beta.astype(jnp.float32))
-    return so2.wrap(jnp.sum(so2.wrap(p) + e, -1))[:, :, None, :]
+    return wrap(jnp.sum(wrap(p) + e, -1))[:, :, None, :]
 
 
 def skew(a: jax.Array) -> jax.Array:
@@ -273,7 +273,7 @@ def rf_reference(q, k, v, w, *, segment_ids=None, q_offset: int = 0) -> jax.Arra
 
     q [B, T, H, d], k [B, S, K, d], v [B, S, K, dv], w [n, d] -> [B, T, H, dv] (v's dtype).
     """
-    _check_shapes(q, k, v, segment_ids)
+    check_shapes(q, k, v, segment_ids)
     b, t, h, d = q.shape
     kh = k.shape[2]
     lq, lk = _log_features(q.reshape(b, t, kh, h // kh, d), k, w)

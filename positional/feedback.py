@@ -18,7 +18,8 @@ Three implementations, all fp32 whatever the input dtype, returning s in fp32:
         dgamma_t = sum_j alpha[t, j] dB[t, j] = <lambda_t, h_t>,  h_t = sum_j alpha[t, j] s_j,
         dlogit[t, j] = gamma_t alpha[t, j] (dB[t, j] - dgamma_t)     (the softmax VJP),
     with h saved by the forward so dgamma needs no division by gamma.
-  - the Pallas kernel in `positional/kernels/feedback_solve.py` (same tiles, same backward).
+  - the Pallas kernel in `positional/kernels/feedback_solve.py` (same tiles, same backward;
+    the tile functions live there and the blocked solve here imports them).
 `decode_solve` extends a solved prefix by n new tokens, for recurrent decoding.
 
 Shapes: qb, kb [B, T, dk]; gamma [B, T]; f [B, T, D].
@@ -32,8 +33,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from positional.attention import MASKED
+from positional.kernels.feedback_solve import (alpha_tile, check_inputs, dlogit_tile, dot, feedback_solve_pallas,
+                                              lse_finish, lse_update)
 from positional.linalg import solve_unit_lower
+from positional.softmax import MASKED
 
 IMPLEMENTATIONS = ("reference", "blocked", "pallas")
 
@@ -48,19 +51,6 @@ def gain(z: jax.Array, gamma_max: float) -> jax.Array:
     """gamma_t = gamma_max tanh(z_t), in fp32; z [B, T] is w_g . abar_t + b_g."""
     check_gamma_max(gamma_max)
     return gamma_max * jnp.tanh(z.astype(jnp.float32))
-
-
-def check_inputs(qb, kb, gamma, f) -> None:
-    """Raise naming the argument when shapes do not fit together."""
-    if qb.ndim != 3 or kb.ndim != 3 or f.ndim != 3:
-        raise ValueError(f"feedback solve expects qb, kb [B, T, dk] and f [B, T, D]; got qb{qb.shape} "
-                         f"kb{kb.shape} f{f.shape}")
-    if qb.shape[-1] != kb.shape[-1]:
-        raise ValueError(f"feedback head width mismatch: qb has width {qb.shape[-1]} but kb has "
-                         f"{kb.shape[-1]}; the feedback score qb_t . kb_j needs one width (feedback_dim)")
-    if qb.shape[:2] != kb.shape[:2] or qb.shape[:2] != f.shape[:2] or gamma.shape != qb.shape[:2]:
-        raise ValueError(f"feedback solve: qb{qb.shape}, kb{kb.shape}, gamma{gamma.shape} and f{f.shape} "
-                         "must share batch and time [B, T]")
 
 
 # ---- reference ---------------------------------------------------------------------------------
@@ -89,53 +79,6 @@ def solve_reference(qb, kb, gamma, f, segment_ids=None) -> jax.Array:
     t = qb.shape[1]
     i_minus_b = jnp.eye(t, dtype=jnp.float32) - feedback_matrix(qb, kb, gamma, segment_ids)
     return solve_unit_lower(i_minus_b, f.astype(jnp.float32))
-
-
-# ---- tiles, shared with the Pallas kernel (2-D arrays, no batch) --------------------------------
-def tile_logits(qb_i, kb_j, q0, k0, scale, seg=None):
-    """Logits scale qb_i . kb_j of one tile [tq, tk] fp32, and its strict-past mask.
-
-    qb_i [tq, dk] holds rows q0.., kb_j [tk, dk] rows k0..; the mask is key index < query index
-    (and, with seg = (query segment ids [tq, 1], key segment ids [1, tk]), the same segment).
-    `scale` is 1/sqrt(dk) of the unpadded width (the kernel zero-pads dk).
-    """
-    logits = dot(qb_i, kb_j, transpose_b=True) * scale
-    rows = q0 + lax.broadcasted_iota(jnp.int32, logits.shape, 0)
-    cols = k0 + lax.broadcasted_iota(jnp.int32, logits.shape, 1)
-    past = cols < rows
-    return logits, past if seg is None else past & (seg[0] == seg[1])
-
-
-def alpha_tile(qb_i, kb_j, lse_i, q0, k0, scale, seg=None):
-    """alpha of one tile [tq, tk] fp32 from the row log-sum-exp lse_i [tq, 1]."""
-    logits, past = tile_logits(qb_i, kb_j, q0, k0, scale, seg)
-    return jnp.where(past, jnp.exp(logits - lse_i), 0.0)
-
-
-def lse_update(carry, qb_i, kb_j, q0, k0, scale, seg=None):
-    """One online-softmax step of the row statistics (max m, sum row_sum), each [tq, 1]."""
-    m, row_sum = carry
-    logits, past = tile_logits(qb_i, kb_j, q0, k0, scale, seg)
-    logits = jnp.where(past, logits, MASKED)
-    m_new = jnp.maximum(m, logits.max(axis=1, keepdims=True))
-    p = jnp.where(past, jnp.exp(logits - m_new), 0.0)
-    return m_new, row_sum * jnp.exp(m - m_new) + p.sum(axis=1, keepdims=True)
-
-
-def lse_finish(m, row_sum):
-    """Row log-sum-exp; 0 for a row with no past (row 0), whose alpha is masked to 0 anyway."""
-    return jnp.where(row_sum > 0, m + jnp.log(jnp.where(row_sum > 0, row_sum, 1.0)), 0.0)
-
-
-def dot(a, b, *, transpose_a=False, transpose_b=False):
-    """a @ b, a^T @ b or a @ b^T of 2-D arrays, in fp32 at full precision."""
-    dims = (((0 if transpose_a else 1,), (1 if transpose_b else 0,)), ((), ()))
-    return lax.dot_general(a, b, dims, precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
-
-
-def dlogit_tile(a, g_i, dg_i, lam_i, s_j, scale):
-    """d loss / d(qb_i . kb_j) of one tile [tq, tk]: gamma_t alpha (<lambda_t, s_j> - dgamma_t) scale."""
-    return g_i * a * (dot(lam_i, s_j, transpose_b=True) - dg_i) * scale
 
 
 # ---- blocked forward substitution in plain JAX -------------------------------------------------
@@ -273,7 +216,6 @@ def feedback_solve(qb, kb, gamma, f, segment_ids=None, *, impl: str = "reference
         if segment_ids is not None:
             raise ValueError("the feedback solve Pallas kernel has no segment ids (packed sequences); "
                              "use impl='blocked' or 'reference'")
-        from positional.kernels.feedback_solve import feedback_solve_pallas
         return feedback_solve_pallas(qb, kb, gamma, f, block=block_size)
     raise ValueError(f"unknown feedback solve impl {impl!r}; valid: {', '.join(IMPLEMENTATIONS)}")
 

@@ -36,7 +36,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from positional.attention import MASKED, _check_shapes, attention
+from positional.attention import attention
+from positional.softmax import MASKED, check_shapes
 from positional.linalg import unit_lower_inverse
 from positional.scheme import Scheme
 
@@ -229,7 +230,7 @@ def chunked_attention(q, k, v, w, beta, *, bias_fn=None, segment_ids=None, chunk
     at a time (so one step's tiles stay in cache), and a group skips the distances that
     would take all its chunks before the start.
     """
-    _check_shapes(q, k, v, segment_ids)
+    check_shapes(q, k, v, segment_ids)
     check_transport(k, w, beta)
     b, t, h, d = q.shape
     kh = k.shape[2]

@@ -51,8 +51,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from positional.attention import (MASKED, BiasFn, ScoreFn, _check_shapes, _mask, _scores,
-                                  blockwise_attention, blockwise_lse)
+from positional.softmax import (MASKED, BiasFn, ScoreFn, block_scores, blockwise_attention, blockwise_lse,
+                                causal_mask, check_shapes)
 
 Hooks = Callable[[Any], tuple[BiasFn | None, ScoreFn | None]]
 
@@ -98,7 +98,7 @@ def ring_attention(q, k, v, *, mesh, axis: str = "sequence", bias_fn: BiasFn | N
     inside the shard_maps on `features` (a pytree of arrays, passed in replicated); plain
     bias_fn / score_fn closures are converted to that form (`jax.closure_convert`).
     """
-    _check_shapes(q, k, v, segment_ids)
+    check_shapes(q, k, v, segment_ids)
     b, t, h, d = q.shape
     kh = k.shape[2]
     n = mesh.shape[axis]
@@ -189,10 +189,10 @@ def ring_attention(q, k, v, *, mesh, axis: str = "sequence", bias_fn: BiasFn | N
                 it = iter(diff)
                 bias, score = local_hooks(jax.tree.unflatten(tree, [next(it) if fl else x
                                                                     for x, fl in zip(leaves, floats)]))
-                return _scores(qb, kb, qi, kj, bias, scale, score)
+                return block_scores(qb, kb, qi, kj, bias, scale, score)
 
             s, vjp = jax.vjp(scores, qg[:, i], kk[:, j], diff)
-            keep = _mask(qi, kj, seg_q[:, i], sk[:, j])[:, :, None]
+            keep = causal_mask(qi, kj, seg_q[:, i], sk[:, j])[:, :, None]
             lse_b, do_b = jnp.moveaxis(lse_g[:, i], 1, -1)[..., None], dog[:, i]
             p = jnp.where(keep, jnp.exp(s - lse_b), 0.0)  # [B, K, G, tq, tk]
             dp = jnp.einsum("btkgd,bskd->bkgts", do_b, vv[:, j])

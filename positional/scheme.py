@@ -33,8 +33,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from positional.attention import (IMPLEMENTATIONS, MASKED, BiasFn, ScoreFn, attention, attention_logits,
-                                 causal_softmax)
+from positional.attention import IMPLEMENTATIONS, attention
+from positional.softmax import MASKED, BiasFn, ScoreFn, attention_logits, causal_softmax
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,39 +18,16 @@ Shapes: psi, theta [B, T, nb]; q [B, T, H, D]; k, v [B, T, K, D]; segment_ids [B
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
 
+from positional.angles import wrap, wrapped_add
 from positional.rope import rope_frequencies, rotate_out, rotate_qkv
 from positional.scheme import Scheme
 
 
 STEP_SOURCES = ("random", "learned", "hidden")
-
-
-# 2 pi split Cody-Waite style: _TWO_PI_HI has few significant bits, so k * _TWO_PI_HI is exact
-# for the small integers k seen here, and _TWO_PI_LO carries the rest.
-_TWO_PI_HI = 6.28125
-_TWO_PI_LO = 2 * math.pi - _TWO_PI_HI
-
-
-def _turns(angle):
-    return jnp.floor(angle * (1 / (2 * math.pi)) + 0.5)
-
-
-def wrap(angle: jax.Array) -> jax.Array:
-    """Map angles into [-pi, pi), subtracting whole turns without a systematic error."""
-    k = _turns(angle)
-    return (angle - k * _TWO_PI_HI) - k * _TWO_PI_LO
-
-
-def _two_sum(a, b):
-    """a + b = s + e exactly (Knuth), in the input precision."""
-    s = a + b
-    bb = s - a
-    return s, (a - (s - bb)) + (b - bb)
 
 
 def _segment_starts(segment_ids, shape) -> jax.Array:
@@ -59,13 +36,6 @@ def _segment_starts(segment_ids, shape) -> jax.Array:
         return jnp.zeros(shape, bool).at[:, 0].set(True)
     return jnp.concatenate([jnp.ones_like(segment_ids[:, :1], bool),
                             segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
-
-
-def _pair_add(hi, lo, x):
-    """(hi, lo) + x as a wrapped (hi, lo) pair, hi in [-pi, pi), no rounding error lost."""
-    hi, err = _two_sum(hi, x)
-    k = _turns(hi)
-    return _two_sum(hi - k * _TWO_PI_HI, lo + err - k * _TWO_PI_LO)
 
 
 def accumulate(psi: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
@@ -85,7 +55,7 @@ def accumulate(psi: jax.Array, segment_ids: jax.Array | None = None) -> jax.Arra
 
     def combine(a, b):  # segmented sum: b's running value restarts where b saw a segment start
         (ha, la, ra), (hb, lb, rb) = a, b
-        hi, lo = _pair_add(ha, la + lb, hb)
+        hi, lo = wrapped_add(ha, la + lb, hb)
         return jnp.where(rb, hb, hi), jnp.where(rb, lb, lo), ra | rb
 
     hi, lo, _ = jax.lax.associative_scan(combine, (shifted, jnp.zeros_like(shifted), reset), axis=1)
@@ -151,7 +121,7 @@ class SO2(Scheme):
         theta = wrap((hi + features["theta"]) + lo)
         out, new = super().decode_step(cache, q, k, v, {**features, "theta": theta})
         chunk = wrap(features["theta"][:, -1] + features["psi"][:, -1].astype(jnp.float32))
-        new["theta"], new["theta_lo"] = _pair_add(cache["theta"], cache["theta_lo"], chunk)
+        new["theta"], new["theta_lo"] = wrapped_add(cache["theta"], cache["theta_lo"], chunk)
         return out, new
 
 

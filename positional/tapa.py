@@ -24,8 +24,9 @@ import math
 import jax
 import jax.numpy as jnp
 
-from positional.attention import ScoreFn
+from positional.kernels.tapa_attention import phase_attention
 from positional.scheme import Scheme
+from positional.softmax import ScoreFn, check_shapes
 
 PHASES = ("quadratic", "linear")
 
@@ -86,6 +87,19 @@ def tapa_score_fn(alpha: float = 0.1, theta: float = 0.5, phase: str = "quadrati
     return score
 
 
+def tapa_attention(q, k, v, *, alpha: float = 0.1, theta: float = 0.5, phase: str = "quadratic",
+                   **kernel_options) -> jax.Array:
+    """TAPA causal attention by the fused Pallas kernel (positional/kernels/tapa_attention.py),
+    with the signature of the reference: q [B, T, H, D]; k, v [B, S, K, D] -> [B, T, H, D].
+    kernel_options: segment_ids, q_offset, block_q, block_k, interpret, and the GPU tuning of
+    `phase_attention`."""
+    check_shapes(q, k, v, kernel_options.get("segment_ids"))
+    check_options(alpha, phase)
+    qa, ka, qp, kp, c_amp, c_phase = split_qk(q, k, theta, phase)
+    return phase_attention(qa, ka, qp, kp, v, c_amp=c_amp, c_phase=c_phase, alpha=alpha,
+                           **kernel_options).astype(q.dtype)
+
+
 @dataclasses.dataclass(frozen=True)
 class Tapa(Scheme):
     alpha: float = 0.1
@@ -112,6 +126,5 @@ class Tapa(Scheme):
         if self.biases:
             raise ValueError("the tapa Pallas kernel has no additive bias; use impl='blockwise' for "
                              f"{'+'.join(['tapa'] + [type(b).__name__.lower() for b in self.biases])}")
-        from positional.kernels.tapa_attention import tapa_attention
         return tapa_attention(q, k, v, segment_ids=segment_ids, q_offset=q_offset, alpha=self.alpha,
                               theta=self.theta, phase=self.phase, block_q=self.block_q, block_k=self.block_k)

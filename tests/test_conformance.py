@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 
 from draws import normal
-from models.lm import Attention, ModelConfig
+from models.layers import Attention, ModelConfig
 from models.registry import REGISTRY
 
 SCHEMES = sorted(REGISTRY) + ["rope+alibi", "so2_learned_qkv+alibi"]  # and composed with a bias

@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 from draws import normal
-from models import sessa
+from models import lm, sessa
 from models.lm import DecoderLM, ModelConfig
 
 
@@ -107,12 +107,12 @@ def test_param_count_and_matched_width():
     cfg = dataclasses.replace(_config("sessa"), d_model=32)
     model = DecoderLM(cfg, rngs=nnx.Rngs(0))
     actual = sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
-    assert sessa.param_count(cfg) == actual
+    assert lm.param_count(cfg) == actual
     for mixer in ("transformer", "mamba2"):
-        width = sessa.matched_width(cfg, mixer, actual)
-        count = sessa.param_count(dataclasses.replace(cfg, mixer=mixer, d_model=width))
+        width = lm.matched_width(cfg, mixer, actual)
+        count = lm.param_count(dataclasses.replace(cfg, mixer=mixer, d_model=width))
         step = 2 * cfg.num_heads
-        neighbours = [sessa.param_count(dataclasses.replace(cfg, mixer=mixer, d_model=width + s))
+        neighbours = [lm.param_count(dataclasses.replace(cfg, mixer=mixer, d_model=width + s))
                       for s in (-step, step)]
         assert all(abs(count - actual) <= abs(n - actual) for n in neighbours)
 

@@ -14,9 +14,9 @@ from draws import normal
 from lowering import TRITON, lowered_for_gpu
 from models.registry import make_scheme
 from positional.attention import reference_attention
-from positional.kernels.tapa_attention import check_blocks, tapa_attention
+from positional.kernels.tapa_attention import check_blocks
 from positional.rope import rope_frequencies, rotate
-from positional.tapa import distance_power, split_dims, tapa_score_fn
+from positional.tapa import distance_power, split_dims, tapa_attention, tapa_score_fn
 
 
 def logits_of(q, k, **options):

@@ -1,7 +1,8 @@
 """Fused TAPA attention in Pallas: flash-style forward and backward, no T x T buffer.
 
-Same signature and semantics as `positional.tapa` through `attention(..., score_fn=tapa_score_fn)`
-(causal, grouped-query heads, segment ids, `q_offset`), for the logit
+The semantics of `positional.tapa`'s reference, `attention(..., score_fn=tapa_score_fn)` (causal,
+grouped-query heads, segment ids, `q_offset`), on q and k split into amplitude and phase parts
+(the kernel takes the parts, so it needs nothing from the scheme file), for the logit
 
     L_ij = c_A S_A cos(Phi),  S_A = q_A . k_A,  Phi = 2 pi c_P r_ij S_P,  S_P = q_P . k_P,
     r_ij = |i - j|^alpha (0 on the diagonal), computed in the kernel from the tile's indices.
@@ -37,10 +38,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from positional.attention import MASKED, _check_shapes
+from positional.angles import wrap
 from positional.kernels import check_tile
-from positional.so2 import wrap
-from positional.tapa import check_options, split_qk
+from positional.softmax import MASKED, check_shapes
 
 LOG2E = 1.4426950408889634
 # (block_q, block_k) when not given: on an H100 64 x 32 gave the fastest forward + backward of
@@ -309,28 +309,34 @@ def _pad_to(x, axis, size):
     return jnp.pad(x, pad)
 
 
-def tapa_attention(q, k, v, *, segment_ids=None, q_offset: int = 0, alpha: float = 0.1,
-                   theta: float = 0.5, phase: str = "quadratic", block_q: int | None = None,
-                   block_k: int | None = None,
-                   interpret: bool | None = None, num_warps: int = 4, num_stages: int = 2,
-                   fast_math: bool = True) -> jax.Array:
-    """TAPA causal attention, fused. q [B, T, H, D]; k, v [B, S, K, D] -> [B, T, H, D].
+def phase_attention(qa, ka, qp, kp, v, *, c_amp: float, c_phase: float, alpha: float,
+                    segment_ids=None, q_offset: int = 0, block_q: int | None = None,
+                    block_k: int | None = None, interpret: bool | None = None, num_warps: int = 4,
+                    num_stages: int = 2, fast_math: bool = True) -> jax.Array:
+    """Causal attention with the logit c_amp (qa.ka) cos(2 pi c_phase |i-j|^alpha (qp.kp)), fused.
+
+    The amplitude and phase parts come split (positional/tapa.py: `split_qk`, and
+    `tapa_attention` there, the fused TAPA with the reference's signature): qa [B, T, H, dA],
+    qp [B, T, H, dP]; ka [B, S, K, dA], kp [B, S, K, dP], v [B, S, K, D] -> [B, T, H, D].
 
     `interpret` defaults to True on CPU (the Pallas interpreter) and False elsewhere.
     GPU only: `num_warps` and `num_stages` tune the Triton compilation; `fast_math` computes
     exp2, log2, cos and sin with one special-function instruction each (cos and sin after
     exact wrapping into [-pi, pi)) instead of libdevice's accurate routines.
     """
-    _check_shapes(q, k, v, segment_ids)
-    check_options(alpha, phase)
+    check_shapes(qa, ka, v, segment_ids)
+    if qp.shape[:3] != qa.shape[:3] or kp.shape[:3] != ka.shape[:3] or qp.shape[-1] != kp.shape[-1]:
+        raise ValueError(f"phase parts qp{qp.shape} kp{kp.shape} must match the amplitude parts "
+                         f"qa{qa.shape} ka{ka.shape} in batch, length and heads, and each other in width")
+    if not alpha > 0:
+        raise ValueError(f"alpha must be > 0 (the distance exponent |i-j|^alpha); got alpha={alpha}")
     backend = jax.default_backend()
     interpret = backend == "cpu" if interpret is None else interpret
     default_q, default_k = DEFAULT_TILES.get("interpret" if interpret else backend, (64, 64))
     block_q, block_k = block_q or default_q, block_k or default_k
     check_blocks(block_q, block_k, backend, interpret)
-    b, t, h, d = q.shape
-    s, kh = k.shape[1], k.shape[2]
-    qa, ka, qp, kp, c_amp, c_phase = split_qk(q, k, theta, phase)
+    b, t, h, _ = qa.shape
+    s, kh, d = ka.shape[1], ka.shape[2], v.shape[-1]
     tp, sp = -(-t // block_q) * block_q, -(-s // block_k) * block_k
 
     def layout(x, n, length):  # [B, n, H, d] -> [B, H, n_padded, d_padded]
@@ -348,4 +354,4 @@ def tapa_attention(q, k, v, *, segment_ids=None, q_offset: int = 0, alpha: float
     seg_k = seg if s == t else jnp.zeros((b, s), jnp.int32)
     o = _fused(layout(qa, t, tp), layout(ka, s, sp), layout(qp, t, tp), layout(kp, s, sp),
                layout(v, s, sp), _pad_to(seg, 1, tp)[:, :, None], _pad_to(seg_k, 1, sp)[:, None, :], st)
-    return jnp.swapaxes(o, 1, 2)[:, :t, :, :d].astype(q.dtype)
+    return jnp.swapaxes(o, 1, 2)[:, :t, :, :d].astype(qa.dtype)

@@ -9,7 +9,10 @@ psi, theta [B, T, nb] (SO(2) step angles and their prefix), attention weights a 
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
+
+from positional.rope import rotate
 
 
 def spectral_gap(psi: jnp.ndarray) -> jnp.ndarray:
@@ -63,7 +66,6 @@ def value_cancellation(weights, v, theta, window: int, layout: str = "half") -> 
     transported / identity below 1 is the paper's value-side decoherence: far values that
     arrive with scrambled phases cancel instead of adding up.
     """
-    from positional.rope import rotate  # local: probes stay importable without the schemes
     t = weights.shape[-1]
     i, j = jnp.arange(t)[:, None], jnp.arange(t)[None, :]
     a = weights * (i - j >= window)
@@ -94,7 +96,6 @@ def householder_route_decay(w: jnp.ndarray, beta: jnp.ndarray, lengths) -> jnp.n
     The mean runs over every start s with s + n < T (and the batch); the routes of all starts
     grow together, one left product per step, so memory is [B, T, K, D, D].
     """
-    import jax  # local: the SO(2) probes above need only jax.numpy
     w, beta = w.astype(jnp.float32), beta.astype(jnp.float32)
     b, t, kh, d = w.shape
     eye = jnp.eye(d)

@@ -295,7 +295,7 @@ def test_sessa_configs_hold_their_longest_examples_and_name_the_seed():
 def test_sessa_config_widths_match_parameter_counts(task):
     """The baselines' widths are the ones closest to Sessa's parameter count."""
     from configs import sessa
-    from models.sessa import matched_width, param_count
+    from models.lm import matched_width, param_count
     from train import model_config
     base = sessa.get_config(f"{task}/sessa")
     vocab = 258 if task == "lm" else tasks.tokenizer(tasks.get_task(base.data)).vocab_size

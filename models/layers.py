@@ -1,0 +1,165 @@
+"""The layers of the decoder LM and the Sessa macro-block: the model config, the attention
+layer under any registered position scheme, the SwiGLU MLP and the pre-norm block.
+
+The attention layer builds its scheme and the scheme's features module from the registry
+(models/registry.py); `project` gives the queries, keys, values and features the scheme's
+hooks read, for the layer itself and for the probes (models.lm.attention_internals).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from models.registry import make_features, make_scheme
+
+
+REMAT_POLICIES = {"none": None, "block": jax.checkpoint_policies.nothing_saveable,
+                  "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int = 258
+    d_model: int = 256
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 0  # 0 means num_heads (no grouped-query attention)
+    head_dim: int = 0  # 0 means d_model // num_heads
+    mlp_dim: int = 0  # 0 means the SwiGLU convention: 8/3 d_model rounded up to 64
+    scheme: str = "rope"
+    scheme_options: tuple = ()  # (name, value) pairs, hashable; see `from_dict`
+    tie_embeddings: bool = True
+    attention_impl: str = "reference"  # or "blockwise", "ring" (sequence over the mesh), "pallas"
+    block_size: int = 512
+    dtype: str = "float32"  # compute dtype; parameters stay float32
+    # "attention": the blocks above; "sessa", "sessa_nofb", "transformer", "mamba2": the Sessa
+    # macro-block with that mixer (models/sessa.py), configured by mixer_options (pairs, hashable).
+    mixer: str = "attention"
+    mixer_options: tuple = ()
+    # Rematerialisation of each block in the backward pass (REMAT_POLICIES): "none" keeps every
+    # activation; "block" keeps only each block's input; "dots" also keeps the matmul outputs
+    # without batch dimensions (the projections), recomputing the rest.
+    remat: str = "none"
+
+    @classmethod
+    def from_dict(cls, d) -> "ModelConfig":
+        d = dict(d)
+        d["scheme_options"] = tuple(sorted(dict(d.get("scheme_options", {})).items()))
+        d["mixer_options"] = tuple(sorted(dict(d.get("mixer_options", {})).items()))
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"unknown model config field(s) {sorted(unknown)}; valid: {sorted(known)}")
+        return cls(**d)
+
+    def __post_init__(self):
+        if self.remat not in REMAT_POLICIES:
+            raise ValueError(f"model.remat={self.remat!r} is not a rematerialisation policy; valid: "
+                             f"{', '.join(REMAT_POLICIES)}")
+        if self.num_heads <= 0 or (self.head_dim == 0 and self.d_model % self.num_heads):
+            raise ValueError(f"model.d_model={self.d_model} is not divisible by model.num_heads="
+                             f"{self.num_heads}; set model.head_dim explicitly")
+        if self.kv_heads <= 0 or self.num_heads % self.kv_heads:
+            raise ValueError(f"model.num_heads={self.num_heads} must be a multiple of "
+                             f"model.num_kv_heads={self.kv_heads}")
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_kv_heads or self.num_heads
+
+    @property
+    def dim_per_head(self) -> int:
+        return self.head_dim or self.d_model // self.num_heads
+
+    @property
+    def hidden_dim(self) -> int:
+        return self.mlp_dim or -(-8 * self.d_model // 3 // 64) * 64
+
+
+def linear(din, dout, cfg, rngs):
+    return nnx.Linear(din, dout, use_bias=False, dtype=jnp.dtype(cfg.dtype), rngs=rngs,
+                      kernel_init=nnx.initializers.normal(stddev=din ** -0.5))
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        h, kh, d = cfg.num_heads, cfg.kv_heads, cfg.dim_per_head
+        self.scheme = make_scheme(cfg.scheme, num_heads=h, head_dim=d, **dict(cfg.scheme_options))
+        self.q = linear(cfg.d_model, h * d, cfg, rngs)
+        self.k = linear(cfg.d_model, kh * d, cfg, rngs)
+        self.v = linear(cfg.d_model, kh * d, cfg, rngs)
+        self.o = linear(h * d, cfg.d_model, cfg, rngs)
+        self.features = make_features(cfg.scheme, self.scheme, cfg, rngs=rngs)
+
+    def project(self, x, tokens, index, segment_ids=None, rng=None, past=None):
+        """(q [B, T, H, D], k, v [B, T, K, D], features) of the layer input x [B, T, d_model];
+        index [B, T] is each token's index (the cache slot when decoding)."""
+        b, t, _ = x.shape
+        d = self.cfg.dim_per_head
+        q = self.q(x).reshape(b, t, self.cfg.num_heads, d)
+        k = self.k(x).reshape(b, t, self.cfg.kv_heads, d)
+        v = self.v(x).reshape(b, t, self.cfg.kv_heads, d)
+        features = None
+        if self.features is not None:
+            # Features that read earlier tokens (a short convolution) get the cache when decoding.
+            extra = {"past": past} if getattr(self.features, "reads_past", False) else {}
+            features = self.features(x, tokens=tokens, index=index, segment_ids=segment_ids, rng=rng, **extra)
+        return q, k, v, features
+
+    def __call__(self, x, *, tokens, positions, segment_ids=None, impl=None, rng=None, key_slots=None):
+        index = jnp.broadcast_to(jnp.arange(x.shape[1], dtype=jnp.int32), x.shape[:2])
+        q, k, v, features = self.project(x, tokens, index, segment_ids, rng)
+        if key_slots is not None:  # the perturbation probes (see Scheme.placed_attention)
+            out = self.scheme.placed_attention(q, k, v, features, positions=positions, key_slots=key_slots)
+        else:
+            out = self.scheme.attend(q, k, v, features, positions=positions, segment_ids=segment_ids,
+                                     impl=impl or self.cfg.attention_impl, block_size=self.cfg.block_size)
+        return self.o(out.reshape(*x.shape[:2], -1))
+
+    def decode(self, x, cache, *, tokens, rng=None, positions=None):
+        b, n = tokens.shape
+        index = jnp.broadcast_to(cache["index"] + jnp.arange(n, dtype=jnp.int32), (b, n))
+        q, k, v, features = self.project(x, tokens, index, None, rng, past=cache)
+        # Only multi-axis schemes take positions when decoding; the others use the cache slots.
+        extra = {} if positions is None else {"positions": positions}
+        out, cache = self.scheme.decode_step(cache, q, k, v, features, **extra)
+        return self.o(out.reshape(*x.shape[:2], -1)), cache
+
+
+class MLP(nnx.Module):
+    """SwiGLU: W2 (silu(W1 x) * W3 x)."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.gate = linear(cfg.d_model, cfg.hidden_dim, cfg, rngs)
+        self.up = linear(cfg.d_model, cfg.hidden_dim, cfg, rngs)
+        self.down = linear(cfg.hidden_dim, cfg.d_model, cfg, rngs)
+
+    def __call__(self, x):
+        return self.down(nnx.silu(self.gate(x)) * self.up(x))
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        dtype = jnp.dtype(cfg.dtype)
+        self.attn_norm = nnx.RMSNorm(cfg.d_model, epsilon=1e-6, dtype=dtype, rngs=rngs)
+        self.attn = Attention(cfg, rngs=rngs)
+        self.mlp_norm = nnx.RMSNorm(cfg.d_model, epsilon=1e-6, dtype=dtype, rngs=rngs)
+        self.mlp = MLP(cfg, rngs=rngs)
+
+    def __call__(self, x, **kw):
+        x = x + self.attn(self.attn_norm(x), **kw)
+        return x + self.mlp(self.mlp_norm(x))
+
+    def init_cache(self, batch: int, max_len: int) -> dict:
+        cfg = self.attn.cfg
+        return self.attn.scheme.init_cache(batch, max_len, cfg.kv_heads, jnp.dtype(cfg.dtype))
+
+    def decode(self, x, cache, **kw):
+        a, cache = self.attn.decode(self.attn_norm(x), cache, **kw)
+        x = x + a
+        return x + self.mlp(self.mlp_norm(x)), cache
