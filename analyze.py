@@ -1,395 +1,22 @@
-"""Why a scheme extrapolates: the diagnostics of "Computation Mechanism Behind LLM Position
-Generalization" (Han & Ji) on trained runs, side by side.
+"""Why a scheme extrapolates: the "analysis" evaluator (lab/analysis.py) with its own flags.
 
     python analyze.py --workdirs=runs/accumulated/rope,runs/accumulated/alibi --untrained \
         --out=runs/analysis
 
-For every run (and, with --untrained, a freshly initialised copy of the first run's model):
-
-  decompositions  on --windows held-out windows of --length tokens (default: the training
-                  length), every layer and head: the 3-axis fit of the logit map (r, R^2,
-                  against the chance level sqrt(6/n)); the fake-distance fit of the last
-                  query of each window, with key contents moved through the scheme itself
-                  (`placed_fake_logits`: the paper's fake distance for RoPE, the slot swap for
-                  data-dependent schemes); for RoPE heads the explicit f + g with 1, 2 and 4
-                  slow pairs and Observation 1's per-pair statistics;
-  perturbations   the change in perplexity under text transposition, key-order shuffle and
-                  key position offsets (positional/probes/perturb.py) over --gammas x
-                  --l_max, on --perturb_windows windows of the training length, the same
-                  draws for every run;
-  feature shift   the Gaussian-fit KL between each layer's attention output at positions
-                  beyond the training length and within it, per length bucket, beside the
-                  log-perplexity per bucket, on --shift_windows windows of --shift_multiplier
-                  times the training length.
-
-Writes analysis.json, analysis.md, maps_<run>.png (logit maps beside their reconstructions),
-curves_<run>.png (positional curves per layer and head), perturbation.png and
-feature_shift.png under --out.
+Logit decompositions on --windows held-out windows of --length tokens, perplexity changes
+under perturbations, and the feature shift past the training length; writes analysis.json,
+analysis.md and plots under --out. `eval.py --evals=analysis` runs the same with the defaults.
 """
 
 from __future__ import annotations
 
-import functools
-import json
-import math
-import os
-import re
-import sys
-import time
-
-import jax
-import jax.numpy as jnp
-import numpy as np
 from absl import app, flags
-from flax import nnx
 
-from eval import _pyplot, _windows, cli_flags, eval_impl, load_run, run_name
-from models.lm import attention_internals, token_nll
-from positional.probes import logits as lp
-from positional.probes import perturb
-from positional.rope import Rope
+from lab import cli
+from lab.evaluators import evaluate
 
-SLOW_PAIRS = (1, 2, 4)
-
-
-# ---- decompositions ----------------------------------------------------------------------------
-
-@functools.partial(jax.jit, static_argnums=(0, 5))
-def _fake_fit(scheme, q, k, v, features, query):
-    """Fake-distance fit of the query at slot `query` against every earlier key, per head."""
-    positions = jnp.broadcast_to(jnp.arange(q.shape[1]), q.shape[:2])
-    fn = functools.partial(scheme.logits, features=features, positions=positions)
-    w = lp.placed_fake_logits(fn, q, k, v, query, jnp.arange(query + 1))
-    w = w.reshape(w.shape[0], -1, *w.shape[-2:])  # [B, H, distances, keys]
-    return {"w": w, **lp.fake_distance_fit(w)}
-
-
-def _per_head(x, heads):
-    """[B, T, K, D] keys -> [B, H, T, D] per query head (grouped-query heads share a key)."""
-    return jnp.moveaxis(jnp.repeat(x, heads // x.shape[2], axis=2), 2, 1)
-
-
-def decompose(model, tokens, train_len: int) -> tuple[list[dict], dict]:
-    """Per layer: the fits' scores per head (mean over windows) and their curves; plus the
-    arrays of window 0, head 0 for the map plots."""
-    layers, maps = [], []
-    n = tokens.shape[1]
-    for i, layer in enumerate(attention_internals(model, tokens, rng=jax.random.key(0))):
-        scheme = model.blocks[i].attn.scheme
-        heads = layer["q"].shape[2]
-        three = lp.three_axis_fit(layer["logits"])
-        fake = _fake_fit(scheme, layer["q"], layer["k"], layer["v"], layer["features"], n - 1)
-        rec = {"three_axis_r": three["r"].mean(0), "three_axis_r2": three["r2"].mean(0),
-               "three_axis_r_all": three["r"], "chance": three["chance"],
-               "fake_r": fake["r"].mean(0), "fake_r2": fake["r2"].mean(0), "fake_r_all": fake["r"],
-               "three_axis_a": three["a"].mean(0), "fake_a": fake["a"].mean(0)}
-        if isinstance(scheme, Rope):
-            q, k = jnp.moveaxis(layer["q"], 2, 1), _per_head(layer["k"], heads)
-            stats = [lp.pair_stats(q[:, h], k[:, h], scheme.theta, train_len, scheme.layout)
-                     for h in range(heads)]
-            for m in SLOW_PAIRS:
-                slow = [lp.slow_pairs(st, m) for st in stats]
-                rs = [lp.explicit_fg(q[:, h], k[:, h], scheme.theta, slow[h], scheme.layout)["r"]
-                      for h in range(heads)]
-                rec[f"fg_r_{m}"] = jnp.stack(rs, -1).mean(0)
-            rec["pairs"] = {key: jnp.stack([st[key] for st in stats])  # [H, D/2]
-                            for key in ("rotation", "kbar_share", "coherence", "deviation", "theta_delta")}
-        layers.append(jax.tree.map(lambda x: np.asarray(x).tolist(), rec))
-        shown = (("logits", layer["logits"]), ("three_axis", three["fit"]), ("fake", fake["w"]),
-                 ("fake_fit", fake["fit"]))
-        maps.append({key: np.asarray(x[0, 0]) for key, x in shown})
-    return layers, maps
-
-
-# ---- perturbations -----------------------------------------------------------------------------
-
-@functools.partial(jax.jit, static_argnums=0)
-def _mean_nll(graphdef, state, tokens, key_slots):
-    nll, _ = token_nll(nnx.merge(graphdef, state), tokens, impl="reference", rng=jax.random.key(0),
-                       key_slots=key_slots)
-    return nll.mean()
-
-
-def perturbation_grid(model, tokens, gammas, l_maxes, seed: int = 0) -> dict:
-    """Perplexity change per (mode, gamma, l_max) on windows tokens [B, T + 1]; the draws depend
-    on the seed and the grid cell only, so every model gets the same ones."""
-    graphdef, state = nnx.split(model)
-    clean = math.exp(float(_mean_nll(graphdef, state, tokens, None)))
-    out = {"clean_ppl": clean, "delta_ppl": {}}
-    b, t = tokens.shape
-    for mi, mode in enumerate(perturb.MODES):
-        for gi, gamma in enumerate(gammas):
-            for li, l_max in enumerate(l_maxes):
-                rng = np.random.default_rng([seed, mi, gi, li])
-                if mode == "text":
-                    order = perturb.draw(mode, rng, (b, t), gamma, l_max)
-                    nll = _mean_nll(graphdef, state, jnp.take_along_axis(tokens, jnp.asarray(order), 1), None)
-                else:
-                    slots = jnp.asarray(perturb.draw(mode, rng, (b, t - 1), gamma, l_max))
-                    nll = _mean_nll(graphdef, state, tokens, slots)
-                out["delta_ppl"][f"{mode}/{gamma}/{l_max}"] = math.exp(float(nll)) - clean
-    return out
-
-
-# ---- feature shift -----------------------------------------------------------------------------
-
-def shift_buckets(train_len: int, multiplier: int) -> list[tuple[int, int]]:
-    """[lo, hi) query positions: the training range, then (1, 1.5], (1.5, 2], (2, 4], (4, 8] ...
-    times the training length, up to the multiplier."""
-    edges = [1.0, 1.5] + [2.0 ** e for e in range(1, int(math.log2(multiplier)) + 1)]
-    edges = [e for e in edges if e <= multiplier]
-    return [(0, train_len)] + [(int(a * train_len), int(b * train_len)) for a, b in zip(edges, edges[1:])]
-
-
-def feature_shift(model, config, tokens, dims: int = 16) -> dict:
-    """KL(attention outputs in a bucket || within the training length) per layer, and the mean
-    next-token NLL (log-perplexity) per bucket, on windows tokens [B, T + 1].
-
-    The reference is the outputs at positions [0, L_train) of the first half of the windows;
-    every bucket, and the control (positions [0, L_train) again), comes from the other half,
-    so the control KL is the floor that sampling alone gives. Outputs are projected on the
-    reference's top `dims` principal directions first: a full-covariance fit in d_model
-    dimensions from a few hundred samples is mostly estimation bias (about d^2 / 2n).
-    """
-    train_len, t = config.seq_len, tokens.shape[1] - 1
-    buckets = shift_buckets(train_len, t // train_len)
-    layers = attention_internals(model, tokens[:, :-1], rng=jax.random.key(0), maps=False)
-    impl = eval_impl(config.model.attention_impl, t, config.eval.blockwise_from)
-    nll, _ = token_nll(model, tokens, impl=impl, rng=jax.random.key(0))
-    half = tokens.shape[0] // 2
-    if half < 1:
-        raise ValueError("the feature shift needs at least 2 windows (--shift_windows)")
-    out = {"buckets": buckets, "dims": dims,
-           "log_ppl": [float(nll[half:, lo:hi].mean()) for lo, hi in buckets],
-           "kl": [], "kl_control": []}
-    for layer in layers:
-        o = np.asarray(layer["out"], np.float64)
-        ref = o[:half, :train_len].reshape(-1, o.shape[-1])
-        basis = np.linalg.svd(ref - ref.mean(0), full_matrices=False)[2][:dims].T  # [d_model, dims]
-        kl = lambda x: float(lp.gaussian_kl(jnp.asarray(x @ basis), jnp.asarray(ref @ basis)))  # noqa: E731
-        out["kl"].append([kl(o[half:, lo:hi]) for lo, hi in buckets[1:]])
-        out["kl_control"].append(kl(o[half:, :train_len]))
-    return out
-
-
-# ---- running and reporting ---------------------------------------------------------------------
-
-def analyze_runs(workdirs, *, untrained=False, length=0, windows=4, gammas=(0.01, 0.05, 0.1, 0.5),
-                 l_maxes=(5, 10, 100), perturb_windows=8, shift_multiplier=8, shift_windows=8,
-                 log=print) -> tuple[dict, dict]:
-    """(results, maps): results JSON-ready per run; maps the arrays the map plots need."""
-    runs = [(run_name(w, workdirs), w, False) for w in workdirs]
-    if untrained:
-        runs.append((f"{runs[0][0]} (untrained)", workdirs[0], True))
-    results = {"runs": {}, "gammas": list(gammas), "l_maxes": list(l_maxes)}
-    maps = {}
-    for name, workdir, fresh in runs:
-        start = time.perf_counter()
-        config, model, step = load_run(workdir, untrained=fresh)
-        if config.model.get("mixer", "attention") != "attention":
-            log(f"skipping {name}: mixer {config.model.mixer!r} has no attention to analyse")
-            continue
-        train_len = config.seq_len
-        n = length or train_len
-        rec = {"workdir": workdir, "step": step, "scheme": config.model.scheme, "train_len": train_len,
-               "length": n, "windows": windows}
-        rec["layers"], maps[name] = decompose(model, _windows(config, windows, n), train_len)
-        rec["perturbation"] = perturbation_grid(model, _windows(config, perturb_windows, train_len + 1),
-                                                gammas, l_maxes)
-        rec["feature_shift"] = feature_shift(
-            model, config, _windows(config, shift_windows, shift_multiplier * train_len + 1))
-        rec["seconds"] = time.perf_counter() - start
-        results["runs"][name] = rec
-        log(f"analysed {name} in {rec['seconds']:.0f} s")
-    return results, maps
-
-
-def _spread(values) -> str:
-    v = np.ravel(values)
-    return f"{v.mean():.3f} ({v.min():.3f} / {v.max():.3f})"
-
-
-def summary_table(results: dict) -> str:
-    lines = ["| run | scheme | 3-axis r: mean (min / max) | 3-axis R^2 | chance r | fake-distance r: mean "
-             "(min / max) | fake R^2 | f+g r, slow pairs 1 / 2 / 4 |", "|---|---|---|---|---|---|---|---|"]
-    for name, run in results["runs"].items():
-        ls = run["layers"]
-        fg = "-"
-        if "fg_r_1" in ls[0]:
-            fg = " / ".join(f"{np.mean([layer[f'fg_r_{m}'] for layer in ls]):.3f}" for m in SLOW_PAIRS)
-        lines.append(f"| {name} | {run['scheme']} | {_spread([layer['three_axis_r_all'] for layer in ls])} | "
-                     f"{np.mean([layer['three_axis_r2'] for layer in ls]):.3f} | {ls[0]['chance']:.3f} | "
-                     f"{_spread([layer['fake_r_all'] for layer in ls])} | "
-                     f"{np.mean([layer['fake_r2'] for layer in ls]):.3f} | {fg} |")
-    return "\n".join(lines)
-
-
-def per_layer_table(results: dict) -> str:
-    lines = ["| run | layer | 3-axis r per head | fake-distance r per head |", "|---|---|---|---|"]
-    for name, run in results["runs"].items():
-        for i, layer in enumerate(run["layers"]):
-            lines.append(f"| {name} | {i} | {' '.join(f'{r:.2f}' for r in layer['three_axis_r'])} | "
-                         f"{' '.join(f'{r:.2f}' for r in layer['fake_r'])} |")
-    return "\n".join(lines)
-
-
-def pairs_table(results: dict) -> str:
-    """Observation 1 for RoPE runs, per layer and head: how much of the mean key's energy sits
-    in the slow pairs (theta_r L_train < pi), and the statistics of its most prominent pair."""
-    keys = ("rotation", "kbar_share", "coherence", "deviation", "theta_delta")
-    lines = ["| run | layer | head | kbar energy in slow pairs | top pair | " + " | ".join(keys) + " |",
-             "|---|---|---|---|---|" + "---|" * len(keys)]
-    for name, run in results["runs"].items():
-        for i, layer in enumerate(run["layers"]):
-            pr = {key: np.asarray(x) for key, x in layer.get("pairs", {}).items()}
-            for h in range(len(pr.get("rotation", []))):
-                top = int(pr["kbar_share"][h].argmax())
-                slow = pr["kbar_share"][h][pr["rotation"][h] < math.pi].sum()
-                lines.append(f"| {name} | {i} | {h} | {slow:.3f} | {top} | "
-                             + " | ".join(f"{pr[key][h][top]:.3f}" for key in keys) + " |")
-    return "\n".join(lines)
-
-
-def perturbation_table(results: dict, mode: str) -> str:
-    cells = [(g, r) for g in results["gammas"] for r in results["l_maxes"]]
-    head = "| run | clean ppl | " + " | ".join(f"{g} / {r}" for g, r in cells) + " |"
-    lines = [head, "|---|---|" + "---|" * len(cells)]
-    for name, run in results["runs"].items():
-        p = run["perturbation"]
-        lines.append(f"| {name} | {p['clean_ppl']:.3f} | "
-                     + " | ".join(f"{p['delta_ppl'][f'{mode}/{g}/{r}']:+.3f}" for g, r in cells) + " |")
-    return "\n".join(lines)
-
-
-def shift_table(results: dict) -> str:
-    first = next(iter(results["runs"].values()))["feature_shift"]["buckets"]
-    names = [f"{lo}-{hi}" for lo, hi in first]
-    lines = ["| run | control KL | " + " | ".join(f"KL {b}" for b in names[1:]) + " | "
-             + " | ".join(f"log-ppl {b}" for b in names) + " |",
-             "|---|---|" + "---|" * (2 * len(names) - 1)]
-    for name, run in results["runs"].items():
-        s = run["feature_shift"]
-        kl = np.mean(s["kl"], axis=0)  # mean over layers
-        cells = [f"{np.mean(s['kl_control']):.3f}"] + [f"{x:.3f}" for x in (*kl, *s["log_ppl"])]
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
-def _slug(name: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_.+-]+", "_", name)
-
-
-def plot_maps(name: str, maps: list[dict], out: str) -> None:
-    plt = _pyplot()
-    fig, axes = plt.subplots(len(maps), 4, figsize=(13, 3.1 * len(maps)), squeeze=False)
-    titles = ("logits", "3-axis fit", "fake-distance W' (d x key)", "a_d + b_j")
-    for row, m in zip(axes, maps):
-        causal = np.tril(np.ones_like(m["logits"], bool))
-        shown = [np.where(causal, m["logits"], np.nan), np.where(causal, m["three_axis"], np.nan),
-                 m["fake"], m["fake_fit"]]
-        for ax, x, title in zip(row, shown, titles):
-            lo, hi = np.nanpercentile(x, [1, 99])
-            ax.imshow(x, cmap="viridis", vmin=lo, vmax=hi, interpolation="nearest")
-            ax.set_title(title, fontsize=8)
-            ax.set_xticks([])
-            ax.set_yticks([])
-    for i, row in enumerate(axes):
-        row[0].set_ylabel(f"layer {i}, head 0")
-    fig.suptitle(f"{name}: window 0", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(os.path.join(out, f"maps_{_slug(name)}.png"), dpi=100)
-    plt.close(fig)
-
-
-def plot_curves(name: str, run: dict, out: str) -> None:
-    plt = _pyplot()
-    layers = run["layers"]
-    fig, axes = plt.subplots(2, len(layers), figsize=(3.6 * len(layers), 5.5), squeeze=False)
-    for i, layer in enumerate(layers):
-        for row, key, label in ((0, "fake_a", "fake-distance a_d - a_0"), (1, "three_axis_a", "3-axis a_d")):
-            for h, curve in enumerate(np.asarray(layer[key])):
-                axes[row, i].plot(curve - (curve[0] if row == 0 else 0), lw=1, label=f"head {h}")
-            axes[row, i].set(title=f"layer {i}", xlabel="distance d", ylabel=label)
-            axes[row, i].grid(alpha=0.3)
-    axes[0, 0].legend(fontsize=7)
-    fig.suptitle(f"{name}: positional curves (mean over windows)", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(os.path.join(out, f"curves_{_slug(name)}.png"), dpi=100)
-    plt.close(fig)
-
-
-def plot_perturbation(results: dict, out: str) -> None:
-    plt = _pyplot()
-    names, g, lm = list(results["runs"]), results["gammas"], results["l_maxes"]
-    fig, axes = plt.subplots(len(names), 3, figsize=(10, 2.4 * len(names)), squeeze=False)
-    for row, name in zip(axes, names):
-        d = results["runs"][name]["perturbation"]["delta_ppl"]
-        for ax, mode in zip(row, perturb.MODES):
-            grid = np.array([[d[f"{mode}/{x}/{y}"] for x in g] for y in lm])
-            im = ax.imshow(grid, cmap="magma", origin="lower", aspect="auto")
-            for (r, c), v in np.ndenumerate(grid):
-                ax.text(c, r, f"{v:.2f}", ha="center", va="center", fontsize=6, color="cyan")
-            ax.set_xticks(range(len(g)), [str(x) for x in g], fontsize=7)
-            ax.set_yticks(range(len(lm)), [str(y) for y in lm], fontsize=7)
-            ax.set_title(f"{name}: {mode}", fontsize=8)
-            fig.colorbar(im, ax=ax)
-        row[0].set_ylabel("l_max")
-    for ax in axes[-1]:
-        ax.set_xlabel("gamma")
-    fig.suptitle("change in perplexity", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(os.path.join(out, "perturbation.png"), dpi=100)
-    plt.close(fig)
-
-
-def plot_shift(results: dict, out: str) -> None:
-    plt = _pyplot()
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for i, (name, run) in enumerate(results["runs"].items()):
-        s = run["feature_shift"]
-        centres = [(lo + hi) / 2 / run["train_len"] for lo, hi in s["buckets"]]
-        style = {"marker": "o", "label": name, "color": plt.cm.tab20(i % 20), "ls": ("-", "--")[i // 20 % 2]}
-        # The first point is the control: within-length outputs of other documents.
-        axes[0].plot(centres, [np.mean(s["kl_control"]), *np.mean(s["kl"], axis=0)], **style)
-        axes[1].plot(centres, s["log_ppl"], **style)
-    axes[0].set(xlabel="bucket centre / training length", yscale="log",
-                ylabel="KL to within-length outputs (layer mean)\nfirst point: the control")
-    axes[1].set(xlabel="bucket centre / training length", ylabel="log-perplexity")
-    for ax in axes:
-        ax.set_xscale("log", base=2)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(os.path.join(out, "feature_shift.png"), dpi=120)
-    plt.close(fig)
-
-
-def write_analysis(results: dict, maps: dict, out: str) -> str:
-    """analysis.json, analysis.md and the plots; returns the markdown."""
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "analysis.json"), "w") as f:
-        json.dump(results, f, indent=1)
-    for name, run in results["runs"].items():
-        plot_maps(name, maps[name], out)
-        plot_curves(name, run, out)
-    plot_perturbation(results, out)
-    plot_shift(results, out)
-    parts = ["## Logit decompositions (r over layers x heads x windows)", summary_table(results),
-             "## Per layer (mean over windows)", per_layer_table(results),
-             "## Observation 1 (RoPE heads, pooled per layer)", pairs_table(results)]
-    for mode in perturb.MODES:
-        parts += [f"## Perturbation '{mode}': change in perplexity, columns gamma / l_max",
-                  perturbation_table(results, mode)]
-    parts += ["## Feature shift: KL of attention outputs to those within the training length "
-              "(layer mean), and log-perplexity per query-position bucket", shift_table(results)]
-    md = "\n\n".join(parts) + "\n"
-    with open(os.path.join(out, "analysis.md"), "w") as f:
-        f.write(md)
-    return md
-
-
-# --workdirs and --out are eval.py's flags.
-flags.FLAGS.set_default("out", "runs/analysis")
+flags.DEFINE_list("workdirs", [], "training run directories to analyse")
+flags.DEFINE_string("out", "runs/analysis", "where analysis.json / .md and the plots go")
 flags.DEFINE_bool("untrained", False, "also analyse a freshly initialised copy of the first run's model")
 flags.DEFINE_integer("length", 0, "window length of the logit decompositions (0: the training length)")
 flags.DEFINE_integer("windows", 4, "held-out windows for the decompositions")
@@ -399,21 +26,23 @@ flags.DEFINE_integer("perturb_windows", 8, "windows of the training length for t
 flags.DEFINE_integer("shift_multiplier", 8, "feature-shift windows are this many training lengths "
                      "(a power of two)")
 flags.DEFINE_integer("shift_windows", 8, "windows for the feature shift")
+FLAGS = flags.FLAGS
+
+
+def check_shift_multiplier(m: int) -> None:
+    if m < 2 or m & (m - 1):
+        raise ValueError(f"--shift_multiplier={m} must be a power of two >= 2")
 
 
 def main(argv):
     del argv
-    from train import run_cli
-    FLAGS = cli_flags()
-    m = FLAGS.shift_multiplier
-    if m < 2 or m & (m - 1):
-        print(f"error: --shift_multiplier={m} must be a power of two >= 2", file=sys.stderr)
-        sys.exit(1)
-    results, maps = run_cli(lambda: analyze_runs(
-        FLAGS.workdirs, untrained=FLAGS.untrained, length=FLAGS.length, windows=FLAGS.windows,
-        gammas=[float(g) for g in FLAGS.gammas], l_maxes=[int(x) for x in FLAGS.l_max],
-        perturb_windows=FLAGS.perturb_windows, shift_multiplier=m, shift_windows=FLAGS.shift_windows))
-    print(write_analysis(results, maps, FLAGS.out))
+    cli.quiet()
+    cli.run_cli(lambda: (cli.require_workdirs(FLAGS.workdirs), check_shift_multiplier(FLAGS.shift_multiplier)))
+    print(cli.run_cli(lambda: evaluate(
+        "analysis", FLAGS.workdirs, FLAGS.out, untrained=FLAGS.untrained, length=FLAGS.length,
+        windows=FLAGS.windows, gammas=[float(g) for g in FLAGS.gammas], l_maxes=[int(x) for x in FLAGS.l_max],
+        perturb_windows=FLAGS.perturb_windows, shift_multiplier=FLAGS.shift_multiplier,
+        shift_windows=FLAGS.shift_windows)))
     print(f"wrote {FLAGS.out}/analysis.json, analysis.md and the plots")
 
 

@@ -8,41 +8,46 @@ Runs resume from their checkpoints, so a second call only re-evaluates.
 
 from __future__ import annotations
 
-import argparse
 import os
 import time
 
-from absl import logging
+from absl import app, flags
+
+from configs import demo
+from lab import cli
+from lab.evaluators import evaluate
+from lab.training import train
 
 DEMO_SCHEMES = ("rope", "alibi", "nope", "so2_learned_qkv", "tapa", "path_fox")
 
 
-def main(argv=None) -> str:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--fast", action="store_true", help="the ~2-minute version")
-    parser.add_argument("--schemes", default=",".join(DEMO_SCHEMES))
-    parser.add_argument("--out", default="")
-    args = parser.parse_args(argv)
-    logging.set_verbosity(logging.WARNING)
+flags.DEFINE_bool("fast", False, "the ~2-minute version")
+flags.DEFINE_list("schemes", list(DEMO_SCHEMES), "schemes to train and compare")
+flags.DEFINE_string("out", "", "where the comparison goes (default: beside the runs)")
+FLAGS = flags.FLAGS
 
-    from configs import demo
-    from eval import evaluate_runs, write_report
-    from train import run_cli, train
 
+def run(schemes, fast: bool = False, out: str = "") -> str:
+    """Train (or resume) each scheme's demo run, then compare them by length; the table."""
     workdirs = []
-    for scheme in args.schemes.split(","):
-        config = demo.get_config(scheme + (",fast" if args.fast else ""))
+    for scheme in schemes:
+        config = demo.get_config(scheme + (",fast" if fast else ""))
         t0 = time.perf_counter()
-        summary = run_cli(lambda: train(config))
+        summary = cli.run_cli(lambda: train(config))
         final = f"final loss {summary['losses'][-1]:.4f}" if summary["losses"] else "already trained"
         print(f"[{scheme}] {summary['step']} steps, {final}, {time.perf_counter() - t0:.0f}s")
         workdirs.append(summary["workdir"])
-    out = args.out or os.path.join(os.path.dirname(workdirs[0]), "compare")
-    results = run_cli(lambda: evaluate_runs(workdirs))
-    table = write_report(results, out)
+    out = out or os.path.join(os.path.dirname(workdirs[0]), "compare")
+    table = cli.run_cli(lambda: evaluate("lengths", workdirs, out))
     print("\n" + table + f"\nwrote {out}/results.json, results.md, results.png")
     return table
 
 
+def main(argv):
+    del argv
+    cli.quiet()
+    run(FLAGS.schemes, FLAGS.fast, FLAGS.out)
+
+
 if __name__ == "__main__":
-    main()
+    app.run(main)

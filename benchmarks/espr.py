@@ -22,17 +22,14 @@ from __future__ import annotations
 import argparse
 import platform
 import statistics
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from benchmarks import train_throughput  # noqa: E402
+import train_throughput  # noqa: E402  (beside this file)
 from models.registry import get_entry, make_scheme  # noqa: E402
 from models.lm import ModelConfig  # noqa: E402
 from positional import espr  # noqa: E402

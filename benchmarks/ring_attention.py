@@ -27,7 +27,6 @@ IMPLS = ("blockwise", "ring")
 
 
 def layer(impl: str, seq_len: int, n: int, steps: int, heads: int, head_dim: int, block: int) -> dict:
-    sys.path.insert(0, str(ROOT))
     import time
 
     import jax

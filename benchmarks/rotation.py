@@ -15,11 +15,8 @@ from __future__ import annotations
 
 import argparse
 import functools
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

@@ -24,14 +24,14 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def child(scheme: str, seq_len: int, n: int, impl: str, steps: int) -> dict:
-    sys.path.insert(0, str(ROOT))
     import time
 
     import jax
     import numpy as np
 
     from configs.default import get_config
-    from train import _mesh_and_batch, dry_run, init_state, make_train_step
+    from lab.state import init_state, mesh_and_batch
+    from lab.training import dry_run, make_train_step
     c = get_config(scheme)
     c.model.vocab_size, c.seq_len, c.batch_size = 258, seq_len, 1
     c.mesh.update(data=1, sequence=n)
@@ -39,7 +39,7 @@ def child(scheme: str, seq_len: int, n: int, impl: str, steps: int) -> dict:
         c.model.attention_impl = impl
     out = dry_run(c)
     if steps:  # run the step too: wall time on simulated devices that share this host's cores
-        mesh, batch_sharding = _mesh_and_batch(c)
+        mesh, batch_sharding = mesh_and_batch(c)
         graphdef, rest, tx, _, state = init_state(c, 258, mesh)
         shardings = jax.tree.map(lambda x: x.sharding, state)
         step = make_train_step(graphdef, rest, tx, c, shardings, batch_sharding)

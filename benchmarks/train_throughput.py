@@ -22,11 +22,9 @@ import argparse
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Callable
 
 # train.py sits at the repository root, outside the installed packages.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -36,7 +34,7 @@ from flax import nnx  # noqa: E402
 from configs.default import get_config  # noqa: E402
 from models.lm import DecoderLM, token_nll  # noqa: E402
 from models.registry import REGISTRY  # noqa: E402
-from train import make_optimizer, model_config  # noqa: E402
+from lab.state import make_optimizer, model_config  # noqa: E402
 
 VOCAB = 258
 BASELINE = "rope"

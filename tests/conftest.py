@@ -15,6 +15,6 @@ from tiny_setup import tiny_config  # noqa: E402
 @pytest.fixture(scope="session")
 def tiny_run(tmp_path_factory):
     """One trained tiny run (12 steps, checkpoints at 4, 8, 12), shared by read-only tests."""
-    from train import train
+    from lab.training import train
     config = tiny_config(tmp_path_factory.mktemp("runs") / "rope")
     return config, train(config)

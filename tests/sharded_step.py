@@ -23,7 +23,8 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
-import train  # noqa: E402
+from lab.state import init_state  # noqa: E402
+from lab.training import make_loss, make_train_step  # noqa: E402
 from models.sharding import MESH_AXES, activation_rules  # noqa: E402
 from tiny_setup import tiny_config  # noqa: E402
 
@@ -35,14 +36,14 @@ def one_step(config, sizes, batch):
     n = math.prod(sizes.values())
     mesh = jax.make_mesh(tuple(sizes.values()), MESH_AXES, devices=jax.devices()[:n],
                          axis_types=(jax.sharding.AxisType.Auto,) * len(sizes))
-    graphdef, rest, tx, _, state = train.init_state(config, VOCAB, mesh)
+    graphdef, rest, tx, _, state = init_state(config, VOCAB, mesh)
     batch_sharding = NamedSharding(mesh, P(("data", "fsdp")))
     batch = {k: jax.device_put(v, batch_sharding) for k, v in batch.items()}
     rng = jax.random.key(config.seed)
     with activation_rules(mesh):  # as the train step traces its loss
-        loss, grads = jax.jit(jax.value_and_grad(train.make_loss(graphdef, rest, config)))(
+        loss, grads = jax.jit(jax.value_and_grad(make_loss(graphdef, rest, config)))(
             state["params"], batch, rng)
-    step = train.make_train_step(graphdef, rest, tx, config, jax.tree.map(lambda x: x.sharding, state),
+    step = make_train_step(graphdef, rest, tx, config, jax.tree.map(lambda x: x.sharding, state),
                                  batch_sharding)
     for _ in range(2):  # the learning rate is 0 at step 0
         state, _ = step(state, batch)

@@ -6,7 +6,7 @@ import math
 
 import numpy as np
 
-from analyze import analyze_runs, shift_buckets, write_analysis
+from lab.analysis import analyze_runs, shift_buckets, write_analysis
 from tiny_setup import cli
 
 

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from eval import eval_impl, evaluate_runs, load_run, perplexity, run_name, scoring_plan, write_report
+from lab.lengths import eval_impl, evaluate_runs, perplexity, scoring_plan, write_report
+from lab.runs import load_run, run_name
 from models.lm import DecoderLM, ModelConfig, token_nll
 from tiny_setup import cli
 

@@ -4,7 +4,6 @@ import os
 import re
 
 import pytest
-from absl import logging
 
 from tiny_setup import ROOT, cli
 
@@ -20,7 +19,7 @@ def test_readme_notebook_snippet_runs():
 
 
 def test_demo_trains_evaluates_and_reports(tmp_path, monkeypatch):
-    """demo.main in this process on the fast configs, with fewer steps and eval lengths, and the
+    """demo.run in this process on the fast configs, with fewer steps and eval lengths, and the
     baseline schemes only: `demo.py --fast` itself (every demo scheme, 60 steps, six lengths,
     about three minutes) is the slow test below."""
     import demo
@@ -36,11 +35,7 @@ def test_demo_trains_evaluates_and_reports(tmp_path, monkeypatch):
 
     monkeypatch.setattr(demo_configs, "get_config", shortened)
     monkeypatch.chdir(tmp_path)
-    verbosity = logging.get_verbosity()
-    try:
-        table = demo.main(["--fast", "--schemes", ",".join(SCHEMES)])
-    finally:
-        logging.set_verbosity(verbosity)  # demo.main quiets absl logging for the whole process
+    table = demo.run(SCHEMES, fast=True)
     for scheme in SCHEMES:
         assert f"| {scheme} | {scheme} |" in table
     out = tmp_path / "runs" / "demo-fast" / "compare"

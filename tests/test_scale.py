@@ -11,7 +11,7 @@ from flax import nnx
 from models.lm import DecoderLM, ModelConfig, token_nll
 from models.registry import REGISTRY
 from tiny_setup import cli, tiny_config
-from train import dry_run
+from lab.training import dry_run
 
 
 @pytest.mark.parametrize("scheme", ["rope", "path_fox"])

@@ -11,7 +11,7 @@ from draws import normal, uniform
 from models.registry import make_scheme
 from positional import so2
 from positional.rope import rope_frequencies
-from train import model_config
+from lab.state import model_config
 
 
 def reference_theta(psi, segment_ids):

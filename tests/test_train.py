@@ -16,7 +16,8 @@ import orbax.checkpoint as ocp
 import pytest
 
 from tiny_setup import ROOT, cli, tiny_config
-from train import TrainingError, checkpoint_manager, dry_run, load_params, train
+from lab.checkpoints import checkpoint_manager, load_params
+from lab.training import TrainingError, dry_run, train
 
 
 def losses_of(workdir):
@@ -73,7 +74,7 @@ def test_bf16_parameters_keep_fp32_optimizer_state(tiny_run, tmp_path):
     with pytest.raises(ValueError, match="param_dtype='float16'; valid: float32, bfloat16"):
         train(tiny_config(tmp_path / "f16", param_dtype="float16"))
     # A run saved before the field existed loads as float32 storage.
-    from eval import load_run
+    from lab.runs import load_run
     old = tmp_path / "old"
     shutil.copytree(tmp_path / "bf16", old)
     saved = json.loads((old / "config.json").read_text())
@@ -95,7 +96,7 @@ def _abstract(config):
     from flax import nnx
 
     from models.lm import DecoderLM
-    from train import model_config
+    from lab.state import model_config
     model = DecoderLM(model_config(config, 258), rngs=nnx.Rngs(0))
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
                         nnx.to_pure_dict(nnx.state(model, nnx.Param)))

@@ -14,7 +14,7 @@ import pytest
 from flax import nnx
 
 from data import DataError, tasks
-from eval import task_accuracy
+from lab.lengths import task_accuracy
 from models.lm import DecoderLM, ModelConfig
 from tiny_setup import cli, tiny_config
 
@@ -196,7 +196,8 @@ def test_rows_pad_with_segment_zero_and_the_loader_resumes():
 
 def test_training_loss_is_the_answer_nll(tmp_path):
     """Step 1's loss is the mean nll of the initial model on the first batch's answers only."""
-    from train import model_config, train
+    from lab.state import model_config
+    from lab.training import train
     config = _task_config(tmp_path, "diffuse_mqar")
     config.train.steps = 1
     loss = train(config)["losses"][0]
@@ -296,7 +297,7 @@ def test_sessa_config_widths_match_parameter_counts(task):
     """The baselines' widths are the ones closest to Sessa's parameter count."""
     from configs import sessa
     from models.lm import matched_width, param_count
-    from train import model_config
+    from lab.state import model_config
     base = sessa.get_config(f"{task}/sessa")
     vocab = 258 if task == "lm" else tasks.tokenizer(tasks.get_task(base.data)).vocab_size
     target = param_count(model_config(base, vocab))

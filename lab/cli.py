@@ -1,0 +1,73 @@
+"""Command-line helpers shared by the entry points: the `--config` flag with its override
+check, one readable line for expected failures, and quiet logging."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+
+import ml_collections
+from absl import flags, logging
+from ml_collections import config_flags
+
+from data import DataError
+from lab.training import TrainingError
+
+
+def define_config_flag(default: str = "configs/default.py"):
+    """The `--config file.py[:arg]` flag. New attributes are accepted so that scheme options need
+    no placeholder in the config files (--config.model.scheme_options.base=5e5);
+    `check_overrides` rejects any other new field."""
+    return config_flags.DEFINE_config_file("config", default, "experiment config", lock_config=False,
+                                           accept_new_attributes=True)
+
+
+def checked_config(flag_holder) -> ml_collections.ConfigDict:
+    """The parsed config, after checking its overrides name real fields (one line and exit 1 if not)."""
+    flag = flags.FLAGS[flag_holder.name]
+    run_cli(lambda: check_overrides(config_flags.get_config_filename(flag),
+                                    config_flags.get_override_values(flag)))
+    return flag_holder.value
+
+
+def quiet() -> None:
+    """Warnings and errors only: orbax and absl are chatty at INFO."""
+    logging.set_verbosity(logging.WARNING)
+
+
+OPEN_FIELDS = ("model.scheme_options.", "model.mixer_options.")
+
+
+def check_overrides(config_path: str, override_paths) -> None:
+    """Raise if an override names a field the config file does not have (a typo, say), except
+    under the open option dicts (the scheme checks its own options)."""
+    file, _, arg = config_path.partition(":")
+    spec = importlib.util.spec_from_file_location("_config_file", file)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    base = module.get_config(arg) if arg else module.get_config()
+    for path in override_paths:
+        if path.startswith(OPEN_FIELDS):
+            continue
+        node = base
+        for key in path.split("."):
+            if not isinstance(node, ml_collections.ConfigDict) or key not in node:
+                raise ValueError(f"unknown config field {path!r} (from --config.{path}); "
+                                 f"see {file} and configs/default.py for the fields")
+            node = node[key]
+
+
+def run_cli(fn):
+    """Run fn(); expected failures print one readable line and exit non-zero."""
+    try:
+        return fn()
+    except (TrainingError, DataError, ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
+
+
+
+
+def require_workdirs(workdirs) -> None:
+    if not workdirs:
+        raise ValueError("pass --workdirs=run1[,run2,...]")

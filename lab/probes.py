@@ -1,0 +1,153 @@
+"""Diagnostics of trained runs on held-out text: the transport probes (attention mass by
+distance, far mass; spectral gap and route decay of the steps for schemes that have them;
+value cancellation) and the near-minus-far logit differences (the TAPA paper's Figure 1).
+Each is an evaluator (lab/evaluators.py): a `..._runs` function and its report."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lab.runs import held_out_windows, load_run, pyplot, run_name
+from models.lm import attention_internals
+from positional.probes import transport
+from positional.probes.logits import near_far_differences
+
+
+ROUTE_LENGTHS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+
+def probe_runs(workdirs, *, length: int, windows: int = 2, log=print) -> dict:
+    """The transport probes (positional/probes/transport.py) on held-out text, per run and layer.
+
+    Attention-mass probes apply to every scheme; the spectral gap, route decay and value
+    cancellation to schemes with step angles (features 'psi' / 'theta'); the spectral gap
+    (per kv head) and route decay (routes up to 128 steps) to Householder steps ('w', 'beta').
+    """
+    results = {"length": length, "windows": windows, "runs": {}}
+    for workdir in workdirs:
+        config, model, step = load_run(workdir)
+        tokens = held_out_windows(config, windows, length)
+        far_windows = sorted({max(1, config.seq_len // 4), config.seq_len,
+                              min(4 * config.seq_len, length // 2)})
+        layers = []
+        for i, layer in enumerate(attention_internals(model, tokens, rng=jax.random.key(0))):
+            w, feats = layer["weights"], layer["features"]
+            rec = {"far_mass": {n: float(transport.far_mass(w, n)) for n in far_windows},
+                   "mass_by_distance": np.asarray(transport.mass_by_distance(w)).tolist()}
+            if isinstance(feats, dict) and "theta" in feats:
+                lengths = [n for n in ROUTE_LENGTHS if n < length]
+                decay = transport.route_decay(feats["theta"], lengths)
+                v = jnp.repeat(layer["v"], w.shape[1] // layer["v"].shape[2], axis=2)  # per query head
+                cancel = transport.value_cancellation(w, v, feats["theta"], config.seq_len,
+                                                      model.blocks[i].attn.scheme.layout)
+                rec.update(spectral_gap=np.asarray(transport.spectral_gap(feats["psi"])).tolist(),
+                           route_decay={n: float(d.max()) for n, d in zip(lengths, decay)},
+                           value_ratio=float(cancel["ratio"]))
+            elif isinstance(feats, dict) and "beta" in feats:  # Householder steps (PaTH)
+                lengths = [n for n in ROUTE_LENGTHS if n < min(length, 129)]
+                decay = transport.householder_route_decay(feats["w"], feats["beta"], lengths)
+                rec.update(spectral_gap=np.asarray(transport.householder_spectral_gap(feats["w"],
+                                                                                      feats["beta"])).tolist(),
+                           route_decay={n: float(d.max()) for n, d in zip(lengths, decay)})
+            layers.append(rec)
+        name = run_name(workdir, workdirs)
+        results["runs"][name] = {"workdir": workdir, "step": step, "scheme": config.model.scheme,
+                                 "train_len": config.seq_len, "layers": layers}
+        log(f"probed {name}")
+    return results
+
+
+def probe_report(results: dict, out: str) -> str:
+    """probes.json, probes.md (one row per run and layer) and probes.png."""
+    plt = pyplot()
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "probes.json"), "w") as f:
+        json.dump(results, f, indent=2)
+    lines = ["| run | layer | far mass (window: mass) | spectral gap min / median | "
+             "norm of E[P_n], n = 16 / 128 | far value norm, transported / identity |",
+             "|---|---|---|---|---|---|"]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for name, run in results["runs"].items():
+        for i, rec in enumerate(run["layers"]):
+            far = ", ".join(f"{n}: {m:.3f}" for n, m in rec["far_mass"].items())
+            gap = decay = ratio = "-"
+            if "spectral_gap" in rec:
+                g = np.asarray(rec["spectral_gap"])
+                gap = f"{g.min():.3f} / {np.median(g):.3f}"
+                decay = " / ".join(f"{rec['route_decay'].get(n, float('nan')):.3f}" for n in (16, 128))
+                ratio = f"{rec['value_ratio']:.3f}" if "value_ratio" in rec else "-"
+            lines.append(f"| {name} | {i} | {far} | {gap} | {decay} | {ratio} |")
+        mass = np.mean([rec["mass_by_distance"] for rec in run["layers"]], axis=0)
+        axes[0].loglog(np.arange(1, len(mass)), mass[1:], label=name)
+        decays = [rec["route_decay"] for rec in run["layers"] if "route_decay" in rec]
+        if decays:
+            n = sorted(decays[0], key=int)
+            axes[1].semilogx([int(k) for k in n], np.mean([[d[k] for k in n] for d in decays], axis=0),
+                             marker="o", label=name)
+    axes[0].set(xlabel="distance i - j", ylabel="mean attention weight (layer mean)")
+    axes[1].set(xlabel="route length n", ylabel="||E[P_n]||_op (layer mean)")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, "probes.png"), dpi=120)
+    plt.close(fig)
+    table = (f"Transport probes on {results['windows']} held-out windows of {results['length']} tokens; "
+             "far mass over queries past the window.\n\n" + "\n".join(lines) + "\n")
+    with open(os.path.join(out, "probes.md"), "w") as f:
+        f.write(table)
+    return table
+
+
+# ---- near-minus-far logit differences (the TAPA paper's Figure 1) -------------------------
+
+def near_far_runs(workdirs, *, length: int, near, far, pairs: int = 10000, windows: int = 2,
+                  log=print) -> dict:
+    """Per run: `pairs` samples of logit(i, i - lam) - logit(i, i - Lam), lam in `near`, Lam in
+    `far`, pooled over layers, heads and held-out windows of `length` tokens."""
+    results = {"length": length, "near": list(near), "far": list(far), "runs": {}}
+    for workdir in workdirs:
+        config, model, step = load_run(workdir)
+        tokens = held_out_windows(config, windows, length)
+        weights = jnp.stack([layer["weights"] for layer in attention_internals(model, tokens,
+                                                                               rng=jax.random.key(0))])
+        diffs = np.asarray(near_far_differences(jnp.log(weights), near, far, pairs, jax.random.key(1)))
+        diffs = diffs[np.isfinite(diffs)]  # a weight that underflowed to 0 has no finite log
+        name = run_name(workdir, workdirs)
+        results["runs"][name] = {"workdir": workdir, "step": step, "scheme": config.model.scheme,
+                                 "mean": float(diffs.mean()), "std": float(diffs.std()),
+                                 "n": int(diffs.size), "diffs": diffs.tolist()}
+        log(f"{name}: mean {diffs.mean():.3f} std {diffs.std():.3f} over {diffs.size} pairs")
+    return results
+
+
+def near_far_report(results: dict, out: str) -> str:
+    """near_far.json, near_far.md and near_far.png (one histogram per run)."""
+    plt = pyplot()
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "near_far.json"), "w") as f:
+        json.dump(results, f)
+    near, far = results["near"], results["far"]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    lines = ["| run | mean | std | pairs |", "|---|---|---|---|"]
+    for name, run in results["runs"].items():
+        ax.hist(run["diffs"], bins=80, alpha=0.5, density=True,
+                label=f"{name}: mean {run['mean']:.2f}, std {run['std']:.2f}")
+        lines.append(f"| {name} | {run['mean']:.3f} | {run['std']:.3f} | {run['n']} |")
+    ax.set(xlabel=f"logit(lam) - logit(Lam), lam in [{near[0]}, {near[1]}), Lam in [{far[0]}, {far[1]})",
+           ylabel="density")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, "near_far.png"), dpi=120)
+    plt.close(fig)
+    table = (f"Near-minus-far logit differences on windows of {results['length']} tokens, pooled over "
+             "layers and heads.\n\n" + "\n".join(lines) + "\n")
+    with open(os.path.join(out, "near_far.md"), "w") as f:
+        f.write(table)
+    return table

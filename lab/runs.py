@@ -1,0 +1,75 @@
+"""Trained runs on disk: load one (config, model with its newest complete checkpoint, step),
+name it in reports, read its held-out text, and the plotting backend the reports share."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import matplotlib
+import ml_collections
+import numpy as np
+from flax import nnx
+
+from data import pipeline
+from lab.checkpoints import load_params
+from lab.state import init_state, make_mesh
+
+matplotlib.use("Agg")  # reports are written to files; no display is needed or wanted
+
+
+def load_run(workdir: str, untrained: bool = False):
+    """(config, model with the latest complete checkpoint's parameters, step) of a training run;
+    with `untrained`, the model as its config initialises it (seed included), step 0."""
+    path = os.path.join(workdir, "config.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{workdir!r} is not a training run directory (no config.json); "
+                                "pass the --config.workdir of a train.py run")
+    with open(path) as f:
+        config = ml_collections.ConfigDict(json.load(f))
+    config.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1))
+    vocab = config.model.vocab_size or pipeline.tokenizer(config.data).vocab_size
+    graphdef, rest, _, _, state = init_state(config, vocab, make_mesh(config))
+    if untrained:
+        return config, nnx.merge(graphdef, state["params"], rest), 0
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                            state["params"])
+    step, params = load_params(workdir, abstract)
+    return config, nnx.merge(graphdef, params, rest), step
+
+
+
+def run_name(workdir: str, workdirs) -> str:
+    """A run's name in reports: its folder name, with as many parent folders as it takes to
+    tell it apart from the other runs compared (runs/a/tapa vs runs/b/tapa -> a/tapa, b/tapa)."""
+    parts = lambda w: os.path.normpath(w).split(os.sep)  # noqa: E731
+    for depth in range(1, len(parts(workdir)) + 1):
+        name = "/".join(parts(workdir)[-depth:])
+        if sum("/".join(parts(w)[-depth:]) == name for w in workdirs) == 1:
+            return name
+    return workdir
+
+
+@functools.lru_cache(maxsize=4)
+def _stream_cached(data_json: str, split: str, max_tokens: int) -> np.ndarray:
+    return pipeline.eval_stream(ml_collections.ConfigDict(json.loads(data_json)), split, max_tokens)
+
+
+def held_out_stream(config, max_tokens: int) -> np.ndarray:
+    """The first `max_tokens` tokens of a run's held-out split (cached per data config)."""
+    return _stream_cached(config.data.to_json(), config.eval.split, max_tokens)
+
+
+def held_out_windows(config, windows: int, length: int) -> jax.Array:
+    """The first `windows` held-out windows of `length` tokens: [windows, length]."""
+    tokens = held_out_stream(config, windows * length + 1)
+    return jnp.asarray(tokens[:windows * length].reshape(windows, length))
+
+
+def pyplot():
+    """matplotlib.pyplot, on the file backend."""
+    import matplotlib.pyplot as plt  # only once a report is drawn: it is slow to import
+    return plt

@@ -1,0 +1,121 @@
+"""The train state of a run and its one initialisation path, shared by training, the dry run
+and loading a run: the model config from a run config, the device mesh, the optimizer, and
+{'params', 'opt_state', 'step'} built abstractly first (shapes and shardings, nothing
+allocated), then, unless only the shapes are wanted, by one jitted call that writes every
+shard on its own device.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from models import sharding
+from models.lm import DecoderLM, ModelConfig
+
+
+def workdir_of(config) -> str:
+    return config.workdir or os.path.join("runs", config.model.scheme)
+
+
+def model_config(config, vocab_size: int) -> ModelConfig:
+    d = config.model.to_dict()
+    if d["vocab_size"] and d["vocab_size"] < vocab_size:
+        raise ValueError(f"model.vocab_size={d['vocab_size']} is smaller than the tokenizer's vocabulary "
+                         f"({vocab_size}): embeddings and per-token tables (learned step angles) must "
+                         "cover every token id; leave it 0 to take the tokenizer's")
+    d["vocab_size"] = d["vocab_size"] or vocab_size
+    return ModelConfig.from_dict(d)
+
+
+def make_mesh(config) -> jax.sharding.Mesh:
+    n = jax.device_count()
+    sizes = dict(config.mesh)
+    free = [a for a, s in sizes.items() if s == -1]
+    fixed = math.prod(s for s in sizes.values() if s != -1)
+    if len(free) > 1 or n % fixed:
+        raise ValueError(f"mesh {sizes} does not fit {n} devices (at most one axis may be -1)")
+    for a in free:
+        sizes[a] = n // fixed
+    if math.prod(sizes.values()) != n:
+        raise ValueError(f"mesh {sizes} uses {math.prod(sizes.values())} devices, but there are {n}")
+    # Auto axes: the partitioner propagates shardings from the annotated inputs and outputs.
+    return jax.make_mesh(tuple(sizes.values()), tuple(sizes),
+                         axis_types=(jax.sharding.AxisType.Auto,) * len(sizes))
+
+
+def make_optimizer(cfg) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0, cfg.lr, cfg.warmup_steps, max(cfg.steps, cfg.warmup_steps + 1), cfg.lr * cfg.min_lr_ratio)
+    # Decay matrices only: norms' scales and 1-D parameters keep their values.
+    return optax.chain(
+        optax.clip_by_global_norm(cfg.grad_clip),
+        optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay,
+                    mask=lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)),
+    ), schedule
+
+
+PARAM_DTYPES = ("float32", "bfloat16")
+
+
+def stored(params, cfg):
+    """Parameters in their storage dtype `train.param_dtype` (the optimizer state stays fp32;
+    runs saved before the field existed stored float32)."""
+    dtype = cfg.get("param_dtype", "float32")
+    if dtype not in PARAM_DTYPES:
+        raise ValueError(f"train.param_dtype={dtype!r}; valid: {', '.join(PARAM_DTYPES)}")
+    return jax.tree.map(lambda x: x.astype(dtype), params)
+
+
+def apply_optimizer(tx, grads, opt_state, params):
+    """One optimizer update in fp32 whatever the parameters' storage dtype: gradients and
+    parameters are widened, the moments are fp32, and the new parameters are rounded back to
+    their storage dtype (bf16 storage keeps no fp32 master copy, so an update smaller than
+    bf16's spacing at a weight is lost; keep float32 storage and model.dtype="bfloat16" for
+    bf16 compute over fp32 masters)."""
+    widen = lambda t: jax.tree.map(lambda x: x.astype(jnp.float32), t)  # noqa: E731
+    p32 = widen(params)
+    updates, opt_state = tx.update(widen(grads), opt_state, p32)
+    new = optax.apply_updates(p32, updates)
+    return jax.tree.map(lambda x, p: x.astype(p.dtype), new, params), opt_state
+
+
+def mesh_and_batch(config):
+    """The device mesh and the batch's sharding (rows over data x fsdp)."""
+    mesh = make_mesh(config)
+    n_batch_shards = mesh.shape["data"] * mesh.shape["fsdp"]
+    if config.batch_size % n_batch_shards:
+        raise ValueError(f"batch_size={config.batch_size} is not divisible by the {n_batch_shards} "
+                         "data x fsdp devices")
+    return mesh, NamedSharding(mesh, P(("data", "fsdp")))
+
+
+def init_state(config, vocab_size: int, mesh, *, abstract: bool = False):
+    """(graphdef, rest, tx, schedule, state) of a run: the model structure, its non-parameter
+    state, the optimizer and schedule, and the train state {'params', 'opt_state', 'step'}
+    sharded over `mesh` (optimizer moments end in their parameter's path, hence get its
+    sharding; counters replicate). With `abstract`, state and rest are ShapeDtypeStructs
+    carrying their shardings, and nothing is allocated (the dry run)."""
+    cfg = model_config(config, vocab_size)
+    tx, schedule = make_optimizer(config.train)
+
+    def build():
+        graphdef, params, rest = nnx.split(DecoderLM(cfg, rngs=nnx.Rngs(config.seed)), nnx.Param, ...)
+        params = nnx.to_pure_dict(params)
+        return {"params": stored(params, config.train), "opt_state": tx.init(params),
+                "step": jnp.zeros((), jnp.int32)}, rest
+
+    graphdef = nnx.graphdef(nnx.eval_shape(lambda: DecoderLM(cfg, rngs=nnx.Rngs(config.seed))))
+    shapes, rest_shapes = jax.eval_shape(build)
+    shardings = sharding.state_shardings(mesh, shapes)
+    if abstract:
+        state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings)
+        return graphdef, rest_shapes, tx, schedule, state
+    state, rest = jax.jit(build, out_shardings=(shardings, NamedSharding(mesh, P())))()
+    return graphdef, rest, tx, schedule, state

@@ -1,0 +1,245 @@
+"""Training: the loss and the jitted, sharded train step, the dry run, and the loop (resume,
+checkpoints, signals, the NaN guard, metrics to JSONL and TensorBoard, in-training validation
+by the same evaluators eval.py runs).
+
+Each step's metrics are read one step late: the host dispatches step s + 1 before it waits for
+step s's loss, so it never stalls the device. A checkpoint is written only after the metrics of
+its step have been read and found finite.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+from flax import nnx
+from tensorboardX import SummaryWriter
+from tqdm import tqdm
+
+from data import pipeline, tasks
+from lab.checkpoints import checkpoint_manager, load_params, restore_latest, save
+from lab.lengths import perplexity_at, task_accuracy_at
+from lab.state import apply_optimizer, init_state, mesh_and_batch, workdir_of
+from models import sharding
+from models.lm import token_nll
+
+
+class TrainingError(Exception):
+    """A run that cannot go on; the message says why and where the last good state is."""
+
+
+def make_loss(graphdef, rest, config):
+    """The training loss (params, batch, rng) -> mean next-token NLL over the scored tokens."""
+    def loss_fn(params, batch, rng):
+        model = nnx.merge(graphdef, params, rest)
+        nll, w = token_nll(model, batch["tokens"], segment_ids=batch["segment_ids"],
+                           positions=batch["positions"], impl=config.model.attention_impl, rng=rng)
+        if "loss_mask" in batch:  # a synthetic task: only its answers are scored
+            w = w * batch["loss_mask"][:, 1:]
+        return jnp.sum(nll * w) / jnp.maximum(jnp.sum(w), 1.0)
+
+    return loss_fn
+
+
+def make_train_step(graphdef, rest, tx, config, state_shardings, batch_sharding):
+    loss_fn = make_loss(graphdef, rest, config)
+
+    def step(state, batch):
+        # Random position features get a fresh draw every step, reproducible from the seed.
+        rng = jax.random.fold_in(jax.random.key(config.seed), state["step"])
+        with sharding.activation_rules(batch_sharding.mesh):  # activations over the mesh as well
+            loss, grads = jax.value_and_grad(loss_fn)(state["params"], batch, rng)
+        params, opt_state = apply_optimizer(tx, grads, state["opt_state"], state["params"])
+        finite = jnp.all(jnp.stack([jnp.isfinite(x).all() for x in jax.tree.leaves(params)]))
+        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "params_finite": finite}
+        return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
+
+    return jax.jit(step, in_shardings=(state_shardings, batch_sharding),
+                   out_shardings=(state_shardings, None), donate_argnums=0)
+
+
+def dry_run(config: ml_collections.ConfigDict) -> dict:
+    """Compile the sharded train step of `config` on abstract inputs, allocating and running
+    nothing: the parameter count and XLA's memory analysis of the program each device runs."""
+    mesh, batch_sharding = mesh_and_batch(config)
+    vocab = config.model.vocab_size or pipeline.tokenizer(config.data).vocab_size
+    graphdef, rest, tx, _, state = init_state(config, vocab, mesh, abstract=True)
+    rest = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), rest)
+    row = jax.ShapeDtypeStruct((config.batch_size, config.seq_len + 1), jnp.int32, sharding=batch_sharding)
+    batch = {"tokens": row, "segment_ids": row, "positions": row}
+    step = make_train_step(graphdef, rest, tx, config, jax.tree.map(lambda x: x.sharding, state),
+                           batch_sharding)
+    mem = step.lower(state, batch).compile().memory_analysis()
+    out = {"devices": jax.device_count(), "mesh": dict(mesh.shape),
+           "params": sum(math.prod(x.shape) for x in jax.tree.leaves(state["params"])),
+           "argument_bytes": mem.argument_size_in_bytes, "output_bytes": mem.output_size_in_bytes,
+           "alias_bytes": mem.alias_size_in_bytes, "temp_bytes": mem.temp_size_in_bytes}
+    # Donated state is aliased to the output: it is counted once.
+    out["total_bytes"] = out["argument_bytes"] + out["output_bytes"] - out["alias_bytes"] + out["temp_bytes"]
+    return out
+
+
+def dry_run_report(r: dict) -> str:
+    gib = lambda b: f"{b / 2 ** 20:,.1f} MiB"  # noqa: E731
+    return "\n".join([
+        f"dry run: {r['devices']} devices, mesh {r['mesh']}, {r['params']:,} parameters",
+        "per device (XLA memory analysis of the compiled train step):",
+        f"  arguments {gib(r['argument_bytes'])}, outputs {gib(r['output_bytes'])} "
+        f"(aliased to arguments {gib(r['alias_bytes'])}), temporaries {gib(r['temp_bytes'])}",
+        f"  total {gib(r['total_bytes'])}"])
+
+
+def train(config: ml_collections.ConfigDict) -> dict:
+    """Run (or resume) training. Returns a summary dict. Raises TrainingError on divergence."""
+    workdir = workdir_of(config)
+    os.makedirs(workdir, exist_ok=True)
+    tokenizer = pipeline.tokenizer(config.data)
+    mesh, batch_sharding = mesh_and_batch(config)
+    graphdef, rest, tx, schedule, state = init_state(config, tokenizer.vocab_size, mesh)
+    state_shardings = jax.tree.map(lambda x: x.sharding, state)
+    train_step = make_train_step(graphdef, rest, tx, config, state_shardings, batch_sharding)
+
+    loader = pipeline.train_loader(config.data, seed=config.seed, batch_size=config.batch_size,
+                                   seq_len=config.seq_len + 1)
+    manager = checkpoint_manager(os.path.join(workdir, "checkpoints"), config.train.keep_checkpoints)
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+    found = restore_latest(manager, abstract)
+    if found is not None:
+        step0, restored = found
+        state = restored["state"]
+        loader.set_state(restored["loader"])
+        print(f"resumed from step {step0} in {workdir}")
+    elif config.init_from:
+        step0 = 0
+        src_step, params = load_params(config.init_from, abstract["params"])
+        state = {**state, "params": params}
+        print(f"initialised parameters from {config.init_from} (step {src_step})")
+        if config.train.steps == 0:  # zero-shot: the loaded parameters under this run's config
+            save(manager, state, loader.get_state(), {"step": 0, "loss": float("nan")})
+    else:
+        step0 = 0
+    with open(os.path.join(workdir, "config.json"), "w") as f:
+        f.write(config.to_json_best_effort(indent=2))
+
+    stop = _Stop()
+    previous = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGINT)}
+    metrics_path = os.path.join(workdir, "metrics.jsonl")
+    writer = SummaryWriter(os.path.join(workdir, "tensorboard"))
+    steps = config.train.steps
+    tokens_per_step = config.batch_size * config.seq_len
+    progress = _progress(step0, steps)
+    last_good = manager.latest_step()
+    t_log, n_log, history = time.perf_counter(), 0, []
+
+    def finish(step, metrics, params=None):
+        """Read step `step`'s metrics (the host waits here, for this step only), guard, log;
+        `params` after the step are given where validation is due."""
+        nonlocal t_log, n_log
+        loss = float(metrics["loss"])
+        if not (math.isfinite(loss) and bool(metrics["params_finite"])):
+            what = f"loss became {loss}" if not math.isfinite(loss) else "parameters became nan/inf"
+            raise TrainingError(
+                f"{what} at step {step}; nothing was saved after it. Last good "
+                f"checkpoint: step {last_good} in {manager.directory}. Lower train.lr or "
+                "raise train.warmup_steps and rerun (it resumes from that checkpoint).")
+        history.append(loss)
+        n_log += 1
+        progress(step, loss)
+        if step % config.train.log_every == 0 or step == steps:
+            elapsed = time.perf_counter() - t_log
+            record = {"step": step, "loss": loss, "grad_norm": float(metrics["grad_norm"]),
+                      "lr": float(schedule(step - 1)), "tokens_per_s": n_log * tokens_per_step / elapsed,
+                      "time": time.time()}
+            if params is not None:
+                record.update(_validation(config, graphdef, rest, params))
+            _log(metrics_path, writer, record)
+            progress.tokens_per_s = record["tokens_per_s"]
+            progress.log(record)
+            t_log, n_log = time.perf_counter(), 0
+
+    pending = None  # (step, metrics) of the step dispatched last, metrics not read yet
+    try:
+        for step in range(step0 + 1, steps + 1):
+            batch = {k: jax.device_put(np.asarray(v), batch_sharding) for k, v in next(loader).items()}
+            state, metrics = train_step(state, batch)  # donates the previous state
+            if pending is not None:
+                finish(*pending)
+            pending = (step, metrics)
+            checkpoint = step % config.train.checkpoint_every == 0 or step == steps or stop.signal
+            validate = config.train.eval_every and step % config.train.eval_every == 0
+            if checkpoint or validate:  # both need this step's state, so wait for it now
+                finish(step, metrics, state["params"] if validate else None)
+                pending = None
+            if checkpoint:
+                save(manager, state, loader.get_state(), {"step": step, "loss": history[-1]})
+                last_good = step
+            if stop.signal:
+                print(f"\nstopped by {stop.signal} at step {step}; checkpoint saved in "
+                      f"{manager.directory}. Rerun the same command to resume.")
+                break
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+        progress.close()
+        writer.close()
+        manager.close()
+    return {"workdir": workdir, "step": int(state["step"]), "losses": history,
+            "interrupted": stop.signal is not None}
+
+
+class _Stop:
+    """Set by SIGTERM/SIGINT; the loop saves a checkpoint at the next step boundary and exits."""
+
+    def __init__(self):
+        self.signal = None
+
+    def __call__(self, signum, frame):
+        self.signal = signal.Signals(signum).name
+
+
+def _validation(config, graphdef, rest, params) -> dict:
+    """{'val_loss'} at the training length, or for a synthetic task {'val_loss', 'val_acc'} on
+    its answers (eval.task_examples validation examples; 0: all of them)."""
+    model = nnx.merge(graphdef, params, rest)
+    if tasks.is_task(config.data):
+        r = task_accuracy_at(config, model, "validation", config.eval.get("task_examples", 0))
+        return {"val_loss": r["nll"], "val_acc": r["accuracy"]}
+    return {"val_loss": math.log(perplexity_at(config, model, config.seq_len, config.train.eval_tokens))}
+
+
+def _log(path, writer, record):
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+    for k, v in record.items():
+        if k not in ("step", "time"):
+            writer.add_scalar(k, v, record["step"])
+    writer.flush()
+
+
+def _progress(start, total):
+    """A progress bar with loss and tokens/s on stderr (tqdm), or nothing when not a tty."""
+    bar = tqdm(total=total, initial=start, disable=not sys.stderr.isatty(), unit="step",
+               dynamic_ncols=True)
+
+    def update(step, loss):
+        bar.update(step - bar.n)
+        bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{update.tokens_per_s:,.0f}", refresh=False)
+
+    def log_line(record):  # without a terminal, one line per logged step instead
+        if bar.disable:
+            print(f"step {record['step']}/{total}  loss {record['loss']:.4f}  "
+                  f"{record['tokens_per_s']:,.0f} tok/s", flush=True)
+
+    update.tokens_per_s = 0.0
+    update.close = bar.close
+    update.log = log_line
+    return update

@@ -1,0 +1,154 @@
+"""The project's large structure, checked on the source (no imports executed).
+
+Dependencies run one way, bottom up: positional <- models <- data <- configs <- lab <- the
+entry points (train.py, eval.py, analyze.py, demo.py) <- benchmarks. A module imports only
+from its own layer or those below; the module graph has no cycle; no module imports a project
+module inside a function (the way a cycle hides); no module reads another's private names.
+"""
+
+import ast
+import os
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LAYERS = ("positional", "models", "data", "configs", "lab", "entry", "benchmarks")
+ENTRY_POINTS = ("train", "eval", "analyze", "demo")
+
+
+def project_modules() -> dict[str, str]:
+    """Dotted module name -> file, for every Python file of the library, entry points and benchmarks."""
+    found = {name: os.path.join(ROOT, f"{name}.py") for name in ENTRY_POINTS}
+    for package in ("positional", "models", "data", "configs", "lab", "benchmarks"):
+        for folder, _, files in os.walk(os.path.join(ROOT, package)):
+            for file in files:
+                if file.endswith(".py"):
+                    path = os.path.join(folder, file)
+                    parts = os.path.relpath(path, ROOT)[:-3].split(os.sep)
+                    found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+MODULES = project_modules()
+
+
+def layer(module: str) -> int:
+    top = module.split(".")[0]
+    return LAYERS.index("entry" if top in ENTRY_POINTS else top)
+
+
+def resolve(name: str) -> str | None:
+    """The project module that `import name` / `from name import ...` loads, or None."""
+    while name and name not in MODULES:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def imports(module: str):
+    """(imported project module, names taken from it, top level?) for each import statement."""
+    tree = ast.parse(open(MODULES[module]).read())
+    top_level = {id(node) for node in tree.body}
+    package = module if MODULES[module].endswith("__init__.py") else module.rpartition(".")[0]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if resolve(alias.name):
+                    yield resolve(alias.name), [], id(node) in top_level, node.lineno
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1] + ([base] if base else []))
+            for alias in node.names:
+                target = resolve(f"{base}.{alias.name}")
+                if target == f"{base}.{alias.name}":  # a submodule
+                    yield target, [], id(node) in top_level, node.lineno
+                elif resolve(base):
+                    yield resolve(base), [alias.name], id(node) in top_level, node.lineno
+
+
+def graph() -> dict[str, set]:
+    return {m: {target for target, *_ in imports(m) if target != m} for m in MODULES}
+
+
+def test_modules_are_found():
+    assert {"positional.attention", "models.lm", "data.pipeline", "train", "eval"} <= set(MODULES)
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_imports_run_one_way_at_top_level_with_public_names(module):
+    for target, names, top_level, line in imports(module):
+        where = f"{os.path.relpath(MODULES[module], ROOT)}:{line}"
+        assert layer(target) <= layer(module), f"{where}: {module} imports {target}, a layer above it"
+        # Benchmark children import after setting XLA_FLAGS for their simulated devices.
+        assert top_level or module.startswith("benchmarks"), (
+            f"{where}: {module} imports project module {target} inside a function")
+        private = [n for n in names if n.startswith("_") and not n.startswith("__")]
+        assert not private, f"{where}: {module} imports private name(s) {private} of {target}"
+
+
+def test_no_private_attribute_of_another_module():
+    for module in MODULES:
+        tree = ast.parse(open(MODULES[module]).read())
+        aliases = {}  # local name -> project module, for `import a.b as c` and `from a import b`
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    if resolve(alias.name) == alias.name:
+                        aliases[alias.asname or alias.name] = alias.name
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                for alias in node.names:
+                    if f"{node.module}.{alias.name}" in MODULES:
+                        aliases[alias.asname or alias.name] = f"{node.module}.{alias.name}"
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                    and node.value.id in aliases and node.attr.startswith("_")
+                    and not node.attr.startswith("__")):
+                raise AssertionError(f"{module}:{node.lineno} reads {aliases[node.value.id]}.{node.attr}")
+
+
+def test_import_graph_has_no_cycle():
+    edges, state, stack = graph(), {}, []
+
+    def visit(m):
+        state[m] = "open"
+        stack.append(m)
+        for n in sorted(edges[m]):
+            if state.get(n) == "open":
+                cycle = stack[stack.index(n):] + [n]
+                raise AssertionError("import cycle: " + " -> ".join(cycle))
+            if n not in state:
+                visit(n)
+        stack.pop()
+        state[m] = "done"
+
+    for m in sorted(edges):
+        if m not in state:
+            visit(m)
+
+
+def test_positional_imports_nothing_above_it():
+    for module, targets in graph().items():
+        if module.startswith("positional"):
+            above = sorted(t for t in targets if not t.startswith("positional"))
+            assert not above, f"{module} imports {above}"
+
+
+def test_kernels_import_no_scheme_file():
+    allowed = {"positional.softmax", "positional.angles", "positional.linalg", "positional.kernels"}
+    for module, targets in graph().items():
+        if module.startswith("positional.kernels"):
+            assert targets <= allowed | {m for m in MODULES if m.startswith("positional.kernels")}, (
+                f"{module} imports {sorted(targets - allowed)}: kernels take what they need as arguments")
+
+
+def test_the_checks_can_fail(tmp_path, monkeypatch):
+    """A planted cycle and a function-local import are caught (the checks above are not vacuous)."""
+    a, b = tmp_path / "a.py", tmp_path / "b.py"
+    a.write_text("import models.b_planted\n")
+    b.write_text("def f():\n    import models.a_planted\n")
+    monkeypatch.setitem(MODULES, "models.a_planted", str(a))
+    monkeypatch.setitem(MODULES, "models.b_planted", str(b))
+    with pytest.raises(AssertionError, match="import cycle"):
+        test_import_graph_has_no_cycle()
+    with pytest.raises(AssertionError, match="inside a function"):
+        test_imports_run_one_way_at_top_level_with_public_names("models.b_planted")
