@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from positional import espr, so2
@@ -36,7 +37,9 @@ class StepAngles(nnx.Module):
     def __init__(self, scheme, cfg, *, rngs: nnx.Rngs):
         self.scheme = scheme
         nb = scheme.head_dim // 2
-        self.omega = jnp.asarray(rope_frequencies(scheme.head_dim), jnp.float32)
+        # numpy, not jax: a constant of the module's structure, concrete even when the model is
+        # built abstractly (nnx.eval_shape) or under jit
+        self.omega = np.asarray(rope_frequencies(scheme.head_dim), np.float32)
         if scheme.steps == "learned":
             self.table = nnx.Param(jnp.zeros((cfg.vocab_size, nb), jnp.float32))
         elif scheme.steps == "hidden":
@@ -73,9 +76,9 @@ class EsprFeatures(nnx.Module):
     def __init__(self, scheme, cfg, *, rngs: nnx.Rngs):
         self.scheme = scheme
         d, m = scheme.head_dim, scheme.planes
-        beta = jnp.asarray(espr.axial_beta(m, scheme.num_axes, scheme.base), jnp.float32)
+        beta = np.asarray(espr.axial_beta(m, scheme.num_axes, scheme.base), np.float32)  # numpy: as omega above
         if scheme.learned:
-            self.beta = nnx.Param(beta)
+            self.beta = nnx.Param(jnp.asarray(beta))
             self.basis_skew = nnx.Param(jnp.zeros((d, d), jnp.float32))
             self.post_skew = nnx.Param(jnp.zeros((d, d), jnp.float32))
         else:

@@ -15,9 +15,9 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from tiny_setup import ROOT, cli, tiny_config
 from lab.checkpoints import checkpoint_manager, load_params
 from lab.training import TrainingError, dry_run, train
+from tiny_setup import ROOT, cli, tiny_config
 
 
 def losses_of(workdir):
@@ -224,3 +224,25 @@ def test_extend_from_a_pretrained_run_with_a_rope_extension(tiny_run, tmp_path):
     assert saved["model"]["scheme_options"]["scaling"] == "yarn" and saved["seq_len"] == 64
     extended = train(extension(tmp_path / "extend", 4))
     assert extended["step"] == 4 and all(np.isfinite(extended["losses"]))
+
+
+@pytest.mark.parametrize("scheme", ["rope", "so2_learned_qkv", "path_fox"])
+def test_one_initialisation_path_abstract_and_built(tmp_path, scheme):
+    """The abstract state (the dry run's) has the real state's shapes, dtypes and shardings, and
+    the real one holds, bit for bit, the parameters of an eager model build (the committed
+    results were trained from those)."""
+    from flax import nnx
+
+    from lab.state import init_state, make_mesh, model_config
+    from models.lm import DecoderLM
+    config = tiny_config(tmp_path, scheme)
+    mesh = make_mesh(config)
+    _, _, _, _, state = init_state(config, 64, mesh)
+    _, _, _, _, abstract = init_state(config, 64, mesh, abstract=True)
+    assert jax.tree.structure(state) == jax.tree.structure(abstract)
+    for x, a in zip(jax.tree.leaves(state), jax.tree.leaves(abstract)):
+        assert (x.shape, x.dtype, x.sharding) == (a.shape, a.dtype, a.sharding)
+    eager = nnx.to_pure_dict(nnx.state(DecoderLM(model_config(config, 64), rngs=nnx.Rngs(config.seed)),
+                                       nnx.Param))
+    for x, y in zip(jax.tree.leaves(state["params"]), jax.tree.leaves(eager)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
