@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo demo-fast test test-slow clean
+.PHONY: demo demo-fast lint test test-slow clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -18,7 +18,10 @@ demo: $(STAMP)
 demo-fast: $(STAMP)
 	$(PY) demo.py --fast
 
-test: $(STAMP)
+lint: $(STAMP)
+	$(PY) -m ruff check .
+
+test: lint
 	$(PY) -m pytest -q
 
 test-slow: $(STAMP)
