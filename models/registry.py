@@ -55,12 +55,25 @@ def get_entry(name: str) -> Entry:
     return REGISTRY[first]
 
 
-def _is_bias_only(entry: Entry) -> bool:
-    cls = entry.scheme_cls
-    return not entry.compose and all(
-        getattr(cls, hook) is getattr(Scheme, hook)
-        for hook in ("transform", "transform_out", "score_fn", "attention", "attend", "weights",
-                     "init_cache", "decode_step"))
+def _addable(entry: Entry) -> bool:
+    """Whether the entry may follow a "+": a bias-only scheme that composes nothing itself."""
+    return entry.scheme_cls.bias_only and not entry.compose
+
+
+def parts(name: str) -> list[Entry]:
+    """The entries of every part of a name, the first part first, then those it composes and
+    those added with "+"."""
+    first = get_entry(name)
+    return [first] + [get_entry(part) for part in (*first.compose, *name.split("+")[1:])]
+
+
+def config_defaults(name: str) -> dict:
+    """The model config fields the scheme's parts set by default (their `config_defaults`); the
+    first part's win."""
+    out = {}
+    for entry in reversed(parts(name)):
+        out.update(entry.scheme_cls.config_defaults)
+    return out
 
 
 def _options(entry: Entry) -> set:
@@ -87,10 +100,10 @@ def make_scheme(name: str, *, num_heads: int, head_dim: int, **options) -> Schem
     biases = []
     for part in added:
         part_entry = get_entry(part)
-        if not _is_bias_only(part_entry):
+        if not _addable(part_entry):
             raise ValueError(f"{name!r}: only score-bias schemes can be added with '+', and {part!r} "
                              f"is not one; bias-only schemes: "
-                             f"{', '.join(n for n, e in sorted(REGISTRY.items()) if _is_bias_only(e))}")
+                             f"{', '.join(n for n, e in sorted(REGISTRY.items()) if _addable(e))}")
         mine = {k: v for k, v in options.items() if k not in fields and k in part_fields[part]}
         biases.append(make_scheme(part, num_heads=num_heads, head_dim=head_dim, **mine))
     return entry.scheme_cls(num_heads=num_heads, head_dim=head_dim, biases=tuple(biases),
@@ -99,10 +112,8 @@ def make_scheme(name: str, *, num_heads: int, head_dim: int, **options) -> Schem
 
 def make_features(name: str, scheme: Scheme, cfg, *, rngs):
     """The features module of a layer: the first part's and each added bias's, one dict out."""
-    entry = get_entry(name)
-    parts = [(entry, scheme)] + [(get_entry(n), b) for n, b in
-                                 zip([*entry.compose, *name.split("+")[1:]], scheme.biases)]
-    modules = [e.features(s, cfg, rngs=rngs) for e, s in parts if e.features is not None]
+    modules = [e.features(s, cfg, rngs=rngs) for e, s in zip(parts(name), (scheme, *scheme.biases))
+               if e.features is not None]
     if len(modules) <= 1:
         return modules[0] if modules else None
     return MergedFeatures(modules)
