@@ -2,6 +2,7 @@
 the scheme does, and a wrong one is caught."""
 
 import dataclasses
+import os
 
 import jax
 import jax.numpy as jnp
@@ -12,7 +13,7 @@ from flax import nnx
 from configs.default import get_config
 from draws import normal
 from models.layers import Attention, ModelConfig
-from models.registry import REGISTRY, get_entry, make_scheme
+from models.registry import REGISTRY, get_entry, make_scheme, table_row
 from positional.alibi import Alibi
 from positional.rope import Rope
 from positional.scheme import PROBE_FAMILIES, Scheme
@@ -107,3 +108,19 @@ def test_config_defaults_come_from_the_scheme_class():
         assert all(model[k] == v for k, v in defaults.items()), name
     assert get_config("path_fox").model.block_size == 64
     assert get_config("rope+fox").model.block_size == get_config().model.block_size == 512
+
+
+def readme_table_rows() -> list[str]:
+    """The rows of README.md's scheme table (under '## Schemes'), as written."""
+    with open(os.path.join(os.path.dirname(__file__), "..", "README.md")) as f:
+        section = f.read().split("\n## Schemes\n")[1].split("\n## ")[0]
+    rows = [line for line in section.splitlines() if line.startswith("| `")]
+    assert rows, "README.md's scheme table has no rows"
+    return rows
+
+
+def test_readme_scheme_table_is_the_registry_rendered():
+    for row in readme_table_rows():
+        name = row.split("`")[1]
+        assert name in REGISTRY, f"README.md's scheme table names {name!r}, which is not registered"
+        assert row == table_row(name), f"README row of {name!r} differs from models.registry.table_row"
