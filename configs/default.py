@@ -7,6 +7,7 @@ The optional `:scheme` argument picks `model.scheme` (any registered name).
 import ml_collections
 
 from data import default_data_config
+from models.registry import config_defaults
 
 
 def get_config(scheme: str | None = None) -> ml_collections.ConfigDict:
@@ -27,11 +28,7 @@ def get_config(scheme: str | None = None) -> ml_collections.ConfigDict:
         remat="none",  # "none" | "block" | "dots": what each block keeps for the backward pass
     ))
 
-    if c.model.scheme.split("+")[0] in ("path", "path_fox"):
-        # PaTH's reference form materialises the logits with one UT solve per 64 tokens (the
-        # fastest at training lengths); from eval.blockwise_from on, its flash-style chunked
-        # algorithm runs with 64-token chunks.
-        c.model.update(block_size=64)
+    c.model.update(config_defaults(c.model.scheme))  # what the scheme's classes declare (PaTH's block_size)
 
     c.data = default_data_config()
     c.seq_len = 256  # training length: tokens the model attends over per row

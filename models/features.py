@@ -100,7 +100,7 @@ class EsprFeatures(nnx.Module):
             generators = espr.plane_generators(basis, beta) + espr.skew(self.drift[...])
             out.update(generators=generators, post=post @ ua @ ua.T, basis=ua,
                        commutator_norm=espr.commutator_norm(generators))
-        if isinstance(scheme, espr.EsprRF):
+        if scheme.random_features:
             if scheme.draw_seed >= 0:
                 rng = jax.random.key(scheme.draw_seed)
             elif rng is None:

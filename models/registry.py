@@ -55,16 +55,40 @@ def get_entry(name: str) -> Entry:
     return REGISTRY[first]
 
 
-def _is_bias_only(entry: Entry) -> bool:
-    cls = entry.scheme_cls
-    return not entry.compose and all(
-        getattr(cls, hook) is getattr(Scheme, hook)
-        for hook in ("transform", "transform_out", "score_fn", "attention", "attend", "weights",
-                     "init_cache", "decode_step"))
+def _addable(entry: Entry) -> bool:
+    """Whether the entry may follow a "+": a bias-only scheme that composes nothing itself."""
+    return entry.scheme_cls.bias_only and not entry.compose
+
+
+def parts(name: str) -> list[Entry]:
+    """The entries of every part of a name, the first part first, then those it composes and
+    those added with "+"."""
+    first = get_entry(name)
+    return [first] + [get_entry(part) for part in (*first.compose, *name.split("+")[1:])]
+
+
+def config_defaults(name: str) -> dict:
+    """The model config fields the scheme's parts set by default (their `config_defaults`); the
+    first part's win."""
+    out = {}
+    for entry in reversed(parts(name)):
+        out.update(entry.scheme_cls.config_defaults)
+    return out
 
 
 def _options(entry: Entry) -> set:
     return {f.name for f in dataclasses.fields(entry.scheme_cls)} - {"num_heads", "head_dim", "biases"}
+
+
+def table_row(name: str) -> str:
+    """The README scheme table's row of a registered name: | `name` | doc | options |, the
+    options being the scheme's dataclass fields less the fixed ones (and those of the parts it
+    composes), in declaration order."""
+    entry = get_entry(name)
+    options = [f.name for e in parts(name) for f in dataclasses.fields(e.scheme_cls)
+               if f.name not in ("num_heads", "head_dim", "biases", *entry.fixed)]
+    cells = (f"`{name}`", entry.doc.replace("|", "\\|"), ", ".join(f"`{o}`" for o in options) or "—")
+    return f"| {' | '.join(cells)} |"
 
 
 def make_scheme(name: str, *, num_heads: int, head_dim: int, **options) -> Scheme:
@@ -87,10 +111,10 @@ def make_scheme(name: str, *, num_heads: int, head_dim: int, **options) -> Schem
     biases = []
     for part in added:
         part_entry = get_entry(part)
-        if not _is_bias_only(part_entry):
+        if not _addable(part_entry):
             raise ValueError(f"{name!r}: only score-bias schemes can be added with '+', and {part!r} "
                              f"is not one; bias-only schemes: "
-                             f"{', '.join(n for n, e in sorted(REGISTRY.items()) if _is_bias_only(e))}")
+                             f"{', '.join(n for n, e in sorted(REGISTRY.items()) if _addable(e))}")
         mine = {k: v for k, v in options.items() if k not in fields and k in part_fields[part]}
         biases.append(make_scheme(part, num_heads=num_heads, head_dim=head_dim, **mine))
     return entry.scheme_cls(num_heads=num_heads, head_dim=head_dim, biases=tuple(biases),
@@ -99,39 +123,43 @@ def make_scheme(name: str, *, num_heads: int, head_dim: int, **options) -> Schem
 
 def make_features(name: str, scheme: Scheme, cfg, *, rngs):
     """The features module of a layer: the first part's and each added bias's, one dict out."""
-    entry = get_entry(name)
-    parts = [(entry, scheme)] + [(get_entry(n), b) for n, b in
-                                 zip([*entry.compose, *name.split("+")[1:]], scheme.biases)]
-    modules = [e.features(s, cfg, rngs=rngs) for e, s in parts if e.features is not None]
+    modules = [e.features(s, cfg, rngs=rngs) for e, s in zip(parts(name), (scheme, *scheme.biases))
+               if e.features is not None]
     if len(modules) <= 1:
         return modules[0] if modules else None
     return MergedFeatures(modules)
 
 
+STEP_DOCS = {"random": "steps ~ U(-f_b, f_b) drawn afresh every forward pass (`draw_seed` >= 0 fixes the draw)",
+             "learned": "steps omega + g[token] (a learned vocab x blocks table per layer)",
+             "hidden": "steps omega + W h, a projection of the layer input (not in the paper)"}
+
 register("nope", Entry(NoPE, doc="no position information"))
-register("alibi", Entry(Alibi, doc="linear distance bias, standard slopes"))
-register("rope", Entry(Rope, doc="rotary embedding; options: base, scaling (none/pi/ntk/yarn), "
-                                 "factor, original_max_len, layout"))
-register("rope_qkv", Entry(Rope, fixed={"rotate_values": True},
-                           doc="rotary on q, k and v, head output rotated back"))
+register("alibi", Entry(Alibi, doc="linear distance bias, slopes 2^(-8h/H)"))
+register("rope", Entry(Rope, doc="rotary q/k; `layout` `half` or `interleaved`, `scaling` `none`, `pi`, `ntk` or "
+                                 "`yarn`"))
+register("rope_qkv", Entry(Rope, fixed={"rotate_values": True}, doc="rotary q/k/v, head output rotated back"))
 for _steps in ("random", "learned", "hidden"):
     for _qkv in (False, True):
         register(f"so2_{_steps}_{'qkv' if _qkv else 'qk'}",
                  Entry(SO2, fixed={"steps": _steps, "rotate_values": _qkv}, features=StepAngles,
-                       doc=f"accumulated SO(2) transport, {_steps} step angles, "
-                           f"{'q/k/v' if _qkv else 'q/k'}"))
-register("tapa", Entry(Tapa, doc="token-aware phase attention (quadratic phase); options: alpha, theta, "
-                                 "block_q, block_k (Pallas tiles)"))
-register("tapa_linear", Entry(Tapa, fixed={"phase": "linear"}, doc="TAPA with the linear-phase ablation"))
+                       doc=f"accumulated SO(2) transport of {'q/k/v' if _qkv else 'q/k'}, {STEP_DOCS[_steps]}"))
+register("tapa", Entry(Tapa, doc="token-aware phase attention: (q_A.k_A) cos(2 pi |i-j|^alpha q_P.k_P), no "
+                                 "rotation; `impl=\"pallas\"` runs the fused kernel (tiles `block_q`, `block_k`)"))
+register("tapa_linear", Entry(Tapa, fixed={"phase": "linear"}, doc="TAPA with the paper's linear-phase ablation"))
 register("espr", Entry(Espr, features=EsprFeatures,
-                       doc="ESPR/STRING rotations: learned commuting generators (beta, basis U) and Cayley "
-                           "post-rotation; options: num_axes (d_c), num_planes, learned, relaxed, base"))
+                       doc="ESPR / STRING: learned commuting generators (shared orthogonal basis, per-plane "
+                           "frequencies) over 1-, 2- or 3-axis positions (`positions` [B, T, d_c]), Cayley "
+                           "post-rotation"))
 register("espr_rf", Entry(EsprRF, features=EsprFeatures,
-                          doc="ESPR with positive-random-feature (linear-time) attention; options as espr "
-                              "plus num_features, draw_seed"))
+                          doc="`espr` with positive-random-feature (linear-time) attention"))
 register("path", Entry(Path, features=HouseholderVectors,
-                       doc="PaTH: keys carried by data-dependent Householder steps I - beta w w^T; options: "
-                           "rank, conv, qk_norm, solve_chunk (block_size: the chunk of the blockwise impl)"))
-register("fox", Entry(Fox, features=ForgetGate, doc="Forgetting Transformer gate: cumulative log forget "
-                                                    "gates added to the logits (a bias for any scheme)"))
-register("path_fox", Entry(Path, features=HouseholderVectors, compose=("fox",), doc="PaTH with FoX gates"))
+                       doc="PaTH: each key carried forward by the Householder steps I - beta_t w_t w_t^T of the "
+                           "tokens after it (w from a rank-`rank` projection + short causal convolution, beta = "
+                           "2 sigmoid in (0, 2)); impl `reference` materialises the logits with one UT solve per "
+                           "`solve_chunk` tokens, `blockwise` is the flash-style chunked algorithm with O(T x D) "
+                           "memory (`block_size` = chunk)"))
+register("fox", Entry(Fox, features=ForgetGate,
+                      doc="Forgetting Transformer gate: sum of log forget gates between key and query added to "
+                          "the logits; a bias like ALiBi, so `scheme+fox` works for any scheme"))
+register("path_fox", Entry(Path, features=HouseholderVectors, compose=("fox",), doc="`path` with FoX gates"))

@@ -29,6 +29,8 @@ def alibi_slopes(num_heads: int) -> np.ndarray:
 
 @dataclasses.dataclass(frozen=True)
 class Alibi(Scheme):
+    has_bias = bias_only = True
+
     def bias_fn(self, features):
         slopes = jnp.asarray(alibi_slopes(self.num_heads), jnp.float32)
 

@@ -363,6 +363,8 @@ class Espr(Scheme):
     relaxed: bool = False  # free skew parts in the generators (non-commuting, ESPR proper)
     base: float = 10000.0  # RoPE base of the initial (or fixed) frequencies
 
+    needs_features = True
+
     def __post_init__(self):
         super().__post_init__()
         if self.num_axes < 1:
@@ -411,6 +413,7 @@ class EsprRF(Espr):
 
     impls = ("reference", "blockwise")
     relative = False
+    random_features = True
 
     def __post_init__(self):
         super().__post_init__()

@@ -39,6 +39,8 @@ def forget_bias(log_forget):
 class Fox(Scheme):
     gate_bias: float = 0.0  # initial b_f of the gates (models/features.py): 0 gives f near 1/2
 
+    has_bias = bias_only = needs_features = True
+
     def bias_fn(self, features):
         return forget_bias(features["log_forget"])
 

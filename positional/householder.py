@@ -328,6 +328,11 @@ class Path(Scheme):
     solve_chunk: int = 64  # impl "reference": tokens per UT solve in the logits (0: one solve over T)
 
     relative = False  # routes depend on the tokens between, not on positions
+    has_score = needs_features = True
+    probes = ("householder",)
+    # The reference form materialises the logits with one UT solve per 64 tokens (the fastest at
+    # training lengths); from eval.blockwise_from on, the chunked algorithm runs 64-token chunks.
+    config_defaults = {"block_size": 64}
 
     def __post_init__(self):
         super().__post_init__()

@@ -183,6 +183,7 @@ class Rope(Scheme):
     rotate_values: bool = False
 
     needs_even_head_dim = True
+    probes = ("rope_pairs",)
 
     def __post_init__(self):
         super().__post_init__()

@@ -13,6 +13,20 @@ on an NNX module as static data). Its hooks, all pure:
 `biases` holds score-bias schemes added to this one's logits (a registry name such as
 "so2_learned_qkv+alibi"), so a transport can be combined with explicit far-mass control.
 
+What a scheme can do is declared on its class (never inferred elsewhere), as class attributes:
+
+  has_bias         bias_fn returns a bias (it is None otherwise)
+  has_score        score_fn returns a score function (it is None otherwise)
+  bias_only        a pure score-bias scheme (has_bias, no other hook overridden): it may be
+                   added to another with "+"
+  needs_features   its hooks read the per-token features (a features module in models/)
+  random_features  its features hold a random draw, taken each forward pass from the key the
+                   caller passes (or from the `draw_seed` option, where that is >= 0)
+  relative         scores depend only on position differences (checked by the conformance suite)
+  probes           the probe families that apply, from PROBE_FAMILIES (the attention-mass probes
+                   apply to every scheme and are not listed)
+  config_defaults  model config fields this scheme sets by default (configs/default.py)
+
 From those the base class derives the parallel form `attend` and an exact decode form
 (`init_cache` / `decode_step`) whose cache holds keys and values already transformed. Schemes
 whose transport of a key changes as the sequence grows (PaTH) or that need state of the past
@@ -36,6 +50,11 @@ import jax.numpy as jnp
 from positional.attention import IMPLEMENTATIONS, attention
 from positional.softmax import MASKED, BiasFn, ScoreFn, attention_logits, causal_softmax
 
+# Probe families: "angles", SO(2) step angles (features 'psi' and 'theta'); "householder", PaTH's
+# steps (features 'w' and 'beta'); "rope_pairs", fixed RoPE frequencies (`theta`), decomposed
+# explicitly per pair into f(distance) + g(key).
+PROBE_FAMILIES = ("angles", "householder", "rope_pairs")
+
 
 @dataclasses.dataclass(frozen=True)
 class Scheme:
@@ -45,13 +64,23 @@ class Scheme:
 
     #: rotary schemes rotate pairs of dimensions and need an even head_dim.
     needs_even_head_dim = False
-    #: scores depend only on position differences (checked by the conformance suite).
+    has_bias = False
+    has_score = False
+    bias_only = False
+    needs_features = False
+    random_features = False
     relative = True
+    probes = ()
+    config_defaults = {}  # read only: copied where applied
     #: attention implementations this scheme runs on.
     impls = tuple(IMPLEMENTATIONS)
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
+        unknown = set(cls.probes) - set(PROBE_FAMILIES)
+        if unknown:
+            raise TypeError(f"{cls.__name__}.probes names unknown probe families {sorted(unknown)}; "
+                            f"valid: {', '.join(PROBE_FAMILIES)}")
         # "ring" runs the generic attention below with the sequence split over devices; a scheme
         # that brings its own `attention` (PaTH, ESPR random features) has it only if it says so.
         if "attention" in vars(cls) and "impls" not in vars(cls):

@@ -98,6 +98,12 @@ class SO2(Scheme):
     draw_seed: int = -1  # random steps: >= 0 fixes the draw instead of a fresh one per forward pass
 
     needs_even_head_dim = True
+    needs_features = True
+    probes = ("angles",)
+
+    @property
+    def random_features(self) -> bool:
+        return self.steps == "random"
 
     def __post_init__(self):
         super().__post_init__()

@@ -108,6 +108,7 @@ class Tapa(Scheme):
     block_q: int | None = None  # Pallas kernel tiles (impl="pallas"); None: the backend's default
     block_k: int | None = None
 
+    has_score = True
     impls = ("reference", "blockwise", "ring", "pallas")  # all but "pallas" are the generic attention
 
     def __post_init__(self):

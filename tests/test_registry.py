@@ -1,0 +1,126 @@
+"""The registry and what schemes declare on their classes: every declaration agrees with what
+the scheme does, and a wrong one is caught."""
+
+import dataclasses
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from configs.default import get_config
+from draws import normal
+from models.layers import Attention, ModelConfig
+from models.registry import REGISTRY, get_entry, make_scheme, table_row
+from positional.alibi import Alibi
+from positional.rope import Rope
+from positional.scheme import PROBE_FAMILIES, Scheme
+
+H, D, T = 4, 8, 6
+# Hooks a bias-only scheme leaves to the base class: it changes the logits by its bias alone.
+BASE_HOOKS = ("transform", "transform_out", "score_fn", "attention", "attend", "weights", "init_cache",
+              "decode_step")
+
+
+def layer_features(name, rng=jax.random.key(1)):
+    """(scheme, features) of an attention layer under the named scheme, on random input."""
+    cfg = ModelConfig(vocab_size=16, d_model=32, num_heads=H, num_kv_heads=2, scheme=name, head_dim=D)
+    layer = Attention(cfg, rngs=nnx.Rngs(0))
+    x = normal(jax.random.key(0), (2, T, 32))
+    index = jnp.broadcast_to(jnp.arange(T), (2, T))
+    return layer.scheme, layer.project(x, index % 16, index, rng=rng)[3]
+
+
+def mismatches(scheme, features) -> list[str]:
+    """The declared flags that disagree with the scheme's hooks on these features."""
+    cls, out = type(scheme), []
+    if (scheme.bias_fn(features) is not None) != scheme.has_bias:
+        out.append("has_bias")
+    if (scheme.score_fn(features) is not None) != scheme.has_score:
+        out.append("has_score")
+    pure_bias = scheme.has_bias and all(getattr(cls, h) is getattr(Scheme, h) for h in BASE_HOOKS)
+    if scheme.bias_only != pure_bias:
+        out.append("bias_only")
+    shapes = {name: np.shape(x) for name, x in (features or {}).items()}
+    per_token = {"angles": {"psi": (2, T, D // 2), "theta": (2, T, D // 2)},  # layer_features' shapes
+                 "householder": {"w": (2, T, 2, D), "beta": (2, T, 2)}}
+    for family, needed in per_token.items():
+        if (family in scheme.probes) != all(shapes.get(k) == shape for k, shape in needed.items()):
+            out.append(f"probes ({family})")
+    fixed_pairs = np.shape(getattr(scheme, "theta", None)) == (scheme.head_dim // 2,)
+    if ("rope_pairs" in scheme.probes) != fixed_pairs:
+        out.append("probes (rope_pairs)")
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(REGISTRY))
+def test_declared_flags_agree_with_behaviour(name):
+    scheme, features = layer_features(name)
+    assert not mismatches(scheme, features)
+    assert set(scheme.probes) <= set(PROBE_FAMILIES)
+    assert scheme.needs_features == (get_entry(name).features is not None)
+    assert scheme.needs_features == bool(features)
+
+
+@pytest.mark.parametrize("name", sorted(REGISTRY))
+def test_random_features_flag(name):
+    """Random features need a key and change with it; the others need none and ignore it."""
+    scheme, features = layer_features(name)
+    if scheme.random_features:
+        with pytest.raises(ValueError, match="rng"):
+            layer_features(name, rng=None)
+        other = layer_features(name, rng=jax.random.key(2))[1]
+        assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(features), jax.tree.leaves(other)))
+    else:
+        jax.tree.map(np.testing.assert_array_equal, features, layer_features(name, rng=None)[1])
+
+
+def test_a_wrong_declaration_is_caught():
+    @dataclasses.dataclass(frozen=True)
+    class SilentAlibi(Alibi):
+        has_bias = False
+
+    @dataclasses.dataclass(frozen=True)
+    class AddableRope(Rope):
+        bias_only = True
+        probes = ()
+
+    assert mismatches(SilentAlibi(H, D), None) == ["has_bias", "bias_only"]
+    assert mismatches(AddableRope(H, D), None) == ["bias_only", "probes (rope_pairs)"]
+    with pytest.raises(TypeError, match="unknown probe families"):
+        type("Odd", (Scheme,), {"probes": ("spectra",)})
+
+
+def test_only_bias_only_schemes_follow_a_plus():
+    assert make_scheme("rope+fox", num_heads=H, head_dim=D).biases[0].has_bias
+    with pytest.raises(ValueError, match="only score-bias schemes"):
+        make_scheme("rope+tapa", num_heads=H, head_dim=D)
+
+
+def test_config_defaults_come_from_the_scheme_class():
+    fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    for name, entry in REGISTRY.items():
+        defaults = entry.scheme_cls.config_defaults
+        assert set(defaults) <= fields, name
+        model = get_config(name).model
+        assert all(model[k] == v for k, v in defaults.items()), name
+    assert get_config("path_fox").model.block_size == 64
+    assert get_config("rope+fox").model.block_size == get_config().model.block_size == 512
+
+
+def readme_table_rows() -> list[str]:
+    """The rows of README.md's scheme table (under '## Schemes'), as written."""
+    with open(os.path.join(os.path.dirname(__file__), "..", "README.md")) as f:
+        section = f.read().split("\n## Schemes\n")[1].split("\n## ")[0]
+    rows = [line for line in section.splitlines() if line.startswith("| `")]
+    assert rows, "README.md's scheme table has no rows"
+    return rows
+
+
+def test_readme_scheme_table_is_the_registry_rendered():
+    for row in readme_table_rows():
+        name = row.split("`")[1]
+        assert name in REGISTRY, f"README.md's scheme table names {name!r}, which is not registered"
+        assert row == table_row(name), f"README row of {name!r} differs from models.registry.table_row"
