@@ -47,7 +47,6 @@ from lab.runs import held_out_windows, load_run, pyplot, run_name
 from models.lm import attention_internals, token_nll
 from positional.probes import logits as lp
 from positional.probes import perturb
-from positional.rope import Rope
 
 SLOW_PAIRS = (1, 2, 4)
 
@@ -83,7 +82,7 @@ def decompose(model, tokens, train_len: int) -> tuple[list[dict], dict]:
                "three_axis_r_all": three["r"], "chance": three["chance"],
                "fake_r": fake["r"].mean(0), "fake_r2": fake["r2"].mean(0), "fake_r_all": fake["r"],
                "three_axis_a": three["a"].mean(0), "fake_a": fake["a"].mean(0)}
-        if isinstance(scheme, Rope):
+        if "rope_pairs" in scheme.probes:
             q, k = jnp.moveaxis(layer["q"], 2, 1), _per_head(layer["k"], heads)
             stats = [lp.pair_stats(q[:, h], k[:, h], scheme.theta, train_len, scheme.layout)
                      for h in range(heads)]

@@ -25,8 +25,9 @@ def probe_runs(workdirs, *, length: int, windows: int = 2, log=print) -> dict:
     """The transport probes (positional/probes/transport.py) on held-out text, per run and layer.
 
     Attention-mass probes apply to every scheme; the spectral gap, route decay and value
-    cancellation to schemes with step angles (features 'psi' / 'theta'); the spectral gap
-    (per kv head) and route decay (routes up to 128 steps) to Householder steps ('w', 'beta').
+    cancellation to schemes whose class lists the "angles" probes (step angles: features 'psi',
+    'theta'); the spectral gap (per kv head) and route decay (routes up to 128 steps) to those
+    listing "householder" (features 'w', 'beta').
     """
     results = {"length": length, "windows": windows, "runs": {}}
     for workdir in workdirs:
@@ -39,16 +40,17 @@ def probe_runs(workdirs, *, length: int, windows: int = 2, log=print) -> dict:
             w, feats = layer["weights"], layer["features"]
             rec = {"far_mass": {n: float(transport.far_mass(w, n)) for n in far_windows},
                    "mass_by_distance": np.asarray(transport.mass_by_distance(w)).tolist()}
-            if isinstance(feats, dict) and "theta" in feats:
+            scheme = model.blocks[i].attn.scheme
+            if "angles" in scheme.probes:
                 lengths = [n for n in ROUTE_LENGTHS if n < length]
                 decay = transport.route_decay(feats["theta"], lengths)
                 v = jnp.repeat(layer["v"], w.shape[1] // layer["v"].shape[2], axis=2)  # per query head
                 cancel = transport.value_cancellation(w, v, feats["theta"], config.seq_len,
-                                                      model.blocks[i].attn.scheme.layout)
+                                                      scheme.layout)
                 rec.update(spectral_gap=np.asarray(transport.spectral_gap(feats["psi"])).tolist(),
                            route_decay={n: float(d.max()) for n, d in zip(lengths, decay)},
                            value_ratio=float(cancel["ratio"]))
-            elif isinstance(feats, dict) and "beta" in feats:  # Householder steps (PaTH)
+            elif "householder" in scheme.probes:
                 lengths = [n for n in ROUTE_LENGTHS if n < min(length, 129)]
                 decay = transport.householder_route_decay(feats["w"], feats["beta"], lengths)
                 rec.update(spectral_gap=np.asarray(transport.householder_spectral_gap(feats["w"],
