@@ -67,7 +67,7 @@ def test_attention_internals_reproduce_the_layer(scheme):
     blk = m.blocks[0]
     h = blk.attn_norm(m.embed(tokens))
     index = jnp.broadcast_to(jnp.arange(10), (2, 10))
-    q, k, v, f = blk.attn._qkv(h, tokens, index, None, None)
+    q, k, v, f = blk.attn.project(h, tokens, index, None, None)
     out = blk.attn.scheme.attend(q, k, v, f, positions=index)
     values = jnp.repeat(layers[0]["v"], 2, axis=2)  # kv head h // 2 serves query head h
     np.testing.assert_allclose(jnp.einsum("bhij,bjhd->bihd", w, values), out, atol=1e-5)
@@ -78,7 +78,7 @@ def test_attention_internals_reproduce_the_layer(scheme):
     x = m.embed(tokens) + layers[0]["out"]
     x = x + blk.mlp(blk.mlp_norm(x))
     h1 = m.blocks[1].attn_norm(x)
-    np.testing.assert_allclose(layers[1]["q"], m.blocks[1].attn._qkv(h1, tokens, index, None, None)[0],
+    np.testing.assert_allclose(layers[1]["q"], m.blocks[1].attn.project(h1, tokens, index, None, None)[0],
                                atol=1e-5)
     assert "logits" not in attention_internals(m, tokens, maps=False)[0]
 
