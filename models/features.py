@@ -15,7 +15,6 @@ import numpy as np
 from flax import nnx
 
 from positional import espr, so2
-from positional.rope import rope_frequencies
 
 
 class StepAngles(nnx.Module):
@@ -37,9 +36,7 @@ class StepAngles(nnx.Module):
     def __init__(self, scheme, cfg, *, rngs: nnx.Rngs):
         self.scheme = scheme
         nb = scheme.head_dim // 2
-        # numpy, not jax: a constant of the module's structure, concrete even when the model is
-        # built abstractly (nnx.eval_shape) or under jit
-        self.omega = np.asarray(rope_frequencies(scheme.head_dim), np.float32)
+        self.omega = scheme.frequencies
         if scheme.steps == "learned":
             self.table = nnx.Param(jnp.zeros((cfg.vocab_size, nb), jnp.float32))
         elif scheme.steps == "hidden":
@@ -49,12 +46,7 @@ class StepAngles(nnx.Module):
     def __call__(self, x, *, tokens, index, segment_ids=None, rng=None):
         steps = self.scheme.steps
         if steps == "random":
-            if self.scheme.draw_seed >= 0:
-                rng = jax.random.key(self.scheme.draw_seed)
-            elif rng is None:
-                raise ValueError("random step angles are drawn afresh every forward pass: pass "
-                                 "rng=..., or set the scheme option draw_seed to fix the draw")
-            psi = so2.uniform_steps(rng, so2.index_in_segment(index, segment_ids), self.omega)
+            psi = self.scheme.random_steps(rng, index, segment_ids)
         elif steps == "learned":
             psi = self.omega + self.table[...][tokens]
         else:
@@ -87,27 +79,14 @@ class EsprFeatures(nnx.Module):
             self.drift = nnx.Param(jnp.zeros((scheme.num_axes, d, d), jnp.float32))
 
     def __call__(self, x, *, tokens, index, segment_ids=None, rng=None):
-        scheme, m = self.scheme, self.scheme.planes
-        beta = self.beta[...]
+        scheme = self.scheme
         if scheme.learned:
             basis = espr.cayley(espr.skew(self.basis_skew[...]))
             post = espr.cayley(espr.skew(self.post_skew[...]))
         else:
             basis = post = jnp.eye(scheme.head_dim, dtype=jnp.float32)
-        out = {"beta": beta, "readin": espr.read_in(basis, post, m)}
-        if scheme.relaxed:
-            ua = basis[:, :2 * m]
-            generators = espr.plane_generators(basis, beta) + espr.skew(self.drift[...])
-            out.update(generators=generators, post=post @ ua @ ua.T, basis=ua,
-                       commutator_norm=espr.commutator_norm(generators))
-        if scheme.random_features:
-            if scheme.draw_seed >= 0:
-                rng = jax.random.key(scheme.draw_seed)
-            elif rng is None:
-                raise ValueError("espr_rf draws its random features afresh every forward pass: pass "
-                                 "rng=..., or set the scheme option draw_seed to fix the draw")
-            out["w"] = espr.draw_features(rng, scheme.num_features, 2 * m)
-        return out
+        drift = self.drift[...] if scheme.relaxed else None
+        return scheme.features_from(jnp.asarray(self.beta[...]), basis, post, drift, rng)
 
 
 class HouseholderVectors(nnx.Module):

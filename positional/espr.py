@@ -379,6 +379,27 @@ class Espr(Scheme):
     def relative(self) -> bool:
         return not self.relaxed  # non-commuting generators are only approximately relative
 
+    def features_from(self, beta, basis, post, drift=None, key=None) -> dict:
+        """The hooks' features from the learned parts: beta [m, d_c], the basis U and the
+        post-rotation P [D, D], with `relaxed` the generators' free skew parts drift [d_c, D, D];
+        with random features, w drawn from `key` (or the `draw_seed` option)."""
+        m = self.planes
+        out = {"beta": beta, "readin": read_in(basis, post, m)}
+        if self.relaxed:
+            ua = basis[:, :2 * m]
+            generators = plane_generators(basis, beta) + skew(drift)
+            out.update(generators=generators, post=post @ ua @ ua.T, basis=ua,
+                       commutator_norm=commutator_norm(generators))
+        if self.random_features:
+            out["w"] = draw_features(self.draw_key(key), self.num_features, 2 * m)
+        return out
+
+    def default_features(self, q, k, *, positions, key=None, segment_ids=None):
+        """Axial RoPE frequencies, U = P = I, no drift: the features module at its initialisation."""
+        eye = jnp.eye(self.head_dim, dtype=jnp.float32)
+        return self.features_from(jnp.asarray(axial_beta(self.planes, self.num_axes, self.base), jnp.float32),
+                                  eye, eye, jnp.zeros((self.num_axes,) + eye.shape, jnp.float32), key)
+
     def carry(self, x, features, positions):
         """Active U coordinates of the transported x: [B, T, H, 2m] fp32."""
         r = check_positions(positions, self.num_axes)
@@ -409,7 +430,7 @@ class EsprRF(Espr):
     sees; scores are shift-invariant only in distribution over w (tests/test_espr.py).
     """
     num_features: int = 128  # n_rf
-    draw_seed: int = -1  # >= 0 fixes the draw; otherwise a fresh draw per forward pass (rng)
+    draw_seed: int = -1  # >= 0 fixes the draw; otherwise a fresh draw per forward pass (key)
 
     impls = ("reference", "blockwise")
     relative = False
@@ -428,7 +449,7 @@ class EsprRF(Espr):
         scale = (2 * self.planes) ** -0.25
         return (self.carry(q, features, positions) * scale, self.carry(k, features, positions) * scale, v)
 
-    def attention(self, q, k, v, features, *, segment_ids=None, q_offset=0, impl="reference",
+    def attention(self, q, k, v, features, *, positions=None, segment_ids=None, q_offset=0, impl="reference",
                   block_size=512):
         if impl == "blockwise":
             return rf_blockwise(q, k, v, features["w"], segment_ids=segment_ids, chunk_size=block_size)

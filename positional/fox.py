@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 
 from positional.scheme import Scheme
@@ -41,8 +42,13 @@ class Fox(Scheme):
 
     has_bias = bias_only = needs_features = True
 
-    def bias_fn(self, features):
+    def bias_fn(self, features, positions):  # the gates between key and query: by slot, not position
         return forget_bias(features["log_forget"])
+
+    def default_features(self, q, k, *, positions, key=None, segment_ids=None):
+        """Every gate at its initial bias: log f = log sigmoid(gate_bias) (ALiBi-like decay)."""
+        b, t, h, _ = q.shape
+        return {"log_forget": jnp.full((b, t, h), jax.nn.log_sigmoid(self.gate_bias), jnp.float32)}
 
     def feature_cache(self, batch, max_len):
         return {"log_forget": jnp.zeros((batch, max_len, self.num_heads), jnp.float32)}

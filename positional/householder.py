@@ -328,7 +328,7 @@ class Path(Scheme):
     solve_chunk: int = 64  # impl "reference": tokens per UT solve in the logits (0: one solve over T)
 
     relative = False  # routes depend on the tokens between, not on positions
-    has_score = needs_features = True
+    has_score = needs_features = default_key = True
     probes = ("householder",)
     # The reference form materialises the logits with one UT solve per 64 tokens (the fastest at
     # training lengths); from eval.blockwise_from on, the chunked algorithm runs 64-token chunks.
@@ -350,12 +350,19 @@ class Path(Scheme):
         w, beta = features["w"], features["beta"]
         return dense_score_fn(w, beta, self.head_dim ** -0.5, self.solve_chunk or None)
 
-    def attention(self, q, k, v, features, *, segment_ids=None, q_offset=0, impl="reference", block_size=512):
+    def default_features(self, q, k, *, positions, key=None, segment_ids=None):
+        """Steps of random directions (uniform on the sphere, drawn from `key`) with beta = 1,
+        the gain of the features module at its initialisation."""
+        w = jax.random.normal(self.draw_key(key), k.shape, jnp.float32)
+        return {"w": w * jax.lax.rsqrt(jnp.sum(w * w, -1, keepdims=True)), "beta": jnp.ones(k.shape[:3], jnp.float32)}
+
+    def attention(self, q, k, v, features, *, positions=None, segment_ids=None, q_offset=0, impl="reference",
+                  block_size=512):
         check_transport(k, features["w"], features["beta"])
         if impl == "blockwise":
             return chunked_attention(q, k, v, features["w"], features["beta"], segment_ids=segment_ids,
-                                     bias_fn=self.score_bias(features), chunk=block_size)
-        return super().attention(q, k, v, features, segment_ids=segment_ids)
+                                     bias_fn=self.score_bias(features, positions), chunk=block_size)
+        return super().attention(q, k, v, features, positions=positions, segment_ids=segment_ids)
 
     def init_cache(self, batch, max_len, num_kv_heads, dtype=jnp.float32):
         # Keys are carried by every new token, so they stay fp32 whatever the model dtype.
@@ -373,8 +380,9 @@ class Path(Scheme):
         q, k, v = self.transform(q, k, v, features, None)
         b, n = q.shape[:2]
         index = cache["index"]
-        cache, bias_features = self.remember_features(cache, features)
-        bias_fn = self.score_bias(bias_features)
+        cache, bias_features, key_positions = self.remember(
+            cache, features, jnp.broadcast_to(index + jnp.arange(n, dtype=jnp.int32), (b, n)))
+        bias_fn = self.score_bias(bias_features, key_positions)
         w, beta = features["w"].astype(jnp.float32), features["beta"].astype(jnp.float32)
 
         def put(buf, x):

@@ -5,10 +5,19 @@ on an NNX module as static data). Its hooks, all pure:
 
   transform(q, k, v, features, positions) -> (q, k, v)   before attention (RoPE, SO(2), ...)
   transform_out(out, features, positions) -> out         after it (Q/K/V variants rotate back)
-  bias_fn(features) -> BiasFn | None                     additive logit bias (ALiBi, FoX, ...)
+  bias_fn(features, positions) -> BiasFn | None          additive logit bias (ALiBi, FoX, ...)
   score_fn(features) -> ScoreFn | None                   a logit that is not q.k/sqrt(D) (TAPA)
   feature_cache(batch, max_len) -> dict                  per-token features the score bias reads
                                                          at key positions (FoX's gates), zeros
+  default_features(q, k, *, positions, key, segment_ids) -> dict
+                                                         features a notebook can use without a
+                                                         model: the features module's at its
+                                                         initialisation (random draws from `key`)
+
+A bias reads positions, not row indices: `positions` [B, S] holds the position of every key
+slot, and the returned BiasFn (qi, kj) -> [B or 1, H or 1, tq, tk] takes the positions of query
+slots qi and key slots kj with `at_slots(positions, qi)`; so the conformance suite's shift
+check sees an absolute bias. The decode cache keeps the positions of the cached slots.
 
 `biases` holds score-bias schemes added to this one's logits (a registry name such as
 "so2_learned_qkv+alibi"), so a transport can be combined with explicit far-mass control.
@@ -22,6 +31,7 @@ What a scheme can do is declared on its class (never inferred elsewhere), as cla
   needs_features   its hooks read the per-token features (a features module in models/)
   random_features  its features hold a random draw, taken each forward pass from the key the
                    caller passes (or from the `draw_seed` option, where that is >= 0)
+  default_key      its `default_features` draw from a key (as random_features schemes do)
   relative         scores depend only on position differences (checked by the conformance suite)
   probes           the probe families that apply, from PROBE_FAMILIES (the attention-mass probes
                    apply to every scheme and are not listed)
@@ -50,6 +60,8 @@ import jax.numpy as jnp
 from positional.attention import IMPLEMENTATIONS, attention
 from positional.softmax import MASKED, BiasFn, ScoreFn, attention_logits, causal_softmax
 
+Features = dict | None
+
 # Probe families: "angles", SO(2) step angles (features 'psi' and 'theta'); "householder", PaTH's
 # steps (features 'w' and 'beta'); "rope_pairs", fixed RoPE frequencies (`theta`), decomposed
 # explicitly per pair into f(distance) + g(key).
@@ -69,6 +81,7 @@ class Scheme:
     bias_only = False
     needs_features = False
     random_features = False
+    default_key = False
     relative = True
     probes = ()
     config_defaults = {}  # read only: copied where applied
@@ -98,7 +111,7 @@ class Scheme:
     def transform_out(self, out, features, positions):
         return out
 
-    def bias_fn(self, features) -> BiasFn | None:
+    def bias_fn(self, features, positions) -> BiasFn | None:
         return None
 
     def score_fn(self, features) -> ScoreFn | None:
@@ -107,42 +120,84 @@ class Scheme:
     def feature_cache(self, batch: int, max_len: int) -> dict:
         return {}
 
-    def score_bias(self, features) -> BiasFn | None:
-        """This scheme's bias plus those of `biases`, as one BiasFn (or None).
+    def default_features(self, q, k, *, positions, key=None, segment_ids=None) -> dict:
+        return {}
+
+    # ---- derived -----------------------------------------------------------------------------
+    @property
+    def adds_bias(self) -> bool:
+        """Whether any part (this scheme or one of `biases`) adds a logit bias."""
+        return self.has_bias or bool(self.biases)
+
+    def score_bias(self, features, positions) -> BiasFn | None:
+        """This scheme's bias plus those of `biases`, as one BiasFn (or None); positions [B, S]
+        of every key slot (None: the slot indices themselves).
 
         Every part reads the same features dict: the layer merges the dicts of all the parts'
         features modules (see models/registry.py).
         """
-        fns = [f for f in (self.bias_fn(features), *(b.bias_fn(features) for b in self.biases)) if f]
+        if not self.adds_bias:
+            return None
+        fns = [f for f in (self.bias_fn(features, positions), *(b.bias_fn(features, positions)
+                                                                for b in self.biases)) if f]
         if len(fns) <= 1:
             return fns[0] if fns else None
         return lambda qi, kj: sum(f(qi, kj) for f in fns)
 
+    def draw_key(self, key):
+        """The key of a random draw: the `draw_seed` option's where that is >= 0, else `key`."""
+        seed = getattr(self, "draw_seed", -1)
+        if seed >= 0:
+            return jax.random.key(seed)
+        if key is None:
+            fix = ", or set the scheme option draw_seed >= 0 to fix the draw" if hasattr(self, "draw_seed") else ""
+            raise ValueError(f"{type(self).__name__} draws random features: pass a key (key=jax.random.key(0) "
+                             f"to attend, rng= to a model){fix}")
+        return key
+
+    def features_or_default(self, features, q, k, *, positions, key=None, segment_ids=None) -> Features:
+        """`features` if given; else every part's `default_features` merged (None if no part
+        reads features). A scheme with random features needs `key`, or raises one line."""
+        parts = (self, *self.biases)
+        if features is not None or not any(p.needs_features for p in parts):
+            return features
+        out = {}
+        for part in parts:
+            if part.needs_features:
+                out.update(part.default_features(q, k, positions=positions, key=key, segment_ids=segment_ids))
+        return out
+
     # ---- parallel form -----------------------------------------------------------------------
+    # `features` None: the schemes that read features use their `default_features` (a notebook
+    # call with no model); those with random features then need `key`.
     def attend(self, q, k, v, features=None, *, positions, segment_ids=None,
-               impl: str = "reference", block_size: int = 512) -> jax.Array:
+               impl: str = "reference", block_size: int = 512, key=None) -> jax.Array:
         """Causal attention under this scheme. Returns [B, T, H, D]."""
         if impl not in self.impls:
             why = ": ring splits the generic attention, which this scheme replaces" if impl == "ring" else ""
             raise ValueError(f"scheme {type(self).__name__} has no attention impl {impl!r}{why}; "
                              f"valid: {', '.join(self.impls)}")
+        features = self.features_or_default(features, q, k, positions=positions, key=key, segment_ids=segment_ids)
         q, k, v = self.transform(q, k, v, features, positions)
-        out = self.attention(q, k, v, features, segment_ids=segment_ids, impl=impl, block_size=block_size)
+        out = self.attention(q, k, v, features, positions=positions, segment_ids=segment_ids, impl=impl,
+                             block_size=block_size)
         return self.transform_out(out, features, positions)
 
-    def logits(self, q, k, v, features, positions) -> jax.Array:
+    def logits(self, q, k, v, features=None, positions=None, *, key=None) -> jax.Array:
         """Attention logits [B, K, G, T, T] of the parallel form, fp32, before the causal mask
         (entries above the diagonal are scores the mask discards). For the probes."""
+        features = self.features_or_default(features, q, k, positions=positions, key=key)
         return self._scored(q, k, v, features, positions)[0]
 
     def _scored(self, q, k, v, features, positions):
         """(logits [B, K, G, T, T], transformed values) of the parallel form."""
         q, k, v = self.transform(q, k, v, features, positions)
-        return attention_logits(q, k, bias_fn=self.score_bias(features), score_fn=self.score_fn(features)), v
+        return attention_logits(q, k, bias_fn=self.score_bias(features, positions),
+                                score_fn=self.score_fn(features)), v
 
-    def weights(self, q, k, v, features, positions) -> jax.Array:
+    def weights(self, q, k, v, features=None, positions=None, *, key=None) -> jax.Array:
         """Softmax attention weights [B, K, G, T, T] of the parallel form (for the probes)."""
-        return causal_softmax(self.logits(q, k, v, features, positions))
+        return causal_softmax(self.logits(q, k, v, features, positions, key=key))
 
     def placed_attention(self, q, k, v, features, *, positions, key_slots) -> jax.Array:
         """Causal attention in which key and value j sit at slot key_slots[b, j] instead of j.
@@ -174,12 +229,14 @@ class Scheme:
         out = jnp.einsum("bkgts,bskd->btkgd", w, values.astype(jnp.float32)).reshape(b, t, h, -1)
         return self.transform_out(out.astype(q.dtype), features, positions)
 
-    def attention(self, q, k, v, features, *, segment_ids=None, q_offset=0, impl="reference",
+    def attention(self, q, k, v, features, *, positions=None, segment_ids=None, q_offset=0, impl="reference",
                   block_size=512) -> jax.Array:
-        """Attention on transformed q, k, v with this scheme's score and bias."""
-        hooks = {"bias_fn": self.score_bias(features), "score_fn": self.score_fn(features)}
+        """Attention on transformed q, k, v with this scheme's score and bias; positions [B, S] of
+        the key slots (the bias reads them; None: the slot indices)."""
+        hooks = {"bias_fn": self.score_bias(features, positions), "score_fn": self.score_fn(features)}
         if impl == "ring" and any(hooks.values()):  # built inside the ring's shard_map (positional/ring.py)
-            hooks = {"hooks": lambda f: (self.score_bias(f), self.score_fn(f)), "features": features}
+            hooks = {"hooks": lambda f: (self.score_bias(f["features"], f["positions"]), self.score_fn(f["features"])),
+                     "features": {"features": features, "positions": positions}}
         return attention(q, k, v, segment_ids=segment_ids, q_offset=q_offset, impl=impl,
                          block_size=block_size, **hooks)
 
@@ -189,18 +246,24 @@ class Scheme:
         cached = {}
         for part in (self, *self.biases):
             cached.update(part.feature_cache(batch, max_len))
-        return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype),
-                "index": jnp.zeros((), jnp.int32), "features": cached}
+        cache = {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype),
+                 "index": jnp.zeros((), jnp.int32), "features": cached}
+        if self.adds_bias:  # the bias reads the positions of the cached keys
+            cache["positions"] = jnp.zeros((batch, max_len), jnp.int32)
+        return cache
 
-    def remember_features(self, cache: dict, features):
-        """Write the new tokens' cached features at the cache index; return (cache, features
-        with those entries covering every cached position)."""
-        if not cache["features"]:
-            return cache, features
-        cached = {name: jax.lax.dynamic_update_slice_in_dim(x, features[name].astype(x.dtype), cache["index"],
-                                                             axis=1)
-                  for name, x in cache["features"].items()}
-        return {**cache, "features": cached}, {**features, **cached}
+    def remember(self, cache: dict, features, positions):
+        """Write the new tokens' cached features (and positions, where a bias reads them) at the
+        cache index; return (cache, features with those entries covering every cached slot,
+        positions of every cached slot or None)."""
+        def put(buf, x):
+            return jax.lax.dynamic_update_slice_in_dim(buf, x.astype(buf.dtype), cache["index"], axis=1)
+
+        cached = {name: put(x, features[name]) for name, x in cache["features"].items()}
+        cache = {**cache, "features": cached}
+        if "positions" in cache:
+            cache["positions"] = put(cache["positions"], positions)
+        return cache, ({**features, **cached} if cached else features), cache.get("positions")
 
     def decode_step(self, cache: dict, q, k, v, features=None, positions=None):
         """Attend n new tokens (q, k, v: [B, n, ., D]) at positions index..index+n-1.
@@ -216,10 +279,18 @@ class Scheme:
         q, k, v = self.transform(q, k, v, features, positions)
         ck = jax.lax.dynamic_update_slice_in_dim(cache["k"], k.astype(cache["k"].dtype), index, axis=1)
         cv = jax.lax.dynamic_update_slice_in_dim(cache["v"], v.astype(cache["v"].dtype), index, axis=1)
-        cache, attn_features = self.remember_features(cache, features)
-        out = self.attention(q, ck, cv, attn_features, q_offset=index)
+        cache, attn_features, key_positions = self.remember(cache, features, positions)
+        out = self.attention(q, ck, cv, attn_features, positions=key_positions, q_offset=index)
         out = self.transform_out(out, features, positions)
         return out, {**cache, "k": ck, "v": cv, "index": index + n}
+
+
+def at_slots(positions, slots):
+    """The positions [B or 1, n] of the slots `slots` [n] (int) from positions [B, S] of every
+    slot; with positions None, the slots themselves. Blocks padded past the end clip."""
+    if positions is None:
+        return slots[None]
+    return jnp.take(positions, slots, axis=1, mode="clip")
 
 
 def check_cache_room(cache_len: int, index: int, n: int) -> None:

@@ -21,6 +21,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from positional.angles import wrap, wrapped_add
 from positional.rope import rope_frequencies, rotate_out, rotate_qkv
@@ -109,6 +110,25 @@ class SO2(Scheme):
         super().__post_init__()
         if self.steps not in STEP_SOURCES:
             raise ValueError(f"unknown SO(2) step source steps={self.steps!r}; valid: {STEP_SOURCES}")
+
+    @property
+    def frequencies(self) -> np.ndarray:
+        """f_b, the RoPE frequencies (base 10^4): the position-only step omega and the random
+        steps' range. numpy, so a constant even where the model is built abstractly."""
+        return np.asarray(rope_frequencies(self.head_dim), np.float32)
+
+    def random_steps(self, key, index, segment_ids=None) -> jax.Array:
+        """psi ~ Uniform(-f_b, f_b) for tokens at index [B, T], from `key` (or `draw_seed`)."""
+        return uniform_steps(self.draw_key(key), index_in_segment(index, segment_ids), self.frequencies)
+
+    def default_features(self, q, k, *, positions, key=None, segment_ids=None):
+        """The features module's steps at its initialisation: a random draw, or (learned, hidden:
+        a zero table or projection) the position-only psi = omega = f_b."""
+        b, t = q.shape[:2]
+        index = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        psi = (self.random_steps(key, index, segment_ids) if self.random_features
+               else jnp.broadcast_to(self.frequencies, (b, t, self.head_dim // 2)))
+        return {"psi": psi, "theta": accumulate(psi, segment_ids)}
 
     def transform(self, q, k, v, features, positions):
         return rotate_qkv(q, k, v, -features["theta"][:, :, None, :], self.layout, self.rotate_values)

@@ -119,11 +119,11 @@ class Tapa(Scheme):
     def score_fn(self, features):
         return tapa_score_fn(self.alpha, self.theta, self.phase)
 
-    def attention(self, q, k, v, features, *, segment_ids=None, q_offset=0, impl="reference",
+    def attention(self, q, k, v, features, *, positions=None, segment_ids=None, q_offset=0, impl="reference",
                   block_size=512):
         if impl != "pallas":
-            return super().attention(q, k, v, features, segment_ids=segment_ids, q_offset=q_offset,
-                                     impl=impl, block_size=block_size)
+            return super().attention(q, k, v, features, positions=positions, segment_ids=segment_ids,
+                                     q_offset=q_offset, impl=impl, block_size=block_size)
         if self.biases:
             raise ValueError("the tapa Pallas kernel has no additive bias; use impl='blockwise' for "
                              f"{'+'.join(['tapa'] + [type(b).__name__.lower() for b in self.biases])}")

@@ -3,6 +3,7 @@
 A new scheme registered in models/registry.py is covered here with no new test code.
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -13,7 +14,8 @@ from flax import nnx
 
 from draws import normal
 from models.layers import Attention, ModelConfig
-from models.registry import REGISTRY
+from models.registry import REGISTRY, Entry, make_scheme
+from positional.scheme import Scheme, at_slots
 
 SCHEMES = sorted(REGISTRY) + ["rope+alibi", "so2_learned_qkv+alibi"]  # and composed with a bias
 T = 12
@@ -156,10 +158,79 @@ def test_bf16_is_finite_and_close(scheme):
         assert np.abs(np.asarray(out16, np.float32) - ref).max() <= 0.02 * np.abs(ref).max()
 
 
-@pytest.mark.parametrize("scheme", [s for s in SCHEMES])
-def test_shift_invariance_of_relative_schemes(scheme):
+def shift_error(scheme) -> float:
+    """Largest change of the layer's output when every position moves by 1000."""
     params, apply = forward(scheme)
-    if not apply.relative:
-        pytest.skip(f"{scheme} is not a relative scheme")
     x, pos = example()
-    np.testing.assert_allclose(apply(params, x, pos + 1000), apply(params, x, pos), atol=5e-4)
+    return float(np.abs(apply(params, x, pos + 1000) - apply(params, x, pos)).max())
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_shift_invariance_of_relative_schemes(scheme):
+    if not forward(scheme)[1].relative:
+        pytest.skip(f"{scheme} is not a relative scheme")
+    assert shift_error(scheme) <= 5e-4
+
+
+@dataclasses.dataclass(frozen=True)
+class AbsoluteBias(Scheme):
+    """A deliberately absolute bias (it reads the key's position alone), declared relative."""
+    has_bias = bias_only = True
+
+    def bias_fn(self, features, positions):
+        return lambda qi, kj: jnp.cos(at_slots(positions, kj).astype(jnp.float32))[:, None, None, :]
+
+
+def test_shift_check_sees_an_absolute_bias(monkeypatch):
+    monkeypatch.setitem(REGISTRY, "absolute_bias", Entry(AbsoluteBias))
+    assert shift_error("absolute_bias") > 1e-2
+    assert shift_error("rope+absolute_bias") > 1e-2
+
+
+def qkv(key=0, b=2, t=T):
+    q = normal(jax.random.key(key), (b, t, 4, 8))
+    k, v = normal(jax.random.key(key + 1), (2, b, t, 2, 8))
+    return q, k, v, jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+
+
+def needs_key(scheme) -> bool:
+    return any(p.random_features or p.default_key for p in (scheme, *scheme.biases))
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_notebook_call_needs_no_model(scheme):
+    """`make_scheme(name).attend(q, k, v, positions=...)`: default features, no model; a scheme
+    whose features are random asks for a key in one line, and a key makes the call
+    deterministic."""
+    s = make_scheme(scheme, num_heads=4, head_dim=8)
+    q, k, v, pos = qkv()
+    attend = jax.jit(lambda q, k, v, pos, key: s.attend(q, k, v, positions=pos, key=key))
+    out = attend(q, k, v, pos, jax.random.key(1))
+    assert out.shape == q.shape and np.isfinite(np.asarray(out)).all()
+    np.testing.assert_array_equal(out, attend(q, k, v, pos, jax.random.key(1)))
+    later = attend(q, k, v.at[:, 7:].set(0.0), pos, jax.random.key(1))  # causal
+    np.testing.assert_allclose(later[:, :7], out[:, :7], atol=1e-6)
+    if s.relative:
+        np.testing.assert_allclose(attend(q, k, v, pos + 1000, jax.random.key(1)), out, atol=5e-4)
+    weights = s.weights(q, k, v, positions=pos, key=jax.random.key(1))
+    assert weights.shape == (2, 2, 2, T, T)
+    if needs_key(s):
+        with pytest.raises(ValueError, match=r"pass a key \(key=") as err:
+            s.attend(q, k, v, positions=pos)
+        assert "\n" not in str(err.value)
+    else:
+        np.testing.assert_allclose(s.attend(q, k, v, positions=pos), out, atol=1e-6)
+
+
+# The schemes whose features module at its initialisation, on a zero input, gives exactly the
+# default features (PaTH's directions come from its random projections instead: test_householder).
+AT_INIT = ["so2_random_qk", "so2_learned_qkv", "so2_hidden_qk", "espr", "espr_rf", "fox", "rope+fox"]
+
+
+@pytest.mark.parametrize("scheme", AT_INIT)
+def test_default_features_are_the_features_module_at_initialisation(scheme):
+    layer = make_layer(scheme)
+    q, k, v, pos = qkv()
+    features = layer.project(jnp.zeros((2, T, 32)), pos % 16, pos, rng=RNG)[3]
+    np.testing.assert_allclose(layer.scheme.attend(q, k, v, positions=pos, key=RNG),
+                               layer.scheme.attend(q, k, v, features, positions=pos), atol=1e-6)

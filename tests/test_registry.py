@@ -36,7 +36,7 @@ def layer_features(name, rng=jax.random.key(1)):
 def mismatches(scheme, features) -> list[str]:
     """The declared flags that disagree with the scheme's hooks on these features."""
     cls, out = type(scheme), []
-    if (scheme.bias_fn(features) is not None) != scheme.has_bias:
+    if (scheme.bias_fn(features, None) is not None) != scheme.has_bias:
         out.append("has_bias")
     if (scheme.score_fn(features) is not None) != scheme.has_score:
         out.append("has_score")

@@ -175,7 +175,10 @@ def test_alibi_bias_is_minus_slope_times_distance():
     got = scheme.attend(q, k, v, positions=jnp.arange(5)[None])
     want = reference_attention(q, k, v, bias_fn=lambda qi, kj: jnp.asarray(bias, jnp.float32)[None])
     np.testing.assert_allclose(got, want, atol=1e-6)
-    np.testing.assert_allclose(scheme.bias_fn(None)(jnp.arange(5), jnp.arange(5))[0], bias, atol=1e-6)
+    np.testing.assert_allclose(scheme.bias_fn(None, None)(jnp.arange(5), jnp.arange(5))[0], bias, atol=1e-6)
+    # The bias reads positions, not slots: positions 0, 2, 4, ... double every distance.
+    spread = scheme.bias_fn(None, 2 * jnp.arange(5)[None])(jnp.arange(5), jnp.arange(5))[0]
+    np.testing.assert_allclose(spread, 2 * bias, atol=1e-6)
 
 
 def test_bad_scheme_options():

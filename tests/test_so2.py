@@ -167,7 +167,7 @@ def test_random_scheme_without_rng_says_how_to_fix_it():
     from models.lm import DecoderLM, ModelConfig
     m = DecoderLM(ModelConfig(vocab_size=20, d_model=16, num_layers=1, num_heads=2, scheme="so2_random_qk"),
                   rngs=nnx.Rngs(0))
-    with pytest.raises(ValueError, match="pass rng=.*draw_seed"):
+    with pytest.raises(ValueError, match="rng= to a model.*draw_seed"):
         m(jnp.zeros((1, 4), jnp.int32))
     cfg = ModelConfig(vocab_size=20, d_model=16, num_layers=1, num_heads=2, scheme="so2_random_qk",
                       scheme_options=(("draw_seed", 3),))
