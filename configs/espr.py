@@ -11,12 +11,16 @@ RoPE over the flattened order, axial 2-D RoPE, espr with d_c = 2) is `python dat
 (see docs/results/espr.md).
 """
 
-from configs import accumulated
+from configs import SCHEME, accumulated, parse_arg
 
 VARIANTS = ("rope", "espr", "espr_rf")
 
 
-def get_config(scheme: str = "espr"):
+FIELDS = (("scheme", "espr", SCHEME),)
+
+
+def get_config(arg: str | None = None):
+    scheme = parse_arg(__file__, arg, FIELDS)["scheme"]
     c = accumulated.get_config(scheme)
     if scheme.startswith("espr_rf"):
         c.model.scheme_options = {"draw_seed": 0}  # a fixed draw: evaluation sees the training features
