@@ -87,3 +87,10 @@ def test_rotation_benchmark_runs(capsys):
     assert set(rows) == {"forward", "fwd + bwd (x)", "fwd + bwd (x, angles)"}
     assert all(t > 0 for row in rows.values() for t in row.values())
     assert "| fwd + bwd (x, angles) |" in capsys.readouterr().out
+
+
+def test_grid2d_runs(capsys):
+    rows = run("grid2d", ["--steps", "2", "--batch", "2", "--methods", "rope_1d_flattened,espr_2d"])
+    assert [r["method"] for r in rows] == ["rope_1d_flattened", "espr_2d"]
+    assert all(0 <= r["eval_accuracy"] <= 1 for r in rows)
+    assert "| espr_2d |" in capsys.readouterr().out
