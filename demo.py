@@ -31,7 +31,7 @@ def run(schemes, fast: bool = False, out: str = "") -> str:
     """Train (or resume) each scheme's demo run, then compare them by length; the table."""
     workdirs = []
     for scheme in schemes:
-        config = demo.get_config(scheme + (",fast" if fast else ""))
+        config = demo.get_config(scheme + ("/fast" if fast else ""))
         t0 = time.perf_counter()
         summary = cli.run_cli(lambda: train(config))
         final = f"final loss {summary['losses'][-1]:.4f}" if summary["losses"] else "already trained"

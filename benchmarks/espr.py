@@ -19,7 +19,6 @@ backward, as `espr.cayley` computes it (Gauss-Jordan in XLA ops) against a LAPAC
 
 from __future__ import annotations
 
-import argparse
 import platform
 import statistics
 import time
@@ -27,12 +26,32 @@ import time
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+from absl import app, flags  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import train_throughput  # noqa: E402  (beside this file)
 from models.registry import get_entry, make_scheme  # noqa: E402
 from models.lm import ModelConfig  # noqa: E402
 from positional import espr  # noqa: E402
+
+# Process-wide only when run as a script (why: benchmarks/train_throughput.py).
+FLAGS = flags.FLAGS if __name__ == "__main__" else flags.FlagValues()
+flags.DEFINE_enum("part", "both", ("train", "rf", "cayley", "both"), "what to time", flag_values=FLAGS)
+flags.DEFINE_integer("batch", 8, "train: rows per step", flag_values=FLAGS)
+flags.DEFINE_integer("seq_len", 256, "train: tokens per row", flag_values=FLAGS)
+flags.DEFINE_integer("steps", 5, "train: timed steps per scheme per round", flag_values=FLAGS)
+flags.DEFINE_integer("rounds", 3, "train: interleaved rounds", flag_values=FLAGS)
+flags.DEFINE_string("lengths", "512,1024,2048,4096,8192,16384,32768,65536", "rf: lengths, comma-separated",
+                    flag_values=FLAGS)
+flags.DEFINE_integer("max_exact", 32768, "rf: longest length for exact attention", flag_values=FLAGS)
+flags.DEFINE_integer("heads", 4, "rf: attention heads", flag_values=FLAGS)
+flags.DEFINE_integer("head_dim", 64, "rf and cayley: dimension per head", flag_values=FLAGS)
+flags.DEFINE_integer("features", 128, "rf: random features", flag_values=FLAGS)
+flags.DEFINE_integer("block", 512, "rf: attention block size", flag_values=FLAGS)
+flags.DEFINE_integer("repeats", 50, "calls per route of the cayley part", flag_values=FLAGS)
+flags.DEFINE_alias("seq-len", "seq_len", flag_values=FLAGS)  # as docs and RESULTS.md spell it
+flags.DEFINE_alias("max-exact", "max_exact", flag_values=FLAGS)
+flags.DEFINE_alias("head-dim", "head_dim", flag_values=FLAGS)
 
 
 def attention_forward(name: str, heads: int, head_dim: int, block: int, **options):
@@ -55,22 +74,22 @@ def time_call(fn, args, repeats: int) -> float:
     return statistics.median(times)
 
 
-def rf_part(args) -> list[tuple]:
-    rf = attention_forward("espr_rf", args.heads, args.head_dim, args.block, num_features=args.features,
+def rf_part() -> list[tuple]:
+    rf = attention_forward("espr_rf", FLAGS.heads, FLAGS.head_dim, FLAGS.block, num_features=FLAGS.features,
                            draw_seed=0)
-    exact = attention_forward("espr", args.heads, args.head_dim, args.block)
+    exact = attention_forward("espr", FLAGS.heads, FLAGS.head_dim, FLAGS.block)
     rows = []
-    print(f"one attention layer, batch 1, {args.heads} heads x {args.head_dim}, n_rf {args.features}, "
-          f"block {args.block}\n\n| tokens | espr_rf (s) | exact espr (s) | rf / exact |\n"
+    print(f"one attention layer, batch 1, {FLAGS.heads} heads x {FLAGS.head_dim}, n_rf {FLAGS.features}, "
+          f"block {FLAGS.block}\n\n| tokens | espr_rf (s) | exact espr (s) | rf / exact |\n"
           "|---:|---:|---:|---:|",
           flush=True)
-    for t in [int(x) for x in args.lengths.split(",")]:
+    for t in [int(x) for x in FLAGS.lengths.split(",")]:
         keys = jax.random.split(jax.random.key(t), 3)
-        q, k, v = (jax.random.normal(kk, (1, t, args.heads, args.head_dim)) for kk in keys)
+        q, k, v = (jax.random.normal(kk, (1, t, FLAGS.heads, FLAGS.head_dim)) for kk in keys)
         pos = jnp.arange(t, dtype=jnp.int32)[None]
         repeats = 3 if t <= 16384 else 1
         t_rf = time_call(rf, (q, k, v, pos), repeats)
-        t_ex = time_call(exact, (q, k, v, pos), repeats) if t <= args.max_exact else float("nan")
+        t_ex = time_call(exact, (q, k, v, pos), repeats) if t <= FLAGS.max_exact else float("nan")
         rows.append((t, t_rf, t_ex))
         print(f"| {t:,} | {t_rf:.3f} | {t_ex:.3f} | {t_rf / t_ex:.2f} |", flush=True)
     faster = [t for t, a, b in rows if a < b]
@@ -79,8 +98,8 @@ def rf_part(args) -> list[tuple]:
     return rows
 
 
-def cayley_part(args) -> None:
-    d = args.head_dim
+def cayley_part() -> None:
+    d = FLAGS.head_dim
     eye = jnp.eye(d)
     weights = jnp.arange(d * d, dtype=jnp.float32).reshape(d, d)  # a loss that reads every entry
     routes = {"espr.cayley (Gauss-Jordan)": espr.cayley,
@@ -91,42 +110,30 @@ def cayley_part(args) -> None:
     times = {name: [] for name in fns}
     for fn in fns.values():
         jax.block_until_ready(fn(a))
-    for _ in range(args.repeats):
+    for _ in range(FLAGS.repeats):
         for name, fn in fns.items():
             t0 = time.perf_counter()
             jax.block_until_ready(fn(a))
             times[name].append(time.perf_counter() - t0)
-    print(f"\nCayley map of a {d} x {d} skew S, forward + backward, {args.repeats} interleaved calls\n\n"
+    print(f"\nCayley map of a {d} x {d} skew S, forward + backward, {FLAGS.repeats} interleaved calls\n\n"
           "| route | median (ms) | max (ms) |\n|---|---:|---:|")
     for name, ts in times.items():
         print(f"| {name} | {statistics.median(ts) * 1e3:.2f} | {max(ts) * 1e3:.2f} |", flush=True)
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--part", choices=("train", "rf", "cayley", "both"), default="both")
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--lengths", default="512,1024,2048,4096,8192,16384,32768,65536")
-    p.add_argument("--max-exact", type=int, default=32768)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--features", type=int, default=128)
-    p.add_argument("--block", type=int, default=512)
-    p.add_argument("--repeats", type=int, default=50, help="calls per route of the cayley part")
-    args = p.parse_args(argv)
+def main(argv):
+    del argv  # flags only
     print(f"machine: {platform.machine()}, {jax.devices()[0].platform} ({jax.device_count()} device), "
           f"jax {jax.__version__}", flush=True)
-    if args.part in ("train", "both"):
-        train_throughput.main(["--schemes", "rope,espr", "--batch", str(args.batch), "--seq-len",
-                               str(args.seq_len), "--steps", str(args.steps), "--rounds", str(args.rounds)])
-    if args.part in ("rf", "both"):
-        rf_part(args)
-    if args.part == "cayley":
-        cayley_part(args)
+    if FLAGS.part in ("train", "both"):
+        train_throughput.FLAGS(["train_throughput", "--schemes=rope,espr", f"--batch={FLAGS.batch}",
+                                f"--seq_len={FLAGS.seq_len}", f"--steps={FLAGS.steps}", f"--rounds={FLAGS.rounds}"])
+        train_throughput.benchmark()
+    if FLAGS.part in ("rf", "both"):
+        rf_part()
+    if FLAGS.part == "cayley":
+        cayley_part()
 
 
 if __name__ == "__main__":
-    main()
+    app.run(main)

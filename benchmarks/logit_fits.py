@@ -12,17 +12,24 @@ differ from the fit's.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+from absl import app, flags  # noqa: E402
 import numpy as np  # noqa: E402
 
 from positional.probes import logits  # noqa: E402
 from positional.rope import rope_frequencies  # noqa: E402
+
+# Process-wide only when run as a script (why: benchmarks/train_throughput.py).
+FLAGS = flags.FLAGS if __name__ == "__main__" else flags.FlagValues()
+flags.DEFINE_string("lengths", "1024,2048,4096", "map sizes n, comma-separated", flag_values=FLAGS)
+flags.DEFINE_integer("dense_max", 2048, "longest n for the dense 3n x 3n solve", flag_values=FLAGS)
+flags.DEFINE_integer("repeats", 3, "timed calls; the best is kept", flag_values=FLAGS)
+flags.DEFINE_alias("dense-max", "dense_max", flag_values=FLAGS)  # as docs and RESULTS.md spell it
 
 
 def best_of(fn, repeats):
@@ -54,14 +61,10 @@ def dense_three_axis(w: np.ndarray) -> np.ndarray:
     return np.linalg.solve(factor.T, np.linalg.solve(factor, rhs))
 
 
-def main(argv: list[str] | None = None) -> list[dict]:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--lengths", default="1024,2048,4096")
-    p.add_argument("--dense-max", type=int, default=2048)
-    p.add_argument("--repeats", type=int, default=3)
-    args = p.parse_args(argv)
+def benchmark() -> list[dict]:
+    """One row of seconds per length, as FLAGS ask."""
     rows = []
-    for n in (int(x) for x in args.lengths.split(",")):
+    for n in (int(x) for x in FLAGS.lengths.split(",")):
         rng = np.random.default_rng(0)
         d = np.arange(n)
         w = (rng.standard_normal((n, n)) + np.sin(d[:, None] - d[None, :]) + rng.standard_normal(n)[:, None]
@@ -71,10 +74,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
         theta = rope_frequencies(64)
         slow = jnp.zeros(32, bool).at[-2:].set(True)
         row = {"n": n,
-               "three_axis": best_of(lambda: logits.three_axis_fit(wj)["r"], args.repeats),
-               "fake_distance": best_of(lambda: logits.fake_distance_fit(wj)["r"], args.repeats),
-               "explicit_fg": best_of(lambda: logits.explicit_fg(q, k, theta, slow)["r"], args.repeats)}
-        if n <= args.dense_max:
+               "three_axis": best_of(lambda: logits.three_axis_fit(wj)["r"], FLAGS.repeats),
+               "fake_distance": best_of(lambda: logits.fake_distance_fit(wj)["r"], FLAGS.repeats),
+               "explicit_fg": best_of(lambda: logits.explicit_fg(q, k, theta, slow)["r"], FLAGS.repeats)}
+        if n <= FLAGS.dense_max:
             t0 = time.perf_counter()
             sol = dense_three_axis(w.astype(np.float64))
             row["dense"] = time.perf_counter() - t0
@@ -82,7 +85,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             row["max_diff"] = float(np.abs(np.concatenate([fit["a"], fit["b"], fit["c"]]) - sol).max())
         rows.append(row)
         print(f"# {row}", file=sys.stderr, flush=True)
-    print(f"jax {jax.__version__} on {jax.devices()[0].platform}; seconds, best of {args.repeats} "
+    print(f"jax {jax.__version__} on {jax.devices()[0].platform}; seconds, best of {FLAGS.repeats} "
           "(dense: one call)\n")
     print("| n | three_axis_fit | fake_distance_fit | explicit_fg | dense 3n solve | dense / three_axis | "
           "max abs diff |")
@@ -96,5 +99,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     return rows
 
 
+def main(argv):
+    del argv  # flags only
+    benchmark()
+
+
 if __name__ == "__main__":
-    main()
+    app.run(main)

@@ -14,7 +14,6 @@ RSS growth that needs no run.
 
 from __future__ import annotations
 
-import argparse
 import json
 import resource
 import subprocess
@@ -22,9 +21,28 @@ import sys
 import time
 from pathlib import Path
 
+from absl import app, flags
+
 GiB = 2 ** 30
 VOCAB = 258
 TARGET_LENGTH, TARGET_GIB = 65536, 4.0  # the project's long-context memory target
+
+# Process-wide only when run as a script (why: benchmarks/train_throughput.py).
+FLAGS = flags.FLAGS if __name__ == "__main__" else flags.FlagValues()
+flags.DEFINE_string("scheme", "rope", "a registered scheme", flag_values=FLAGS)
+flags.DEFINE_string("lengths", "4096,8192,16384,32768,65536", "row lengths, comma-separated", flag_values=FLAGS)
+flags.DEFINE_string("impls", "reference,blockwise", "attention impls, comma-separated", flag_values=FLAGS)
+flags.DEFINE_integer("batch", 1, "rows per forward (the eval loop uses 4)", flag_values=FLAGS)
+flags.DEFINE_integer("block_size", 512, "blockwise attention block size", flag_values=FLAGS)
+flags.DEFINE_integer("repeats", 1, "timed calls after compiling; min is kept", flag_values=FLAGS)
+flags.DEFINE_float("memory_cap_gib", 16.0, "skip reference points whose estimated score memory exceeds this",
+                   flag_values=FLAGS)
+flags.DEFINE_integer("point_timeout", 900, "seconds per subprocess", flag_values=FLAGS)
+flags.DEFINE_string("child", "", "internal: measure this impl at the one length given, print its JSON "
+                    "(the process `run_point` starts)", flag_values=FLAGS)
+flags.DEFINE_alias("block-size", "block_size", flag_values=FLAGS)  # as docs and RESULTS.md spell it
+flags.DEFINE_alias("memory-cap-gib", "memory_cap_gib", flag_values=FLAGS)
+flags.DEFINE_alias("point-timeout", "point_timeout", flag_values=FLAGS)
 
 
 def peak_rss_bytes() -> int:
@@ -64,15 +82,15 @@ def measure(scheme: str, impl: str, length: int, batch: int, block_size: int, re
             "peak": peak_rss_bytes(), "xla_temp": xla_temp}
 
 
-def run_point(args, impl: str, length: int) -> dict:
+def run_point(impl: str, length: int) -> dict:
     """Run `measure` in a fresh interpreter and return its JSON result (or an error note)."""
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", impl, str(length),
-           "--scheme", args.scheme, "--batch", str(args.batch), "--block-size", str(args.block_size),
-           "--repeats", str(args.repeats)]
+    cmd = [sys.executable, str(Path(__file__).resolve()), f"--child={impl}", f"--lengths={length}",
+           f"--scheme={FLAGS.scheme}", f"--batch={FLAGS.batch}", f"--block_size={FLAGS.block_size}",
+           f"--repeats={FLAGS.repeats}"]
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.point_timeout)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=FLAGS.point_timeout)
     except subprocess.TimeoutExpired:
-        return {"error": f"timeout after {args.point_timeout} s"}
+        return {"error": f"timeout after {FLAGS.point_timeout} s"}
     if proc.returncode != 0:
         tail = (proc.stderr.strip().splitlines() or ["no stderr"])[-1]
         return {"error": f"exit {proc.returncode}: {tail[:120]}"}
@@ -112,61 +130,54 @@ def growth_per_doubling(rows: list[dict], impl: str) -> list[float]:
     return [b / a for a, b in zip(g, g[1:]) if a > 0]
 
 
-def main(argv: list[str] | None = None) -> list[dict]:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--scheme", default="rope")
-    p.add_argument("--lengths", default="4096,8192,16384,32768,65536")
-    p.add_argument("--impls", default="reference,blockwise")
-    p.add_argument("--batch", type=int, default=1, help="rows per forward (the eval loop uses 4)")
-    p.add_argument("--block-size", type=int, default=512, help="blockwise attention block size")
-    p.add_argument("--repeats", type=int, default=1, help="timed calls after compiling; min is kept")
-    p.add_argument("--memory-cap-gib", type=float, default=16.0,
-                   help="skip reference points whose estimated score memory exceeds this")
-    p.add_argument("--point-timeout", type=int, default=900, help="seconds per subprocess")
-    p.add_argument("--child", nargs=2, metavar=("IMPL", "LENGTH"), help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-
-    if args.child:
-        result = measure(args.scheme, args.child[0], int(args.child[1]), args.batch, args.block_size,
-                         args.repeats)
+def benchmark() -> list[dict]:
+    """One row per (length, impl), as FLAGS ask; in a --child process, its one measurement."""
+    if FLAGS.child:
+        result = measure(FLAGS.scheme, FLAGS.child, int(FLAGS.lengths), FLAGS.batch, FLAGS.block_size,
+                         FLAGS.repeats)
         print(json.dumps(result))
         return [result]
 
     from configs.default import get_config  # light import: the parent never touches jax arrays
-    heads = get_config(args.scheme).model.num_heads
-    baseline = run_point(args, "none", 0)
+    heads = get_config(FLAGS.scheme).model.num_heads
+    baseline = run_point("none", 0)
     if "error" in baseline:
         raise SystemExit(f"baseline process failed: {baseline['error']}")
     baseline = baseline["peak"]
     rows = []
-    for length in (int(x) for x in args.lengths.split(",")):
-        for impl in args.impls.split(","):
+    for length in (int(x) for x in FLAGS.lengths.split(",")):
+        for impl in FLAGS.impls.split(","):
             row = {"length": length, "impl": impl}
-            est = reference_estimate_gib(args.batch, heads, length)
-            if impl == "reference" and est > args.memory_cap_gib:
+            est = reference_estimate_gib(FLAGS.batch, heads, length)
+            if impl == "reference" and est > FLAGS.memory_cap_gib:
                 row["skipped"] = f"skipped (est. {est:.0f} GiB)"
             else:
-                row.update(run_point(args, impl, length))
+                row.update(run_point(impl, length))
                 if "peak" in row:
                     row["growth"] = row["peak"] - baseline
             rows.append(row)
             print(f"# {json.dumps(row)}", file=sys.stderr, flush=True)  # progress for long runs
 
-    print(f"scheme {args.scheme}, batch {args.batch}, block size {args.block_size}\n")
+    print(f"scheme {FLAGS.scheme}, batch {FLAGS.batch}, block size {FLAGS.block_size}\n")
     print(table(rows, baseline))
-    for impl in args.impls.split(","):
+    for impl in FLAGS.impls.split(","):
         ratios = growth_per_doubling(rows, impl)
         if ratios:
             print(f"\n{impl}: memory growth per doubling of length: "
                   + ", ".join(f"x{r:.2f}" for r in ratios))
     target = next((r for r in rows if r["length"] == TARGET_LENGTH and r["impl"] == "blockwise"
                    and "peak" in r), None)
-    if target is not None and args.batch == 1:
+    if target is not None and FLAGS.batch == 1:
         verdict = "met" if target["peak"] <= TARGET_GIB * GiB else "NOT met"
         print(f"\ntarget: blockwise forward at {TARGET_LENGTH:,} tokens within {TARGET_GIB:.0f} GiB peak "
               f"RSS: {target['peak'] / GiB:.2f} GiB, {verdict}")
     return rows
 
 
+def main(argv):
+    del argv  # flags only
+    benchmark()
+
+
 if __name__ == "__main__":
-    main()
+    app.run(main)

@@ -12,16 +12,21 @@ the ratio column says whether PaTH's grows faster than attention's.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 
 
 import jax  # noqa: E402
+from absl import app, flags  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from configs.default import get_config  # noqa: E402
 from models.lm import DecoderLM, ModelConfig, token_nll  # noqa: E402
+
+# Process-wide only when run as a script (why: benchmarks/train_throughput.py).
+FLAGS = flags.FLAGS if __name__ == "__main__" else flags.FlagValues()
+flags.DEFINE_string("lengths", "1024,2048,4096,8192", "sequence lengths, comma-separated", flag_values=FLAGS)
+flags.DEFINE_integer("repeats", 2, "timed calls; the best is kept", flag_values=FLAGS)
 
 VOCAB = 258
 SCHEMES = ("rope", "path")
@@ -38,24 +43,21 @@ def compiled_forward(scheme: str, length: int):
     return fn.lower(state, tokens).compile(), state, tokens
 
 
-def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--lengths", default="1024,2048,4096,8192")
-    p.add_argument("--repeats", type=int, default=2)
-    args = p.parse_args(argv)
-    lengths = [int(x) for x in args.lengths.split(",")]
+def benchmark() -> dict:
+    """{length: {scheme: best seconds}}, as FLAGS ask."""
+    lengths = [int(x) for x in FLAGS.lengths.split(",")]
     seconds = {}
     for length in lengths:
         calls = {s: compiled_forward(s, length) for s in SCHEMES}
         best = {s: float("inf") for s in SCHEMES}
-        for _ in range(args.repeats):
+        for _ in range(FLAGS.repeats):
             for s, (fn, state, tokens) in calls.items():
                 t0 = time.perf_counter()
                 fn(state, tokens).block_until_ready()
                 best[s] = min(best[s], time.perf_counter() - t0)
         seconds[length] = best
         print(f"# {length}: {best}", file=sys.stderr, flush=True)
-    print(f"jax {jax.__version__} on {jax.devices()[0].platform}, best of {args.repeats}\n")
+    print(f"jax {jax.__version__} on {jax.devices()[0].platform}, best of {FLAGS.repeats}\n")
     print("| length | rope s | path s | rope us/token | path us/token | path / rope |")
     print("|---:|---:|---:|---:|---:|---:|")
     for length, best in seconds.items():
@@ -65,5 +67,10 @@ def main(argv: list[str] | None = None) -> dict:
     return seconds
 
 
+def main(argv):
+    del argv  # flags only
+    benchmark()
+
+
 if __name__ == "__main__":
-    main()
+    app.run(main)

@@ -15,15 +15,32 @@ simulated devices share this host's cores, so times show the programs' overhead 
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
+
+from absl import app, flags
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sequence_parallel import child, on_devices  # noqa: E402
 IMPLS = ("blockwise", "ring")
+
+# Process-wide only when run as a script (why: benchmarks/train_throughput.py).
+FLAGS = flags.FLAGS if __name__ == "__main__" else flags.FlagValues()
+flags.DEFINE_enum("what", "layer", ("layer", "step"), "one attention call, or the model's train step",
+                  flag_values=FLAGS)
+flags.DEFINE_integer("seq_len", 8192, "tokens in the one row", flag_values=FLAGS)
+flags.DEFINE_string("devices", "1,2,4,8", "simulated device counts, comma-separated", flag_values=FLAGS)
+flags.DEFINE_integer("steps", 3, "timed runs after a warm-up (0: memory only)", flag_values=FLAGS)
+flags.DEFINE_integer("heads", 8, "attention heads", flag_values=FLAGS)
+flags.DEFINE_integer("head_dim", 64, "dimension per head", flag_values=FLAGS)
+flags.DEFINE_integer("block_size", 512, "attention block size", flag_values=FLAGS)
+flags.DEFINE_string("child", "", "internal: measure this impl on the one device count given, print its "
+                    "JSON (the process `on_devices` starts)", flag_values=FLAGS)
+flags.DEFINE_alias("seq-len", "seq_len", flag_values=FLAGS)  # as docs and RESULTS.md spell it
+flags.DEFINE_alias("head-dim", "head_dim", flag_values=FLAGS)
+flags.DEFINE_alias("block-size", "block_size", flag_values=FLAGS)
 
 
 def layer(impl: str, seq_len: int, n: int, steps: int, heads: int, head_dim: int, block: int) -> dict:
@@ -62,35 +79,26 @@ def step(impl: str, seq_len: int, n: int, steps: int) -> dict:
     return {**out, "seconds": out.get("step_seconds", float("nan"))}
 
 
-def main(argv: list[str] | None = None) -> list[dict]:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--what", choices=("layer", "step"), default="layer")
-    p.add_argument("--seq-len", type=int, default=8192)
-    p.add_argument("--devices", default="1,2,4,8")
-    p.add_argument("--steps", type=int, default=3, help="timed runs after a warm-up (0: memory only)")
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--block-size", type=int, default=512)
-    p.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    if args.child:
-        impl, seq_len, n = args.child[0], int(args.child[1]), int(args.child[2])
-        out = (layer(impl, seq_len, n, args.steps, args.heads, args.head_dim, args.block_size)
-               if args.what == "layer" else step(impl, seq_len, n, args.steps))
+def benchmark() -> list[dict]:
+    """One row per (device count, impl), as FLAGS ask; none in a --child process."""
+    if FLAGS.child:
+        impl, seq_len, n = FLAGS.child, FLAGS.seq_len, int(FLAGS.devices)
+        out = (layer(impl, seq_len, n, FLAGS.steps, FLAGS.heads, FLAGS.head_dim, FLAGS.block_size)
+               if FLAGS.what == "layer" else step(impl, seq_len, n, FLAGS.steps))
         print(json.dumps(out))
         return []
     rows = []
-    for n in (int(x) for x in args.devices.split(",")):
+    for n in (int(x) for x in FLAGS.devices.split(",")):
         for impl in IMPLS:
-            flags = [f"--what={args.what}", f"--steps={args.steps}", f"--heads={args.heads}",
-                     f"--head-dim={args.head_dim}", f"--block-size={args.block_size}",
-                     "--child", impl, str(args.seq_len), str(n)]
-            rows.append({"impl": impl, "devices": n, **on_devices(__file__, n, flags)})
+            point = [f"--what={FLAGS.what}", f"--steps={FLAGS.steps}", f"--heads={FLAGS.heads}",
+                     f"--head_dim={FLAGS.head_dim}", f"--block_size={FLAGS.block_size}",
+                     f"--seq_len={FLAGS.seq_len}", f"--devices={n}", f"--child={impl}"]
+            rows.append({"impl": impl, "devices": n, **on_devices(__file__, n, point)})
             print(f"# {rows[-1]}", file=sys.stderr, flush=True)
     what = ("forward + backward of one attention call, q, k, v [1, T, "
-            f"{args.heads}, {args.head_dim}] fp32, block {args.block_size}" if args.what == "layer"
+            f"{FLAGS.heads}, {FLAGS.head_dim}] fp32, block {FLAGS.block_size}" if FLAGS.what == "layer"
             else "the default rope model's train step, one row")
-    print(f"\n{what}; {args.seq_len} tokens split over mesh sequence=n; per device\n")
+    print(f"\n{what}; {FLAGS.seq_len} tokens split over mesh sequence=n; per device\n")
     print("| devices | blockwise total MiB | ring total MiB | ring / blockwise memory | blockwise s | ring s "
           "| ring / blockwise time |")
     print("|---|---|---|---|---|---|---|")
@@ -103,5 +111,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     return rows
 
 
+def main(argv):
+    del argv  # flags only
+    benchmark()
+
+
 if __name__ == "__main__":
-    main()
+    app.run(main)

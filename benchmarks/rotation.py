@@ -13,15 +13,20 @@ and the fastest of `--repeats` is kept, so load from other jobs falls on both.
 
 from __future__ import annotations
 
-import argparse
 import functools
 import time
 
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+from absl import app, flags  # noqa: E402
 
 from positional.rope import rotate  # noqa: E402
+
+# Process-wide only when run as a script (why: benchmarks/train_throughput.py).
+FLAGS = flags.FLAGS if __name__ == "__main__" else flags.FlagValues()
+flags.DEFINE_string("shape", "16,256,4,64", "B,T,H,D of q, k, v", flag_values=FLAGS)
+flags.DEFINE_integer("repeats", 30, "timed calls; the fastest is kept", flag_values=FLAGS)
 
 
 def plain_rotate(x, angles, layout="half", inverse=False):
@@ -45,19 +50,16 @@ def compiled(rot, argnums):
     return jax.jit(fn if argnums is None else jax.grad(fn, argnums))
 
 
-def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shape", default="16,256,4,64", help="B,T,H,D of q, k, v")
-    p.add_argument("--repeats", type=int, default=30)
-    args = p.parse_args(argv)
-    b, t, h, d = map(int, args.shape.split(","))
+def benchmark() -> dict:
+    """{case: {"plain": best seconds, "rotate": best seconds}}, as FLAGS ask."""
+    b, t, h, d = map(int, FLAGS.shape.split(","))
     keys = jax.random.split(jax.random.key(0), 5)
     q, k, v, g = (jax.random.normal(key, (b, t, h, d)) for key in keys[:4])
     angles = jax.random.uniform(keys[4], (b, t, 1, d // 2), minval=-3.0, maxval=3.0)
     inputs = (q, k, v, angles, g)
     cases = {"forward": None, "fwd + bwd (x)": (0, 1, 2), "fwd + bwd (x, angles)": (0, 1, 2, 3)}
     print(f"q, k, v [{b}, {t}, {h}, {d}], angles [{b}, {t}, 1, {d // 2}]; jax {jax.__version__} on "
-          f"{jax.devices()[0].platform}; fastest of {args.repeats}\n")
+          f"{jax.devices()[0].platform}; fastest of {FLAGS.repeats}\n")
     print("| case | plain ms | rotate ms | plain / rotate |\n|---|---:|---:|---:|")
     rows = {}
     for name, argnums in cases.items():
@@ -65,7 +67,7 @@ def main(argv=None) -> dict:
         for f in fns.values():  # compile both before timing either
             jax.block_until_ready(f(*inputs))
         best = {n: float("inf") for n in fns}
-        for _ in range(args.repeats):  # alternate, so load falls on both
+        for _ in range(FLAGS.repeats):  # alternate, so load falls on both
             for n, f in fns.items():
                 t0 = time.perf_counter()
                 jax.block_until_ready(f(*inputs))
@@ -76,5 +78,10 @@ def main(argv=None) -> dict:
     return rows
 
 
+def main(argv):
+    del argv  # flags only
+    benchmark()
+
+
 if __name__ == "__main__":
-    main()
+    app.run(main)

@@ -13,14 +13,26 @@ cores, so that time shows the partitioned program's overhead, not a real speed-u
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+from absl import app, flags
+
 ROOT = Path(__file__).resolve().parents[1]
+
+# Process-wide only when run as a script (why: benchmarks/train_throughput.py).
+FLAGS = flags.FLAGS if __name__ == "__main__" else flags.FlagValues()
+flags.DEFINE_integer("seq_len", 4096, "tokens in the one row", flag_values=FLAGS)
+flags.DEFINE_alias("seq-len", "seq_len", flag_values=FLAGS)  # as docs and RESULTS.md spell it
+flags.DEFINE_string("devices", "1,2,4,8", "simulated device counts, comma-separated", flag_values=FLAGS)
+flags.DEFINE_string("schemes", "rope", "comma-separated registry names", flag_values=FLAGS)
+flags.DEFINE_string("impl", "", "attention impl (default: the scheme's default config)", flag_values=FLAGS)
+flags.DEFINE_integer("steps", 0, "also run this many steps and report the median time", flag_values=FLAGS)
+flags.DEFINE_bool("child", False, "internal: measure the one scheme and device count given, print its "
+                  "JSON (the process `on_devices` starts)", flag_values=FLAGS)
 
 
 def child(scheme: str, seq_len: int, n: int, impl: str, steps: int) -> dict:
@@ -56,35 +68,28 @@ def child(scheme: str, seq_len: int, n: int, impl: str, steps: int) -> dict:
     return out
 
 
-def on_devices(script: str, n: int, flags: list[str]) -> dict:
-    """Run `script` with `flags` in a process with n simulated devices; its last stdout line's JSON."""
+def on_devices(script: str, n: int, argv: list[str]) -> dict:
+    """Run `script` with flags `argv` in a process with n simulated devices; its last stdout line's JSON."""
     env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={n}"}
-    run = subprocess.run([sys.executable, script, *flags], capture_output=True, text=True, env=env, cwd=ROOT)
+    run = subprocess.run([sys.executable, script, *argv], capture_output=True, text=True, env=env, cwd=ROOT)
     if run.returncode:
         raise RuntimeError(run.stderr[-2000:])
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
-def main(argv: list[str] | None = None) -> list[dict]:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--seq-len", type=int, default=4096)
-    p.add_argument("--devices", default="1,2,4,8")
-    p.add_argument("--schemes", default="rope")
-    p.add_argument("--impl", default="", help="attention impl (default: the scheme's default config)")
-    p.add_argument("--steps", type=int, default=0, help="also run this many steps and report the median time")
-    p.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    if args.child:
-        print(json.dumps(child(args.child[0], int(args.child[1]), int(args.child[2]), args.impl, args.steps)))
+def benchmark() -> list[dict]:
+    """One row per (scheme, device count), as FLAGS ask; none in a --child process."""
+    if FLAGS.child:
+        print(json.dumps(child(FLAGS.schemes, FLAGS.seq_len, int(FLAGS.devices), FLAGS.impl, FLAGS.steps)))
         return []
     rows = []
-    for scheme in args.schemes.split(","):
-        for n in (int(x) for x in args.devices.split(",")):
-            flags = [f"--impl={args.impl}", f"--steps={args.steps}",
-                     "--child", scheme, str(args.seq_len), str(n)]
-            rows.append({"scheme": scheme, "devices": n, **on_devices(__file__, n, flags)})
+    for scheme in FLAGS.schemes.split(","):
+        for n in (int(x) for x in FLAGS.devices.split(",")):
+            point = [f"--schemes={scheme}", f"--seq_len={FLAGS.seq_len}", f"--devices={n}",
+                     f"--impl={FLAGS.impl}", f"--steps={FLAGS.steps}", "--child"]
+            rows.append({"scheme": scheme, "devices": n, **on_devices(__file__, n, point)})
             print(f"# {rows[-1]}", file=sys.stderr, flush=True)
-    print(f"\nper-device memory of the train step, {args.seq_len} tokens, one row, mesh sequence=n\n")
+    print(f"\nper-device memory of the train step, {FLAGS.seq_len} tokens, one row, mesh sequence=n\n")
     print("| scheme | devices | arguments MiB | temporaries MiB | total MiB | total x devices / one device "
           "| step s |")
     print("|---|---|---|---|---|---|---|")
@@ -97,5 +102,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     return rows
 
 
+def main(argv):
+    del argv  # flags only
+    benchmark()
+
+
 if __name__ == "__main__":
-    main()
+    app.run(main)

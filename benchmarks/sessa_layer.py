@@ -14,9 +14,19 @@ The Pallas kernel is not timed: interpret mode says nothing about speed.
 
 from __future__ import annotations
 
-import argparse
 import os
 import time
+
+from absl import app, flags
+
+# Process-wide only when run as a script (why: benchmarks/train_throughput.py).
+FLAGS = flags.FLAGS if __name__ == "__main__" else flags.FlagValues()
+flags.DEFINE_string("lengths", "1024,2048,4096,8192,16384", "lengths, comma-separated", flag_values=FLAGS)
+flags.DEFINE_integer("d_model", 64, "model width", flag_values=FLAGS)
+flags.DEFINE_integer("heads", 4, "attention heads", flag_values=FLAGS)
+flags.DEFINE_integer("block", 256, "block size of the blocked solve", flag_values=FLAGS)
+flags.DEFINE_integer("repeats", 2, "timed calls; the best is kept", flag_values=FLAGS)
+flags.DEFINE_float("max_dense_gib", 6.0, "skip the dense solve when its plan exceeds this", flag_values=FLAGS)
 
 GiB = 2 ** 30
 
@@ -39,19 +49,19 @@ def layer_fn(solve: str, d_model: int, heads: int, block: int):
     return jax.jit(forward), state
 
 
-def measure(solve, length, args) -> dict:
+def measure(solve, length) -> dict:
     import jax
 
-    fn, state = layer_fn(solve, args.d_model, args.heads, args.block)
-    x = jax.random.normal(jax.random.key(0), (1, length, args.d_model))
+    fn, state = layer_fn(solve, FLAGS.d_model, FLAGS.heads, FLAGS.block)
+    x = jax.random.normal(jax.random.key(0), (1, length, FLAGS.d_model))
     compiled = fn.lower(state, x).compile()
     mem = compiled.memory_analysis()
     plan = mem.temp_size_in_bytes + mem.argument_size_in_bytes + mem.output_size_in_bytes
     row = {"solve": solve, "length": length, "plan_gib": plan / GiB, "seconds": None}
-    if solve == "reference" and plan / GiB > args.max_dense_gib:
+    if solve == "reference" and plan / GiB > FLAGS.max_dense_gib:
         return row
     best = float("inf")
-    for _ in range(args.repeats):
+    for _ in range(FLAGS.repeats):
         start = time.perf_counter()
         jax.block_until_ready(compiled(state, x))
         best = min(best, time.perf_counter() - start)
@@ -59,22 +69,15 @@ def measure(solve, length, args) -> dict:
     return row
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--lengths", default="1024,2048,4096,8192,16384")
-    p.add_argument("--d_model", type=int, default=64)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--block", type=int, default=256)
-    p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--max_dense_gib", type=float, default=6.0)
-    args = p.parse_args()
+def main(argv):
+    del argv  # flags only
     print(f"machine: {os.cpu_count()}-core CPU (shared), one Sessa layer forward, batch 1, "
-          f"d_model {args.d_model}, {args.heads} heads, block {args.block}")
+          f"d_model {FLAGS.d_model}, {FLAGS.heads} heads, block {FLAGS.block}")
     print("| tokens | dense s | blocked s | time ratio (blocked/dense) | dense plan GiB | blocked plan GiB "
           "| memory ratio |")
     print("|---:|---:|---:|---:|---:|---:|---:|")
-    for length in map(int, args.lengths.split(",")):
-        dense, blocked = measure("reference", length, args), measure("blocked", length, args)
+    for length in map(int, FLAGS.lengths.split(",")):
+        dense, blocked = measure("reference", length), measure("blocked", length)
         fmt = lambda s: "not run" if s is None else f"{s:.3f}"  # noqa: E731
         ratio = "" if dense["seconds"] is None else f"{blocked['seconds'] / dense['seconds']:.2f}"
         print(f"| {length:,} | {fmt(dense['seconds'])} | {fmt(blocked['seconds'])} | {ratio} | "
@@ -83,4 +86,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    app.run(main)

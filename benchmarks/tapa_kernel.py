@@ -19,7 +19,6 @@ fp32 at highest matmul precision, for odd lengths, head dims 64/128/96, GQA and 
 
 from __future__ import annotations
 
-import argparse
 import functools
 import json
 import statistics
@@ -27,9 +26,24 @@ import time
 
 import jax
 import jax.numpy as jnp
+from absl import app, flags
 
 from positional.attention import blockwise_attention, reference_attention
 from positional.tapa import tapa_attention, tapa_score_fn
+
+# Process-wide only when run as a script (why: benchmarks/train_throughput.py).
+FLAGS = flags.FLAGS if __name__ == "__main__" else flags.FlagValues()
+flags.DEFINE_string("lengths", "8192,16384,32768", "lengths, comma-separated", flag_values=FLAGS)
+flags.DEFINE_integer("heads", 16, "attention heads", flag_values=FLAGS)
+flags.DEFINE_integer("head_dim", 128, "dimension per head", flag_values=FLAGS)
+flags.DEFINE_integer("repeats", 10, "timed calls", flag_values=FLAGS)
+flags.DEFINE_string("tiles", "64x64w4,64x64w8,32x64w4,64x32w4,128x64w8,64x64w4a",
+                    "kernel tiles block_q x block_k, Triton warps, 'a' for accurate (libdevice) math",
+                    flag_values=FLAGS)
+flags.DEFINE_integer("reference_max", 8192, "longest length for our plain-JAX reference and blockwise versions",
+                     flag_values=FLAGS)
+flags.DEFINE_bool("skip_check", False, "skip the kernel-against-reference check", flag_values=FLAGS)
+flags.DEFINE_string("json", None, "also write the results to this JSON file", flag_values=FLAGS)
 
 
 def rel(a, b):
@@ -136,30 +150,19 @@ def table(rows):
     return "\n".join(lines)
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--lengths", default="8192,16384,32768")
-    p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--head_dim", type=int, default=128)
-    p.add_argument("--repeats", type=int, default=10)
-    p.add_argument("--tiles", default="64x64w4,64x64w8,32x64w4,64x32w4,128x64w8,64x64w4a",
-                   help="kernel tiles block_q x block_k, Triton warps, 'a' for accurate (libdevice) math")
-    p.add_argument("--reference_max", type=int, default=8192,
-                   help="longest length for our plain-JAX reference and blockwise versions")
-    p.add_argument("--skip_check", action="store_true")
-    p.add_argument("--json", default=None)
-    args = p.parse_args()
+def main(argv):
+    del argv  # flags only
     print("device:", jax.devices()[0].device_kind, "jax", jax.__version__, flush=True)
     tiles = [(*(int(x) for x in s.rstrip("a").replace("w", "x").split("x")), not s.endswith("a"))
-             for s in args.tiles.split(",")]
-    checks = [] if args.skip_check else check("quadratic") + check("linear")
-    rows = bench([int(x) for x in args.lengths.split(",")], args.heads, args.head_dim, args.repeats,
-                 tiles, args.reference_max)
-    if args.json:
-        with open(args.json, "w") as f:
+             for s in FLAGS.tiles.split(",")]
+    checks = [] if FLAGS.skip_check else check("quadratic") + check("linear")
+    rows = bench([int(x) for x in FLAGS.lengths.split(",")], FLAGS.heads, FLAGS.head_dim, FLAGS.repeats,
+                 tiles, FLAGS.reference_max)
+    if FLAGS.json:
+        with open(FLAGS.json, "w") as f:
             json.dump({"device": jax.devices()[0].device_kind, "checks": checks, "rows": rows}, f, indent=1)
     print(table(rows))
 
 
 if __name__ == "__main__":
-    main()
+    app.run(main)

@@ -18,7 +18,6 @@ scheme it hits but not its CPU time, so the CPU-time ratio is the steadier of th
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
@@ -29,6 +28,7 @@ from typing import Callable
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
+from absl import app, flags  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from configs.default import get_config  # noqa: E402
@@ -38,6 +38,22 @@ from lab.state import make_optimizer, model_config  # noqa: E402
 
 VOCAB = 258
 BASELINE = "rope"
+
+# Run as a script, the flags are the process's own (app.run parses them, --help lists them).
+# Imported (tests/test_benchmarks.py, benchmarks/espr.py), a module keeps its flags to itself,
+# so that benchmarks sharing flag names, or one module loaded twice, never collide: the other
+# benchmarks do the same.
+FLAGS = flags.FLAGS if __name__ == "__main__" else flags.FlagValues()
+flags.DEFINE_string("schemes", ",".join(REGISTRY), "comma-separated registry names", flag_values=FLAGS)
+flags.DEFINE_integer("batch", 16, "rows per step", flag_values=FLAGS)
+flags.DEFINE_integer("seq_len", 256, "tokens per row", flag_values=FLAGS)
+flags.DEFINE_integer("steps", 10, "timed steps per scheme per round", flag_values=FLAGS)
+flags.DEFINE_integer("rounds", 3, "interleaved rounds", flag_values=FLAGS)
+flags.DEFINE_integer("warmup", 2, "untimed steps after compiling", flag_values=FLAGS)
+flags.DEFINE_string("impl", "reference", "attention impl, as model.attention_impl", flag_values=FLAGS)
+flags.DEFINE_integer("block_size", 512, "model.block_size (blockwise impls)", flag_values=FLAGS)
+flags.DEFINE_alias("seq-len", "seq_len", flag_values=FLAGS)  # as docs and RESULTS.md spell it
+flags.DEFINE_alias("block-size", "block_size", flag_values=FLAGS)
 
 
 def make_step(scheme: str, impl: str, block_size: int = 512) -> tuple[Callable, tuple]:
@@ -89,49 +105,45 @@ def markdown(results: dict[str, list[float]], cpu: dict[str, list[float]]) -> st
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> dict[str, list[float]]:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--schemes", default=",".join(REGISTRY), help="comma-separated registry names")
-    p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--steps", type=int, default=10, help="timed steps per scheme per round")
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps after compiling")
-    p.add_argument("--impl", default="reference", help="attention impl, as model.attention_impl")
-    p.add_argument("--block-size", type=int, default=512, help="model.block_size (blockwise impls)")
-    args = p.parse_args(argv)
-    schemes = args.schemes.split(",")
+def benchmark() -> dict[str, list[float]]:
+    """Tokens per second per round of each scheme, as FLAGS ask."""
+    schemes = FLAGS.schemes.split(",")
     unknown = [s for s in schemes if s.split("@")[0] not in REGISTRY]
     if unknown:
         raise SystemExit(f"unknown scheme(s) {unknown}; registered: {', '.join(REGISTRY)}")
 
     key = jax.random.key(0)
     # A few distinct batches, made once, so no step waits on data and no step reuses a cache.
-    batches = [jax.random.randint(k, (args.batch, args.seq_len + 1), 0, VOCAB, jnp.int32)
+    batches = [jax.random.randint(k, (FLAGS.batch, FLAGS.seq_len + 1), 0, VOCAB, jnp.int32)
                for k in jax.random.split(key, 4)]
     steps, states = {}, {}
     for s in schemes:
         t0 = time.perf_counter()
         name, _, impl = s.partition("@")
-        steps[s], states[s] = make_step(name, impl or args.impl, args.block_size)
-        states[s] = time_steps(steps[s], states[s], batches, 1 + args.warmup)[0]  # compile + warm up
-        print(f"# {s}: compile + {args.warmup} warm-up steps {time.perf_counter() - t0:.1f} s",
+        steps[s], states[s] = make_step(name, impl or FLAGS.impl, FLAGS.block_size)
+        states[s] = time_steps(steps[s], states[s], batches, 1 + FLAGS.warmup)[0]  # compile + warm up
+        print(f"# {s}: compile + {FLAGS.warmup} warm-up steps {time.perf_counter() - t0:.1f} s",
               file=sys.stderr, flush=True)
 
-    tokens = args.batch * args.seq_len * args.steps
+    tokens = FLAGS.batch * FLAGS.seq_len * FLAGS.steps
     results: dict[str, list[float]] = {s: [] for s in schemes}
     cpu: dict[str, list[float]] = {s: [] for s in schemes}
-    for r in range(args.rounds):
+    for r in range(FLAGS.rounds):
         for s in schemes[r % len(schemes):] + schemes[:r % len(schemes)]:
-            states[s], seconds, cpu_seconds = time_steps(steps[s], states[s], batches, args.steps)
+            states[s], seconds, cpu_seconds = time_steps(steps[s], states[s], batches, FLAGS.steps)
             results[s].append(tokens / seconds)
             cpu[s].append(tokens / cpu_seconds)
 
-    print(f"batch {args.batch} x seq_len {args.seq_len}, impl {args.impl}, {args.steps} steps x "
-          f"{args.rounds} rounds, jax {jax.__version__} on {jax.devices()[0].platform}\n")
+    print(f"batch {FLAGS.batch} x seq_len {FLAGS.seq_len}, impl {FLAGS.impl}, {FLAGS.steps} steps x "
+          f"{FLAGS.rounds} rounds, jax {jax.__version__} on {jax.devices()[0].platform}\n")
     print(markdown(results, cpu))
     return results
 
 
+def main(argv):
+    del argv  # flags only
+    benchmark()
+
+
 if __name__ == "__main__":
-    main()
+    app.run(main)

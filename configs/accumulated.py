@@ -9,13 +9,17 @@ Every variant has the same model, data order, step budget and seed. Training len
 that 64x (8,192 tokens) is cheap to evaluate on a CPU.
 """
 
-from configs import default
+from configs import SCHEME, default, parse_arg
 
 VARIANTS = ("rope", "rope_qkv", "so2_random_qk", "so2_random_qkv", "so2_learned_qk",
             "so2_learned_qkv", "alibi", "so2_learned_qkv+alibi")
 
 
-def get_config(scheme: str = "so2_learned_qkv"):
+FIELDS = (("scheme", "so2_learned_qkv", SCHEME),)
+
+
+def get_config(arg: str | None = None):
+    scheme = parse_arg(__file__, arg, FIELDS)["scheme"]
     c = default.get_config(scheme)
     c.model.update(d_model=128, num_layers=3, num_heads=4)
     c.seq_len, c.batch_size = 128, 16

@@ -1,16 +1,21 @@
 """Base config every experiment starts from: a small byte-level LM on the embedded corpus.
 
-Use: `train.py --config configs/default.py[:scheme] --config.train.steps=500 ...`
-The optional `:scheme` argument picks `model.scheme` (any registered name).
+Use: `train.py --config configs/default.py[:SCHEME] --config.train.steps=500 ...`
+The optional SCHEME picks `model.scheme` (any registered name; the grammar is configs/__init__.py's).
 """
 
 import ml_collections
 
+from configs import SCHEME, parse_arg
 from data import default_data_config
 from models.registry import config_defaults
 
 
-def get_config(scheme: str | None = None) -> ml_collections.ConfigDict:
+FIELDS = (("scheme", "rope", SCHEME),)
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+    scheme = parse_arg(__file__, arg, FIELDS)["scheme"]
     c = ml_collections.ConfigDict()
     c.seed = 0
     c.dry_run = False  # compile the sharded train step and print per-device memory; train nothing
@@ -19,7 +24,7 @@ def get_config(scheme: str | None = None) -> ml_collections.ConfigDict:
     c.model = ml_collections.ConfigDict(dict(
         vocab_size=0,  # 0: taken from the tokenizer
         d_model=256, num_layers=4, num_heads=4, num_kv_heads=0, head_dim=0, mlp_dim=0,
-        scheme=scheme or "rope",
+        scheme=scheme,
         scheme_options=ml_collections.ConfigDict({}),  # e.g. {'base': 5e5, 'scaling': 'yarn'}
         tie_embeddings=True,
         attention_impl="reference",  # 'reference' | 'blockwise' (| 'pallas' where a scheme has one)

@@ -7,16 +7,20 @@
 Every variant has the same model, data order, step budget, seed and evaluation as
 configs/accumulated.py (tests/test_configs.py checks it), so its `rope` run serves as the
 baseline here too; sized to a few minutes on a 2-core CPU. The 2-D grid comparison (1-D
-RoPE over the flattened order, axial 2-D RoPE, espr with d_c = 2) is `python data/grid2d.py`
-(see docs/results/espr.md).
+RoPE over the flattened order, axial 2-D RoPE, espr with d_c = 2) is `python
+benchmarks/grid2d.py` (see docs/results/espr.md).
 """
 
-from configs import accumulated
+from configs import SCHEME, accumulated, parse_arg
 
 VARIANTS = ("rope", "espr", "espr_rf")
 
 
-def get_config(scheme: str = "espr"):
+FIELDS = (("scheme", "espr", SCHEME),)
+
+
+def get_config(arg: str | None = None):
+    scheme = parse_arg(__file__, arg, FIELDS)["scheme"]
     c = accumulated.get_config(scheme)
     if scheme.startswith("espr_rf"):
         c.model.scheme_options = {"draw_seed": 0}  # a fixed draw: evaluation sees the training features

@@ -18,17 +18,16 @@ PaTH and espr_rf, which bring their own attention: their chunked forms, the keys
 gathered by the partitioner). Memory per device from the dry run is in benchmarks/RESULTS.md.
 """
 
-from configs import default
+from configs import SCHEME, default, parse_arg
 from models.registry import make_scheme
 
 HARDWARE = {"gpu8": dict(fsdp=1, sequence=8), "tpu16": dict(fsdp=2, sequence=8)}
+FIELDS = (("hardware", "gpu8", HARDWARE), ("scheme", "rope", SCHEME))
 
 
-def get_config(arg: str = "gpu8/rope"):
-    hardware, _, scheme = arg.partition("/")
-    if hardware not in HARDWARE:
-        raise ValueError(f"unknown hardware {hardware!r} in {arg!r}; valid: {', '.join(HARDWARE)}")
-    c = default.get_config(scheme or "rope")
+def get_config(arg: str | None = None):
+    hardware, scheme = parse_arg(__file__, arg, FIELDS).values()
+    c = default.get_config(scheme)
     c.model.update(d_model=1024, num_layers=16, num_heads=16, dtype="bfloat16", remat="block")
     scheme_impls = make_scheme(c.model.scheme, num_heads=16, head_dim=64).impls
     if "ring" in scheme_impls:  # keys and values round the ring, 1,024-token blocks
@@ -39,5 +38,5 @@ def get_config(arg: str = "gpu8/rope"):
     c.mesh.update(data=1, tensor=1, **HARDWARE[hardware])
     c.batch_size = HARDWARE[hardware]["fsdp"]  # rows are split over data x fsdp
     c.train.update(steps=10000, warmup_steps=500, lr=3e-4, checkpoint_every=250, eval_every=0)
-    c.workdir = f"runs/long_context/{hardware}-{scheme or 'rope'}"
+    c.workdir = f"runs/long_context/{hardware}-{scheme}"
     return c

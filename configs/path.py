@@ -13,12 +13,16 @@ The runs reported in docs/results/path.md trained with the flash-style chunked a
 "reference", one UT solve per 64 tokens), the same function computed faster at these lengths.
 """
 
-from configs import accumulated
+from configs import SCHEME, accumulated, parse_arg
 
 VARIANTS = ("rope", "so2_learned_qkv", "path", "path_fox", "fox")
 
 
-def get_config(scheme: str = "path"):
+FIELDS = (("scheme", "path", SCHEME),)
+
+
+def get_config(arg: str | None = None):
+    scheme = parse_arg(__file__, arg, FIELDS)["scheme"]
     c = accumulated.get_config(scheme)
     c.workdir = f"runs/path/{scheme}"
     return c

@@ -7,10 +7,10 @@ no-feedback ablation.
     python train.py --config configs/sessa.py:symbolsoup/sessa/1       # seed 1
     python eval.py --workdirs=runs/sessa/symbolsoup/sessa/seed0,... --out=runs/sessa/symbolsoup
 
-Argument: TASK/MIXER[/SEED] with TASK in TASKS and MIXER in MIXERS. The paper matches
-parameter counts and gives every model the same optimiser, schedule and number of steps, and
-reports none of the sizes; here every mixer gets the same depth, heads, data order, steps and
-learning rate. The Transformer and Mamba2 get their own width (WIDTHS: the width whose
+Argument: TASK/MIXER/SEED (FIELDS; default symbolsoup/sessa/0) with TASK in TASKS and MIXER in
+MIXERS. The paper matches parameter counts and gives every model the same optimiser, schedule
+and number of steps, and reports none of the sizes; here every mixer gets the same depth,
+heads, data order, steps and learning rate. The Transformer and Mamba2 get their own width (WIDTHS: the width whose
 parameter count is closest to Sessa's at width 64, `models.sessa.matched_width`; 72 and 88
 give 76.6K and 74.7K parameters against Sessa's 77.7K on SymbolSoup). The no-feedback ablation
 keeps Sessa's width, as in the paper ("feedback branch removed, rest unchanged"). The seed
@@ -27,7 +27,7 @@ at 8 to 128 (4x the longest training lag). LM: bytes of the standard library, le
 The test sets are smaller than the paper's 2,000 to keep evaluation under a minute.
 """
 
-from configs import default
+from configs import default, parse_arg
 from data import tasks
 
 MIXERS = ("sessa", "transformer", "mamba2", "sessa_nofb")
@@ -42,14 +42,13 @@ TASKS = {
 }
 
 
-def get_config(arg: str = "symbolsoup/sessa"):
-    task, _, rest = arg.partition("/")
-    mixer, _, seed = rest.partition("/")
-    if task not in TASKS or mixer not in MIXERS or not (seed or "0").isdigit():
-        raise ValueError(f"configs/sessa.py:{arg}: the argument is TASK/MIXER[/SEED] with TASK in "
-                         f"{tuple(TASKS)} and MIXER in {MIXERS}")
+FIELDS = (("task", "symbolsoup", TASKS), ("mixer", "sessa", MIXERS), ("seed", 0, int))
+
+
+def get_config(arg: str | None = None):
+    task, mixer, seed = parse_arg(__file__, arg, FIELDS).values()
     c = default.get_config("rope")  # the forward branch's transport (Sessa's and the Transformer's)
-    c.seed = int(seed or 0)
+    c.seed = seed
     c.model.update(mixer=mixer, d_model=WIDTHS[mixer], num_layers=2, num_heads=4)
     c.batch_size = 16
     c.train.update(steps=STEPS[task], warmup_steps=50, lr=3e-3, log_every=50, checkpoint_every=500)

@@ -18,7 +18,7 @@ Extension: 150 steps x 4 rows x 512 tokens (the same tokens per step), learning 
 every method. The evaluation lengths are 16 ... 1024 tokens; windows slide by `eval.stride`.
 """
 
-from configs import default
+from configs import default, parse_arg
 
 PRETRAIN_LEN, FACTOR = 128, 4
 PRETRAIN = ("rope", "tapa", "tapa_linear")
@@ -33,22 +33,18 @@ EXTEND = {
     "tapa_linear": ("tapa_linear", {}),
 }
 EVAL_LENGTHS = (16, 32, 64, 128, 256, 512, 1024)  # L/8 ... 8L
+# STAGE/METHOD: a pretrained scheme after pretrain, an extension method after extend or zeroshot.
+FIELDS = (("stage", "pretrain", ("pretrain", "extend", "zeroshot")),
+          ("method", "tapa", lambda fields: PRETRAIN if fields["stage"] == "pretrain" else tuple(EXTEND)))
 
 
-def get_config(arg: str = "pretrain/tapa"):
-    stage, _, method = arg.partition("/")
+def get_config(arg: str | None = None):
+    stage, method = parse_arg(__file__, arg, FIELDS).values()
     if stage == "pretrain":
-        if method not in PRETRAIN:
-            raise ValueError(f"pretrain/{method}: pretrained schemes are {PRETRAIN}")
         scheme, options, seq_len = method, {}, PRETRAIN_LEN
-    elif stage in ("extend", "zeroshot"):
-        if method not in EXTEND:
-            raise ValueError(f"{stage}/{method}: extension methods are {sorted(EXTEND)}")
+    else:
         scheme, options = EXTEND[method]
         seq_len = PRETRAIN_LEN * FACTOR if stage == "extend" else PRETRAIN_LEN
-    else:
-        raise ValueError(f"configs/tapa.py:{arg}: the argument is pretrain/<scheme>, extend/<method> "
-                         "or zeroshot/<method>")
     c = default.get_config(scheme)
     c.model.update(d_model=128, num_layers=3, num_heads=4)
     c.model.scheme_options.update(options)

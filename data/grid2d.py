@@ -1,28 +1,17 @@
-"""A 2-D grid task where the position in the grid matters, and its small comparison run.
+"""A 2-D grid task where the position in the grid matters (the experiment on it:
+benchmarks/grid2d.py).
 
 Each example is an h x w grid of random symbols (vocabulary `symbols`) read row by row; the
 width w varies per example. The target at cell (i, j) is (symbol above + symbol to the left)
 mod `symbols` (a missing neighbour counts as 0). In the flattened order the cell above is w
 tokens back, so a 1-D position sees a different offset for every width, while 2-D positions
 (row, column) name the neighbours directly. Everything is a function of (seed, step).
-
-    POSITIONAL_DATA_DIR=/tmp/pdata PYTHONPATH=. python data/grid2d.py --steps 300
-
-compares 1-D RoPE over the flattened order, axial 2-D RoPE (espr, nothing learned) and learned
-espr with d_c = 2: same model, data, steps and seed; prints a markdown table of accuracy.
 """
 
 from __future__ import annotations
 
-import argparse
-import time
-
 import jax.numpy as jnp
 import numpy as np
-import optax
-from flax import nnx
-
-from models.lm import DecoderLM, ModelConfig
 
 
 def grid_batch(seed: int, step: int, batch: int, rows: int = 6, widths=(5, 9), symbols: int = 8):
@@ -53,61 +42,3 @@ def grid_batch(seed: int, step: int, batch: int, rows: int = 6, widths=(5, 9), s
     return (jnp.asarray(tokens), jnp.asarray(targets), jnp.asarray(weight), jnp.asarray(pos),
             jnp.asarray(flat, jnp.int32))
 
-
-METHODS = {  # name: (scheme, options, which positions)
-    "rope_1d_flattened": ("rope", {"layout": "interleaved"}, "flat"),
-    "axial_2d_rope": ("espr", {"num_axes": 2, "learned": False}, "grid"),
-    "espr_2d": ("espr", {"num_axes": 2}, "grid"),
-}
-
-
-def run(method: str, steps: int, seed: int, batch: int, eval_batches: int = 8) -> dict:
-    scheme, options, which = METHODS[method]
-    cfg = ModelConfig(vocab_size=9, d_model=64, num_layers=2, num_heads=4, scheme=scheme,
-                      scheme_options=tuple(sorted(options.items())))
-    model = DecoderLM(cfg, rngs=nnx.Rngs(seed))
-    schedule = optax.warmup_cosine_decay_schedule(0, 3e-3, min(30, steps // 2), steps)
-    opt = nnx.Optimizer(model, optax.adamw(schedule), wrt=nnx.Param)
-
-    def loss_fn(model, tokens, targets, weight, positions):
-        logits = model(tokens, positions=positions)
-        nll = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
-        acc = (logits.argmax(-1) == targets).astype(jnp.float32)
-        return (nll * weight).sum() / weight.sum(), (acc * weight).sum() / weight.sum()
-
-    @nnx.jit
-    def train_step(model, opt, tokens, targets, weight, positions):
-        grad_fn = nnx.value_and_grad(loss_fn, has_aux=True)
-        (loss, _), grads = grad_fn(model, tokens, targets, weight, positions)
-        opt.update(model, grads)
-        return loss
-
-    evaluate = nnx.jit(loss_fn)
-    t0 = time.perf_counter()
-    for step in range(steps):
-        tokens, targets, weight, grid, flat = grid_batch(seed, step, batch)
-        loss = train_step(model, opt, tokens, targets, weight, grid if which == "grid" else flat)
-    accs = []
-    for i in range(eval_batches):  # held out: steps the training never draws
-        tokens, targets, weight, grid, flat = grid_batch(seed, 10**6 + i, batch)
-        accs.append(float(evaluate(model, tokens, targets, weight, grid if which == "grid" else flat)[1]))
-    return {"method": method, "final_train_loss": float(loss), "eval_accuracy": float(np.mean(accs)),
-            "seconds": time.perf_counter() - t0}
-
-
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--methods", default=",".join(METHODS))
-    args = p.parse_args(argv)
-    print("| method | eval accuracy | final train loss | seconds |\n|---|---:|---:|---:|", flush=True)
-    for m in args.methods.split(","):
-        r = run(m, args.steps, args.seed, args.batch)
-        print(f"| {m} | {r['eval_accuracy']:.3f} | {r['final_train_loss']:.3f} | {r['seconds']:.0f} |",
-              flush=True)
-
-
-if __name__ == "__main__":
-    main()

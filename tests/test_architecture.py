@@ -133,6 +133,15 @@ def test_positional_imports_nothing_above_it():
             assert not above, f"{module} imports {above}"
 
 
+def test_data_holds_data_and_imports_no_model():
+    """data/ makes examples and batches; what trains a model on them lives above (configs, lab,
+    benchmarks), so nothing in data/ imports models/ although the layer order would allow it."""
+    for module, targets in graph().items():
+        if module.startswith("data"):
+            models = sorted(t for t in targets if t.startswith("models"))
+            assert not models, f"{module} imports {models}"
+
+
 def test_kernels_import_no_scheme_file():
     allowed = {"positional.softmax", "positional.angles", "positional.linalg", "positional.kernels"}
     for module, targets in graph().items():

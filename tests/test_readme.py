@@ -27,7 +27,7 @@ def test_demo_trains_evaluates_and_reports(tmp_path, monkeypatch):
     fast_config = demo_configs.get_config
 
     def shortened(arg):
-        assert arg.endswith(",fast")
+        assert arg.endswith("/fast")
         c = fast_config(arg)
         c.train.update(steps=4, warmup_steps=2, log_every=2, checkpoint_every=4)
         c.eval.update(multipliers=(0.5, 1, 2), tokens=256)
