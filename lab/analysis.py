@@ -405,6 +405,8 @@ def write_analysis(results: dict, maps: dict, out: str, parts=PARTS, stem: str =
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, f"{stem}.json"), "w") as f:
         json.dump(results, f, indent=1)
+    if not results["runs"]:  # every run skipped (no attention): nothing to tabulate or plot
+        parts = ()
     md = "\n\n".join(text for part in parts for text in SECTIONS[part](results, maps, out)) + "\n"
     with open(os.path.join(out, f"{stem}.md"), "w") as f:
         f.write(md)

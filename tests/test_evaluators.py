@@ -70,3 +70,10 @@ def test_a_bad_evaluator_config_fails_before_training(tmp_path, field, value, me
     with pytest.raises(ValueError, match=message):
         train(config)
     assert not (tmp_path / "run").exists()
+
+
+def test_an_analysis_with_every_run_skipped_reports_nothing(tmp_path):
+    """A run without attention (a Sessa mixer) is skipped; training with evals=analysis goes on."""
+    outcome = ({"runs": {}}, {})
+    assert EVALUATORS["analysis"].report(outcome, tmp_path) == "\n" and EVALUATORS["analysis"].summary(outcome) == {}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["analysis.json", "analysis.md"]
