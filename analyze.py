@@ -5,7 +5,8 @@
 
 Logit decompositions on --windows held-out windows of --length tokens, perplexity changes
 under perturbations, and the feature shift past the training length; writes analysis.json,
-analysis.md and plots under --out. `eval.py --evals=analysis` runs the same with the defaults.
+analysis.md and plots under --out. `eval.py --evals=analysis` runs the same with the defaults,
+and `--evals=decompositions`, `perturbations` or `feature_shift` one of its parts.
 """
 
 from __future__ import annotations

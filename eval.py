@@ -5,7 +5,8 @@
 
 --evals picks the evaluators (default: lengths, i.e. perplexity by length, or task accuracy for
 runs trained on a synthetic task); each writes its JSON, markdown and plots into --out. For
-compatibility, --probe_length alone runs `transport`, and with --near_far `near_far`.
+compatibility, --probe_length alone runs `transport`, and with --near_far `near_far`. Training
+runs the same evaluators on its live model when its `config.evals` names them.
 """
 
 from __future__ import annotations

@@ -64,4 +64,6 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         split="validation",
         task_examples=0,  # synthetic tasks: examples scored (0: all of the task's eval_examples)
     ))
+    c.evals = ""  # evaluators (lab/evaluators.py) run in training every train.eval_every steps: "lengths,transport"
+    c.eval_options = ml_collections.ConfigDict({})  # theirs: --config.eval_options.transport="{'length': 512}"
     return c

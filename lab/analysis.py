@@ -1,9 +1,11 @@
 """Why a scheme extrapolates: the diagnostics of "Computation Mechanism Behind LLM Position
-Generalization" (Han & Ji) on trained runs, side by side; the "analysis" evaluator
-(lab/evaluators.py), run by `eval.py --evals=analysis` or `analyze.py`:
+Generalization" (Han & Ji) on trained runs, side by side, as three evaluators
+(lab/evaluators.py) and "analysis", which runs all three loading each run once
+(`eval.py --evals=analysis`, or `analyze.py` with its own flags):
 
     python analyze.py --workdirs=runs/accumulated/rope,runs/accumulated/alibi --untrained \
         --out=runs/analysis
+    python eval.py --workdirs=runs/rope --evals=decompositions,feature_shift --out=runs/why
 
 For every run (and, with --untrained, a freshly initialised copy of the first run's model):
 
@@ -14,18 +16,20 @@ For every run (and, with --untrained, a freshly initialised copy of the first ru
                   (`placed_fake_logits`: the paper's fake distance for RoPE, the slot swap for
                   data-dependent schemes); for RoPE heads the explicit f + g with 1, 2 and 4
                   slow pairs and Observation 1's per-pair statistics;
+                  writes decompositions.json / .md, maps_<run>.png (logit maps beside their
+                  reconstructions) and curves_<run>.png (positional curves per layer and head);
   perturbations   the change in perplexity under text transposition, key-order shuffle and
                   key position offsets (positional/probes/perturb.py) over --gammas x
                   --l_max, on --perturb_windows windows of the training length, the same
-                  draws for every run;
-  feature shift   the Gaussian-fit KL between each layer's attention output at positions
+                  draws for every run; writes perturbations.json / .md and perturbation.png;
+  feature_shift   the Gaussian-fit KL between each layer's attention output at positions
                   beyond the training length and within it, per length bucket, beside the
                   log-perplexity per bucket, on --shift_windows windows of --shift_multiplier
-                  times the training length.
+                  times the training length; writes feature_shift.json / .md and
+                  feature_shift.png.
 
-Writes analysis.json, analysis.md, maps_<run>.png (logit maps beside their reconstructions),
-curves_<run>.png (positional curves per layer and head), perturbation.png and
-feature_shift.png under --out.
+"analysis" writes analysis.json and analysis.md (every part's fields and sections) and all
+the plots under --out.
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ import numpy as np
 from flax import nnx
 
 from lab.lengths import eval_impl
-from lab.runs import held_out_windows, load_run, pyplot, run_name
+from lab.runs import held_out_windows, named_runs, pyplot
 from models.lm import attention_internals, token_nll
 from positional.probes import logits as lp
 from positional.probes import perturb
@@ -173,30 +177,37 @@ def feature_shift(model, config, tokens, dims: int = 16) -> dict:
 
 # ---- running and reporting ---------------------------------------------------------------------
 
-def analyze_runs(workdirs, *, untrained=False, length=0, windows=4, gammas=(0.01, 0.05, 0.1, 0.5),
+PARTS = ("decompositions", "perturbations", "feature_shift")
+
+
+def analyze_runs(runs, *, parts=PARTS, untrained=False, length=0, windows=4, gammas=(0.01, 0.05, 0.1, 0.5),
                  l_maxes=(5, 10, 100), perturb_windows=8, shift_multiplier=8, shift_windows=8,
                  log=print) -> tuple[dict, dict]:
-    """(results, maps): results JSON-ready per run; maps the arrays the map plots need."""
-    runs = [(run_name(w, workdirs), w, False) for w in workdirs]
-    if untrained:
-        runs.append((f"{runs[0][0]} (untrained)", workdirs[0], True))
-    results = {"runs": {}, "gammas": list(gammas), "l_maxes": list(l_maxes)}
+    """(results, maps) of the `parts` (of PARTS) on every run (workdirs or `lab.runs.Run`s),
+    each loaded once: results JSON-ready per run; maps the arrays the map plots need. Every
+    part takes the same options and uses its own, so that "analysis" and its parts share them."""
+    results = {"runs": {}}
+    if "perturbations" in parts:
+        results.update(gammas=list(gammas), l_maxes=list(l_maxes))
     maps = {}
-    for name, workdir, fresh in runs:
+    for name, run in named_runs(runs, untrained):
         start = time.perf_counter()
-        config, model, step = load_run(workdir, untrained=fresh)
+        config, model = run.config, run.model
         if config.model.get("mixer", "attention") != "attention":
             log(f"skipping {name}: mixer {config.model.mixer!r} has no attention to analyse")
             continue
         train_len = config.seq_len
-        n = length or train_len
-        rec = {"workdir": workdir, "step": step, "scheme": config.model.scheme, "train_len": train_len,
-               "length": n, "windows": windows}
-        rec["layers"], maps[name] = decompose(model, held_out_windows(config, windows, n), train_len)
-        rec["perturbation"] = perturbation_grid(model, held_out_windows(config, perturb_windows, train_len + 1),
-                                                gammas, l_maxes)
-        rec["feature_shift"] = feature_shift(
-            model, config, held_out_windows(config, shift_windows, shift_multiplier * train_len + 1))
+        rec = {"workdir": run.workdir, "step": run.step, "scheme": config.model.scheme, "train_len": train_len}
+        if "decompositions" in parts:
+            rec.update(length=length or train_len, windows=windows)
+            rec["layers"], maps[name] = decompose(model, held_out_windows(config, windows, rec["length"]),
+                                                  train_len)
+        if "perturbations" in parts:
+            rec["perturbation"] = perturbation_grid(
+                model, held_out_windows(config, perturb_windows, train_len + 1), gammas, l_maxes)
+        if "feature_shift" in parts:
+            rec["feature_shift"] = feature_shift(
+                model, config, held_out_windows(config, shift_windows, shift_multiplier * train_len + 1))
         rec["seconds"] = time.perf_counter() - start
         results["runs"][name] = rec
         log(f"analysed {name} in {rec['seconds']:.0f} s")
@@ -363,31 +374,67 @@ def plot_shift(results: dict, out: str) -> None:
     plt.close(fig)
 
 
-def write_analysis(results: dict, maps: dict, out: str) -> str:
-    """analysis.json, analysis.md and the plots; returns the markdown."""
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "analysis.json"), "w") as f:
-        json.dump(results, f, indent=1)
+def decompositions_section(results: dict, maps: dict, out: str) -> list[str]:
     for name, run in results["runs"].items():
         plot_maps(name, maps[name], out)
         plot_curves(name, run, out)
+    return ["## Logit decompositions (r over layers x heads x windows)", summary_table(results),
+            "## Per layer (mean over windows)", per_layer_table(results),
+            "## Observation 1 (RoPE heads, pooled per layer)", pairs_table(results)]
+
+
+def perturbations_section(results: dict, maps: dict, out: str) -> list[str]:
     plot_perturbation(results, out)
+    return [text for mode in perturb.MODES
+            for text in (f"## Perturbation '{mode}': change in perplexity, columns gamma / l_max",
+                         perturbation_table(results, mode))]
+
+
+def feature_shift_section(results: dict, maps: dict, out: str) -> list[str]:
     plot_shift(results, out)
-    parts = ["## Logit decompositions (r over layers x heads x windows)", summary_table(results),
-             "## Per layer (mean over windows)", per_layer_table(results),
-             "## Observation 1 (RoPE heads, pooled per layer)", pairs_table(results)]
-    for mode in perturb.MODES:
-        parts += [f"## Perturbation '{mode}': change in perplexity, columns gamma / l_max",
-                  perturbation_table(results, mode)]
-    parts += ["## Feature shift: KL of attention outputs to those within the training length "
-              "(layer mean), and log-perplexity per query-position bucket", shift_table(results)]
-    md = "\n\n".join(parts) + "\n"
-    with open(os.path.join(out, "analysis.md"), "w") as f:
+    return ["## Feature shift: KL of attention outputs to those within the training length "
+            "(layer mean), and log-perplexity per query-position bucket", shift_table(results)]
+
+
+SECTIONS = {"decompositions": decompositions_section, "perturbations": perturbations_section,
+            "feature_shift": feature_shift_section}  # part -> writes its plots, returns its markdown
+
+
+def write_analysis(results: dict, maps: dict, out: str, parts=PARTS, stem: str = "analysis") -> str:
+    """<stem>.json, <stem>.md and the plots of the `parts`; returns the markdown."""
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, f"{stem}.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    if not results["runs"]:  # every run skipped (no attention): nothing to tabulate or plot
+        parts = ()
+    md = "\n\n".join(text for part in parts for text in SECTIONS[part](results, maps, out)) + "\n"
+    with open(os.path.join(out, f"{stem}.md"), "w") as f:
         f.write(md)
     return md
 
 
-def report(outcome: tuple[dict, dict], out: str) -> str:
+def report(outcome: tuple[dict, dict], out: str, parts=PARTS, stem: str = "analysis") -> str:
     """The evaluator's report: `write_analysis` of what `analyze_runs` returned."""
     results, maps = outcome
-    return write_analysis(results, maps, out)
+    return write_analysis(results, maps, out, parts, stem)
+
+
+SCALARS = {  # part -> the training log's scalars of one run's record
+    "decompositions": lambda run: {
+        "three_axis_r": float(np.mean([layer["three_axis_r"] for layer in run["layers"]])),
+        "fake_r": float(np.mean([layer["fake_r"] for layer in run["layers"]]))},
+    "perturbations": lambda run: {
+        "clean_ppl": run["perturbation"]["clean_ppl"],
+        "delta_ppl_max": max(run["perturbation"]["delta_ppl"].values())},
+    "feature_shift": lambda run: {
+        "kl_farthest": float(np.mean(run["feature_shift"]["kl"], axis=0)[-1]),
+        "log_ppl_farthest": run["feature_shift"]["log_ppl"][-1]},
+}
+
+
+def summary(outcome: tuple[dict, dict], parts=PARTS) -> dict:
+    """The training log's scalars of the first run: the mean 3-axis and fake-distance r, the
+    clean perplexity and the largest change under a perturbation, the layer-mean KL and the
+    log-perplexity of the farthest bucket (those of the `parts`)."""
+    run = next(iter(outcome[0]["runs"].values()), None)  # None: no run with attention to analyse
+    return {key: value for part in parts for key, value in SCALARS[part](run).items()} if run else {}

@@ -35,12 +35,12 @@ def quiet() -> None:
     logging.set_verbosity(logging.WARNING)
 
 
-OPEN_FIELDS = ("model.scheme_options.", "model.mixer_options.")
+OPEN_FIELDS = ("model.scheme_options.", "model.mixer_options.", "eval_options.")
 
 
 def check_overrides(config_path: str, override_paths) -> None:
     """Raise if an override names a field the config file does not have (a typo, say), except
-    under the open option dicts (the scheme checks its own options)."""
+    under the open option dicts (the scheme checks its own options, an evaluator its own)."""
     file, _, arg = config_path.partition(":")
     spec = importlib.util.spec_from_file_location("_config_file", file)
     module = importlib.util.module_from_spec(spec)

@@ -1,21 +1,30 @@
-"""The named evaluators, the one place eval.py, analyze.py, demo.py and a notebook look them up.
+"""The named evaluators, the one place eval.py, analyze.py, demo.py, training and a notebook
+look them up.
 
-An evaluator has `run(workdirs, **options) -> outcome` (the runs are training directories; the
-options are the evaluator's own keyword arguments) and `report(outcome, out) -> markdown`,
-which writes its JSON, markdown and plots under `out`:
+An evaluator has `run(runs, **options) -> outcome` (the runs are training directories or
+`lab.runs.Run`s already in memory; the options are the evaluator's own keyword arguments),
+`report(outcome, out) -> markdown`, which writes its JSON, markdown and plots under `out`, and
+`summary(outcome) -> {name: float}`, a scalar or two of the first run for the training log:
 
-  lengths    perplexity of held-out text by evaluation length; task accuracy for runs trained
-             on a synthetic task (lab/lengths.py): results.json / .md / .png
-  transport  the transport probes: attention mass by distance, far mass, and for schemes with
-             steps the spectral gap, route decay and value cancellation (lab/probes.py)
-  near_far   near-minus-far logit differences, the TAPA paper's Figure 1 (lab/probes.py)
-  analysis   logit decompositions, perturbations and the feature shift of the
-             position-generalization paper (lab/analysis.py)
+  lengths         perplexity of held-out text by evaluation length; task accuracy for runs
+                  trained on a synthetic task (lab/lengths.py): results.json / .md / .png
+  transport       the transport probes: attention mass by distance, far mass, and for schemes
+                  with steps the spectral gap, route decay and value cancellation (lab/probes.py)
+  near_far        near-minus-far logit differences, the TAPA paper's Figure 1 (lab/probes.py)
+  decompositions  logit decompositions of the position-generalization paper (lab/analysis.py)
+  perturbations   perplexity changes under its perturbations (lab/analysis.py)
+  feature_shift   its feature shift past the training length (lab/analysis.py)
+  analysis        the last three, each run loaded once: analysis.json / .md and their plots
+
+Training runs the evaluators its config names (`evals`, with `eval_options`) on its live model
+every `train.eval_every` steps (`in_training`), reports under <workdir>/evals/<step>/<name>/.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import os
 from typing import Any, Callable
 
 from lab import analysis, lengths, probes
@@ -25,25 +34,68 @@ from lab import analysis, lengths, probes
 class Evaluator:
     run: Callable[..., Any]
     report: Callable[[Any, str], str]
+    summary: Callable[[Any], dict]
     doc: str
 
 
+def analysis_evaluator(parts: tuple[str, ...], stem: str, doc: str) -> Evaluator:
+    """The parts of lab/analysis.py named, reported as <stem>.json / .md and their plots."""
+    return Evaluator(functools.partial(analysis.analyze_runs, parts=parts),
+                     functools.partial(analysis.report, parts=parts, stem=stem),
+                     functools.partial(analysis.summary, parts=parts), doc)
+
+
 EVALUATORS = {
-    "lengths": Evaluator(lengths.evaluate_runs, lengths.write_report, "perplexity by length, task accuracy"),
-    "transport": Evaluator(probes.probe_runs, probes.probe_report, "transport probes"),
-    "near_far": Evaluator(probes.near_far_runs, probes.near_far_report, "near-minus-far logit differences"),
-    "analysis": Evaluator(analysis.analyze_runs, analysis.report,
-                          "logit decompositions, perturbations, feature shift"),
+    "lengths": Evaluator(lengths.evaluate_runs, lengths.write_report, lengths.summary,
+                         "perplexity by length, task accuracy"),
+    "transport": Evaluator(probes.probe_runs, probes.probe_report, probes.probe_summary, "transport probes"),
+    "near_far": Evaluator(probes.near_far_runs, probes.near_far_report, probes.near_far_summary,
+                          "near-minus-far logit differences"),
+    **{part: analysis_evaluator((part,), part, doc) for part, doc in (
+        ("decompositions", "logit decompositions"), ("perturbations", "perplexity under perturbations"),
+        ("feature_shift", "feature shift past the training length"))},
+    "analysis": analysis_evaluator(analysis.PARTS, "analysis",
+                                   "logit decompositions, perturbations, feature shift"),
 }
 
 
-def get_evaluator(name: str) -> Evaluator:
+def get_evaluator(name: str, field: str = "evaluator") -> Evaluator:
     if name not in EVALUATORS:
-        raise ValueError(f"unknown evaluator {name!r}; valid: {', '.join(EVALUATORS)}")
+        raise ValueError(f"unknown {field} {name!r}; valid: {', '.join(EVALUATORS)}")
     return EVALUATORS[name]
 
 
-def evaluate(name: str, workdirs, out: str, **options) -> str:
-    """Run the named evaluator on `workdirs` and write its report under `out`; the markdown."""
+def evaluate(name: str, runs, out: str, **options) -> str:
+    """Run the named evaluator on `runs` and write its report under `out`; the markdown."""
     evaluator = get_evaluator(name)
-    return evaluator.report(evaluator.run(list(workdirs), **options), out)
+    return evaluator.report(evaluator.run(list(runs), **options), out)
+
+
+def configured(config) -> dict[str, dict]:
+    """{name: options} of the evaluators a training config names: `evals` (a comma-separated
+    string or a sequence of names), their options from `eval_options` ({name: {option: value}}).
+    Raises ValueError on an unknown name, before any training is done."""
+    names = config.get("evals", "")
+    names = [n.strip() for n in names.split(",") if n.strip()] if isinstance(names, str) else list(names)
+    options = dict(config.get("eval_options", {}))
+    for name in names:
+        get_evaluator(name, "evaluator in config.evals")
+    for name in options:
+        get_evaluator(name, "evaluator in config.eval_options")
+    if names and not config.train.eval_every:
+        raise ValueError(f"config.evals={','.join(names)} runs every train.eval_every steps; set it > 0")
+    return {name: dict(options.get(name, {})) for name in names}
+
+
+def in_training(evaluators: dict[str, dict], run, out: str, write: bool = True) -> dict:
+    """Run `evaluators` ({name: options}) on one run, writing each report under out/<name>/
+    where `write` (on process 0 only: every process computes, one writes); the summaries,
+    {'<name>/<scalar>': value}, for the training log."""
+    record = {}
+    for name, options in evaluators.items():
+        evaluator = EVALUATORS[name]
+        outcome = evaluator.run([run], **options)
+        if write:
+            evaluator.report(outcome, os.path.join(out, name))
+        record.update({f"{name}/{key}": float(value) for key, value in evaluator.summary(outcome).items()})
+    return record

@@ -23,7 +23,7 @@ import numpy as np
 from flax import nnx
 
 from data import tasks
-from lab.runs import held_out_stream, load_run, pyplot, run_name
+from lab.runs import held_out_stream, named_runs, pyplot
 from models.lm import DecoderLM, token_nll
 
 
@@ -133,13 +133,13 @@ def task_accuracy_at(config, model, split: str = "test", n_examples: int = 0) ->
                          batch_size=config.eval.batch_size, impl=impl)
 
 
-def evaluate_runs(workdirs, *, multipliers=None, max_multiplier=None, tokens=None, stride=None,
+def evaluate_runs(runs, *, multipliers=None, max_multiplier=None, tokens=None, stride=None,
                   log=print) -> dict:
     """Evaluate every run at the same lengths (multiples of the first LM run's training length);
     a run trained on a synthetic task gets its task accuracy on the test split instead."""
-    runs = [(w, *load_run(w)) for w in workdirs]
-    lm_runs = [r for r in runs if not tasks.is_task(r[1].data)]
-    base = (lm_runs or runs)[0][1]
+    runs = list(named_runs(runs))
+    lm_runs = [run for _, run in runs if not tasks.is_task(run.config.data)]
+    base = (lm_runs or [run for _, run in runs])[0].config
     ev = base.eval
     multipliers = list(multipliers or ev.multipliers)
     if max_multiplier:
@@ -153,8 +153,8 @@ def evaluate_runs(workdirs, *, multipliers=None, max_multiplier=None, tokens=Non
     stride = ev.stride if stride is None else stride
     held_out = held_out_stream(base, tokens + max(lengths) + 1 + max(lengths)) if lm_runs else None
     results = {"lengths": lengths, "tokens": tokens, "stride": stride, "runs": {}}
-    for workdir, config, model, step in runs:
-        name = run_name(workdir, workdirs)
+    for name, run in runs:
+        workdir, config, model, step = run.workdir, run.config, run.model, run.step
         if tasks.is_task(config.data):
             r = task_accuracy_at(config, model, n_examples=config.eval.get("task_examples", 0))
             log(f"{name:>16s}  {config.data.name} accuracy {r['accuracy']:.4f}  ({r['seconds']:.1f}s)")
@@ -178,6 +178,16 @@ def evaluate_runs(workdirs, *, multipliers=None, max_multiplier=None, tokens=Non
                                  "model": _model_name(config), "train_len": config.seq_len,
                                  "results": rows}
     return results
+
+
+def summary(results: dict) -> dict:
+    """The training log's scalars for the first run: perplexity at the longest length and its
+    ratio to the training length's, or the task accuracy."""
+    run = next(iter(results["runs"].values()))
+    if "task_results" in run:
+        return {"accuracy": run["task_results"]["accuracy"]}
+    longest = run["results"][-1]
+    return {"ppl_longest": longest["ppl"], **({"ratio_longest": longest["ratio"]} if longest["ratio"] else {})}
 
 
 def _model_name(config) -> str:

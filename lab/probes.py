@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lab.runs import held_out_windows, load_run, pyplot, run_name
+from lab.runs import held_out_windows, named_runs, pyplot
 from models.lm import attention_internals
 from positional.probes import transport
 from positional.probes.logits import near_far_differences
@@ -21,7 +21,7 @@ from positional.probes.logits import near_far_differences
 ROUTE_LENGTHS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 
-def probe_runs(workdirs, *, length: int, windows: int = 2, log=print) -> dict:
+def probe_runs(runs, *, length: int, windows: int = 2, log=print) -> dict:
     """The transport probes (positional/probes/transport.py) on held-out text, per run and layer.
 
     Attention-mass probes apply to every scheme; the spectral gap, route decay and value
@@ -30,8 +30,8 @@ def probe_runs(workdirs, *, length: int, windows: int = 2, log=print) -> dict:
     listing "householder" (features 'w', 'beta').
     """
     results = {"length": length, "windows": windows, "runs": {}}
-    for workdir in workdirs:
-        config, model, step = load_run(workdir)
+    for name, run in named_runs(runs):
+        workdir, config, model, step = run.workdir, run.config, run.model, run.step
         tokens = held_out_windows(config, windows, length)
         far_windows = sorted({max(1, config.seq_len // 4), config.seq_len,
                               min(4 * config.seq_len, length // 2)})
@@ -57,11 +57,17 @@ def probe_runs(workdirs, *, length: int, windows: int = 2, log=print) -> dict:
                                                                                       feats["beta"])).tolist(),
                            route_decay={n: float(d.max()) for n, d in zip(lengths, decay)})
             layers.append(rec)
-        name = run_name(workdir, workdirs)
         results["runs"][name] = {"workdir": workdir, "step": step, "scheme": config.model.scheme,
                                  "train_len": config.seq_len, "layers": layers}
         log(f"probed {name}")
     return results
+
+
+def probe_summary(results: dict) -> dict:
+    """The training log's scalar for the first run: the far mass over its widest window (layer mean)."""
+    layers = next(iter(results["runs"].values()))["layers"]
+    widest = max(layers[0]["far_mass"])
+    return {f"far_mass_{widest}": float(np.mean([rec["far_mass"][widest] for rec in layers]))}
 
 
 def probe_report(results: dict, out: str) -> str:
@@ -109,24 +115,29 @@ def probe_report(results: dict, out: str) -> str:
 
 # ---- near-minus-far logit differences (the TAPA paper's Figure 1) -------------------------
 
-def near_far_runs(workdirs, *, length: int, near, far, pairs: int = 10000, windows: int = 2,
+def near_far_runs(runs, *, length: int, near, far, pairs: int = 10000, windows: int = 2,
                   log=print) -> dict:
     """Per run: `pairs` samples of logit(i, i - lam) - logit(i, i - Lam), lam in `near`, Lam in
     `far`, pooled over layers, heads and held-out windows of `length` tokens."""
     results = {"length": length, "near": list(near), "far": list(far), "runs": {}}
-    for workdir in workdirs:
-        config, model, step = load_run(workdir)
+    for name, run in named_runs(runs):
+        workdir, config, model, step = run.workdir, run.config, run.model, run.step
         tokens = held_out_windows(config, windows, length)
         weights = jnp.stack([layer["weights"] for layer in attention_internals(model, tokens,
                                                                                rng=jax.random.key(0))])
         diffs = np.asarray(near_far_differences(jnp.log(weights), near, far, pairs, jax.random.key(1)))
         diffs = diffs[np.isfinite(diffs)]  # a weight that underflowed to 0 has no finite log
-        name = run_name(workdir, workdirs)
         results["runs"][name] = {"workdir": workdir, "step": step, "scheme": config.model.scheme,
                                  "mean": float(diffs.mean()), "std": float(diffs.std()),
                                  "n": int(diffs.size), "diffs": diffs.tolist()}
         log(f"{name}: mean {diffs.mean():.3f} std {diffs.std():.3f} over {diffs.size} pairs")
     return results
+
+
+def near_far_summary(results: dict) -> dict:
+    """The training log's scalars for the first run: the differences' mean and spread."""
+    run = next(iter(results["runs"].values()))
+    return {"mean": run["mean"], "std": run["std"]}
 
 
 def near_far_report(results: dict, out: str) -> str:

@@ -1,8 +1,10 @@
-"""Trained runs on disk: load one (config, model with its newest complete checkpoint, step),
-name it in reports, read its held-out text, and the plotting backend the reports share."""
+"""Trained runs: load one from disk (config, model with its newest complete checkpoint, step),
+hold one in memory (`Run`: what the evaluators take, besides workdirs), name it in reports,
+read its held-out text, and the plotting backend the reports share."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -40,6 +42,27 @@ def load_run(workdir: str, untrained: bool = False):
     step, params = load_params(workdir, abstract)
     return config, nnx.merge(graphdef, params, rest), step
 
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """A run in memory: `load_run`'s (config, model, step) with the directory it belongs to.
+    Evaluators take these beside workdirs, so training can evaluate its live model."""
+    workdir: str
+    config: ml_collections.ConfigDict
+    model: nnx.Module
+    step: int
+
+
+def named_runs(runs, untrained: bool = False):
+    """(name in reports, Run) for each of `runs` (workdirs or Runs), a workdir loaded only when
+    it is reached (one model in memory at a time for a caller that loops); with `untrained`,
+    then a freshly initialised copy of the first run's model, '<its name> (untrained)'."""
+    workdirs = [r.workdir if isinstance(r, Run) else r for r in runs]
+    for run, workdir in zip(runs, workdirs):
+        yield run_name(workdir, workdirs), run if isinstance(run, Run) else Run(workdir, *load_run(workdir))
+    if untrained:
+        yield (f"{run_name(workdirs[0], workdirs)} (untrained)",
+               Run(workdirs[0], *load_run(workdirs[0], untrained=True)))
 
 
 def run_name(workdir: str, workdirs) -> str:

@@ -1,6 +1,7 @@
 """Training: the loss and the jitted, sharded train step, the dry run, and the loop (resume,
-checkpoints, signals, the NaN guard, metrics to JSONL and TensorBoard, in-training validation
-by the same evaluators eval.py runs).
+checkpoints, signals, the NaN guard, metrics to JSONL and TensorBoard; every train.eval_every
+steps the validation loss and the named evaluators of `config.evals`, the ones eval.py runs,
+on the live model, with their reports under <workdir>/evals/<step>/<name>/).
 
 Each step's metrics are read one step late: the host dispatches step s + 1 before it waits for
 step s's loss, so it never stalls the device. A checkpoint is written only after the metrics of
@@ -27,7 +28,9 @@ from tqdm import tqdm
 
 from data import pipeline, tasks
 from lab.checkpoints import checkpoint_manager, load_params, restore_latest, save
+from lab.evaluators import configured, in_training
 from lab.lengths import perplexity_at, task_accuracy_at
+from lab.runs import Run
 from lab.state import apply_optimizer, init_state, mesh_and_batch, workdir_of
 from models import sharding
 from models.lm import token_nll
@@ -100,6 +103,7 @@ def dry_run_report(r: dict) -> str:
 
 def train(config: ml_collections.ConfigDict) -> dict:
     """Run (or resume) training. Returns a summary dict. Raises TrainingError on divergence."""
+    evaluators = configured(config)  # a bad name fails here, before any work
     workdir = workdir_of(config)
     os.makedirs(workdir, exist_ok=True)
     tokenizer = pipeline.tokenizer(config.data)
@@ -154,13 +158,18 @@ def train(config: ml_collections.ConfigDict) -> dict:
         history.append(loss)
         n_log += 1
         progress(step, loss)
-        if step % config.train.log_every == 0 or step == steps:
+        if step % config.train.log_every == 0 or step == steps or params is not None:
             elapsed = time.perf_counter() - t_log
             record = {"step": step, "loss": loss, "grad_norm": float(metrics["grad_norm"]),
                       "lr": float(schedule(step - 1)), "tokens_per_s": n_log * tokens_per_step / elapsed,
                       "time": time.time()}
             if params is not None:
-                record.update(_validation(config, graphdef, rest, params))
+                model = nnx.merge(graphdef, params, rest)
+                record.update(_validation(config, model))
+                # Every process evaluates (the parameters may be sharded over all of them); one writes.
+                record.update(in_training(evaluators, Run(workdir, config, model, step),
+                                          os.path.join(workdir, "evals", str(step)),
+                                          write=jax.process_index() == 0))
             _log(metrics_path, writer, record)
             progress.tokens_per_s = record["tokens_per_s"]
             progress.log(record)
@@ -206,10 +215,9 @@ class _Stop:
         self.signal = signal.Signals(signum).name
 
 
-def _validation(config, graphdef, rest, params) -> dict:
+def _validation(config, model) -> dict:
     """{'val_loss'} at the training length, or for a synthetic task {'val_loss', 'val_acc'} on
     its answers (eval.task_examples validation examples; 0: all of them)."""
-    model = nnx.merge(graphdef, params, rest)
     if tasks.is_task(config.data):
         r = task_accuracy_at(config, model, "validation", config.eval.get("task_examples", 0))
         return {"val_loss": r["nll"], "val_acc": r["accuracy"]}

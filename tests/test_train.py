@@ -186,6 +186,7 @@ def test_sharded_training_on_8_devices_matches_one_device(tiny_run, tmp_path):
     ("--config.init_from=/no/such/run", "/no/such/run' does not exist"),
     ("--config.train.stepz=3", "unknown config field 'train.stepz'"),
     ("--config.model.scheme_options.gate_bias=5.0", "scheme 'rope' has no option(s) ['gate_bias']"),
+    ("--config.evals=lengths,nope", "unknown evaluator in config.evals 'nope'; valid: lengths, transport, "),
 ])
 def test_bad_input_exits_with_one_readable_line(tmp_path, flag, message):
     run = cli("train.py", "--config", "configs/default.py", *overrides(tiny_config(tmp_path)), flag)
