@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from positional import espr, so2
+from positional import espr, kerple, so2
 
 
 class StepAngles(nnx.Module):
@@ -160,6 +160,17 @@ class ForgetGate(nnx.Module):
 
     def __call__(self, x, *, tokens, index, segment_ids=None, rng=None):
         return {"log_forget": jax.nn.log_sigmoid(self.proj(x.astype(jnp.float32)))}
+
+
+class KerpleParameters(nnx.Module):
+    """KERPLE-log's per-head r1, r2 (positional/kerple.py), drawn as its `initial_parameters`."""
+
+    def __init__(self, scheme, cfg, *, rngs: nnx.Rngs):
+        init = kerple.initial_parameters(rngs.params(), scheme.num_heads)
+        self.r1, self.r2 = nnx.Param(init["kerple_r1"]), nnx.Param(init["kerple_r2"])
+
+    def __call__(self, x, **kw):
+        return {"kerple_r1": self.r1[...], "kerple_r2": self.r2[...]}
 
 
 class MergedFeatures(nnx.Module):

@@ -16,11 +16,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
-from models.features import EsprFeatures, ForgetGate, HouseholderVectors, MergedFeatures, StepAngles
+from models.features import (EsprFeatures, ForgetGate, HouseholderVectors, KerpleParameters, MergedFeatures,
+                             StepAngles)
 from positional.alibi import Alibi
 from positional.espr import Espr, EsprRF
 from positional.fox import Fox
 from positional.householder import Path
+from positional.kerple import KerpleLog
 from positional.nope import NoPE
 from positional.rope import Rope
 from positional.scheme import Scheme
@@ -163,3 +165,5 @@ register("fox", Entry(Fox, features=ForgetGate,
                       doc="Forgetting Transformer gate: sum of log forget gates between key and query added to "
                           "the logits; a bias like ALiBi, so `scheme+fox` works for any scheme"))
 register("path_fox", Entry(Path, features=HouseholderVectors, compose=("fox",), doc="`path` with FoX gates"))
+register("kerple_log", Entry(KerpleLog, features=KerpleParameters,
+                             doc="KERPLE-log: learned bias -r1 log(1 + r2 distance), r1, r2 > 0 per head"))

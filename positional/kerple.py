@@ -1,0 +1,47 @@
+"""KERPLE-log (Chi et al. 2022, "KERPLE: Kernelized Relative Positional Embedding for Length
+Extrapolation"): a learned logarithmic distance penalty added to the logits, no embedding.
+
+b_ij = -r1_h log(1 + r2_h (p_i - p_j)) for key j <= i (p the positions), with r1_h, r2_h > 0
+learned per head: the logarithmic variant of the paper's conditionally positive definite
+kernels, its best on extrapolation. As in the authors' code, r1 starts ~ U(0, 2), r2 ~ U(0, 1),
+and both are clamped to >= 0.01 where used (the constraint r > 0 as a projection).
+
+features = {'kerple_r1': [H], 'kerple_r2': [H]} float32 (models/features.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from positional.scheme import Scheme, at_slots
+
+R_MIN = 0.01
+
+
+def initial_parameters(key: jax.Array, num_heads: int) -> dict:
+    """r1 ~ U(0, 2), r2 ~ U(0, 1) per head (before the clamp)."""
+    k1, k2 = jax.random.split(key)
+    return {"kerple_r1": jax.random.uniform(k1, (num_heads,), jnp.float32, 0.0, 2.0),
+            "kerple_r2": jax.random.uniform(k2, (num_heads,), jnp.float32, 0.0, 1.0)}
+
+
+@dataclasses.dataclass(frozen=True)
+class KerpleLog(Scheme):
+    has_bias = bias_only = needs_features = default_key = True
+
+    def bias_fn(self, features, positions):
+        r1, r2 = (jnp.maximum(features[name].astype(jnp.float32), R_MIN)[None, :, None, None]
+                  for name in ("kerple_r1", "kerple_r2"))
+
+        def bias(qi, kj):  # [B or 1, H, tq, tk]
+            distance = at_slots(positions, qi)[:, :, None] - at_slots(positions, kj)[:, None, :]
+            # Keys after the query are masked; the clamp keeps their log finite.
+            return -r1 * jnp.log1p(r2 * jnp.maximum(distance, 0).astype(jnp.float32)[:, None])
+
+        return bias
+
+    def default_features(self, q, k, *, positions, key=None, segment_ids=None):
+        return initial_parameters(self.draw_key(key), self.num_heads)
