@@ -24,6 +24,7 @@ from positional.fox import Fox
 from positional.householder import Path
 from positional.kerple import KerpleLog
 from positional.nope import NoPE
+from positional.prope import PRope
 from positional.rope import Rope
 from positional.scheme import Scheme
 from positional.so2 import SO2
@@ -167,3 +168,5 @@ register("fox", Entry(Fox, features=ForgetGate,
 register("path_fox", Entry(Path, features=HouseholderVectors, compose=("fox",), doc="`path` with FoX gates"))
 register("kerple_log", Entry(KerpleLog, features=KerpleParameters,
                              doc="KERPLE-log: learned bias -r1 log(1 + r2 distance), r1, r2 > 0 per head"))
+register("p_rope", Entry(PRope, doc="p-RoPE: RoPE whose lowest-frequency pairs do not rotate (the highest "
+                                   "`fraction` p of frequencies kept; 1 is RoPE, 0 NoPE)"))
