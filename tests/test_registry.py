@@ -124,3 +124,5 @@ def test_readme_scheme_table_is_the_registry_rendered():
         name = row.split("`")[1]
         assert name in REGISTRY, f"README.md's scheme table names {name!r}, which is not registered"
         assert row == table_row(name), f"README row of {name!r} differs from models.registry.table_row"
+    missing = set(REGISTRY) - {row.split("`")[1] for row in readme_table_rows()}
+    assert not missing, f"registered schemes missing from README.md's table: {sorted(missing)} (see table_row)"

@@ -194,3 +194,30 @@ def test_bad_scheme_options():
         make_scheme("rope", num_heads=2, head_dim=8, layout="odd")
     with pytest.raises(ValueError, match="fixes"):
         make_scheme("rope_qkv", num_heads=2, head_dim=8, rotate_values=False)
+
+
+def test_kerple_log_bias_is_minus_r1_log_one_plus_r2_distance():
+    scheme = make_scheme("kerple_log", num_heads=2, head_dim=8)
+    features = {"kerple_r1": jnp.asarray([0.5, 1.5]), "kerple_r2": jnp.asarray([0.25, 0.001])}  # 0.001: clamped
+    positions = jnp.asarray([[0, 1, 3, 7]])  # distances read from positions, not slots
+    got = scheme.bias_fn(features, positions)(jnp.arange(4), jnp.arange(4))[0]
+    d = np.maximum(np.asarray(positions[0])[:, None] - np.asarray(positions[0])[None, :], 0)
+    want = [-0.5 * np.log1p(0.25 * d), -1.5 * np.log1p(0.01 * d)]
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("fraction,same_as", [(1.0, "rope"), (0.0, "nope")])
+def test_p_rope_limits_are_rope_and_nope(fraction, same_as):
+    q, k, v = normal(jax.random.key(5), (3, 2, 9, 4, 8))
+    pos = jnp.broadcast_to(jnp.arange(9), (2, 9))
+    got = make_scheme("p_rope", num_heads=4, head_dim=8, fraction=fraction).attend(q, k, v, positions=pos)
+    want = make_scheme(same_as, num_heads=4, head_dim=8).attend(q, k, v, positions=pos)
+    np.testing.assert_allclose(got, want, atol=1e-6)
+
+
+def test_p_rope_keeps_the_highest_frequencies():
+    theta = make_scheme("p_rope", num_heads=4, head_dim=16, fraction=0.75).theta
+    np.testing.assert_array_equal(theta[:6], rope_frequencies(16)[:6])
+    np.testing.assert_array_equal(theta[6:], 0.0)
+    with pytest.raises(ValueError, match="fraction=1.5 must be in"):
+        make_scheme("p_rope", num_heads=4, head_dim=16, fraction=1.5)
