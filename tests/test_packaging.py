@@ -5,6 +5,7 @@ the bounds."""
 
 import ast
 import re
+import subprocess
 import sys
 import tomllib
 from importlib import metadata
@@ -212,3 +213,16 @@ def test_installed_version_satisfies_the_bound(dist):
             raise
         pytest.skip(f"{dist} (an extra) is not installed")
     assert version(installed) >= version(declared()[dist]), f"{dist} {installed} < {declared()[dist]}"
+
+
+def test_a_users_own_folders_do_not_shadow_the_packages(tmp_path):
+    """From a working directory holding its own data/ and models/ folders (no __init__.py), the
+    installed project's packages are the ones imported (the editable install is a path entry,
+    pyproject's package-dir, not an import hook that such folders would come before)."""
+    for name in ("data", "models", "configs", "lab"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "notes.txt").write_text("a user's own files")
+    code = "import data.tasks, models.lm, configs, lab.runs; print(data.__file__, models.__file__)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr.strip().splitlines()[-1]
+    assert str(tmp_path) not in out.stdout, out.stdout
