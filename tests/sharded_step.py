@@ -10,7 +10,6 @@ difference after two train steps. `--impl` sets model.attention_impl of both run
 scheme's config); impl "ring" is ring attention on the meshes, blockwise on the one device.
 """
 
-import argparse
 import json
 import math
 import os
@@ -20,6 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import jax  # noqa: E402
+from absl import app, flags  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
@@ -79,10 +79,14 @@ def main(schemes, meshes, impl=None):
     print(json.dumps(out))
 
 
+flags.DEFINE_string("impl", None, "model.attention_impl of both runs (default: the scheme's config)")
+
+
+def cli(argv):
+    if len(argv) != 3:
+        raise app.UsageError("arguments: SCHEMES (comma-separated) MESHES (a JSON list of axis sizes)")
+    main(argv[1].split(","), json.loads(argv[2]), flags.FLAGS.impl)
+
+
 if __name__ == "__main__":
-    p = argparse.ArgumentParser()
-    p.add_argument("schemes")
-    p.add_argument("meshes")
-    p.add_argument("--impl")
-    args = p.parse_args()
-    main(args.schemes.split(","), json.loads(args.meshes), args.impl)
+    app.run(cli)
