@@ -1,5 +1,5 @@
 """Command-line helpers shared by the entry points: the `--config` flag with its override
-check, one readable line for expected failures, and quiet logging."""
+check, one readable line for expected failures (bad flags included), and quiet logging."""
 
 from __future__ import annotations
 
@@ -20,6 +20,18 @@ def define_config_flag(default: str = "configs/default.py"):
     `check_overrides` rejects any other new field."""
     return config_flags.DEFINE_config_file("config", default, "experiment config", lock_config=False,
                                            accept_new_attributes=True)
+
+
+def parse_flags(argv):
+    """absl's flag parsing (`app.run(main, flags_parser=parse_flags)`), except that a bad flag
+    value, such as a config file's argument, is one line and exit 1 instead of a traceback."""
+    try:
+        return flags.FLAGS(argv)
+    except flags.Error as e:
+        # ml_collections hands a config file's exception over as formatted text: its last line.
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+        print(f"error: {(lines[-1] if lines else repr(e)).removeprefix('ValueError: ')}", file=sys.stderr)
+        sys.exit(1)
 
 
 def checked_config(flag_holder) -> ml_collections.ConfigDict:
@@ -64,8 +76,6 @@ def run_cli(fn):
     except (TrainingError, DataError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
-
-
 
 
 def require_workdirs(workdirs) -> None:

@@ -6,6 +6,7 @@ import importlib
 import pytest
 
 from configs import SCHEME, accumulated, default, demo, long_context, parse_arg, sessa, tapa
+from tiny_setup import cli
 
 
 @pytest.mark.parametrize("family,scheme", [("espr", "rope"), ("path", "rope"), ("path", "so2_learned_qkv")])
@@ -81,3 +82,11 @@ def test_parse_arg_names_the_field_the_value_and_the_grammar(arg, error):
         parse_arg("configs/x.py", arg, FIELDS)
     assert str(raised.value).startswith(error)
     assert str(raised.value).endswith("the argument is TASK/SIZE/SEED/SCHEME (default a/big/0/rope)")
+
+
+def test_a_bad_config_argument_on_the_command_line_is_one_line():
+    run = cli("train.py", "--config", "configs/sessa.py:foo/sessa")
+    assert run.returncode == 1
+    assert run.stderr.strip().splitlines() == [
+        "error: configs/sessa.py:foo/sessa: task 'foo' is not valid (valid: symbolsoup, symbolsoup_full, mqar, "
+        "lm); the argument is TASK/MIXER/SEED (default symbolsoup/sessa/0)"]
