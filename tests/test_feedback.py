@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from draws import normal
-from lowering import TRITON, lowered_for_gpu
+from lowering import MOSAIC, TRITON, lowered
 from positional import feedback as fb
 from positional.kernels.feedback_solve import check_blocks, feedback_solve_pallas
 
@@ -176,36 +176,38 @@ def test_bad_input_is_a_clear_error():
 
 
 def test_kernel_lowers_for_tpu():
-    """Forward and backward lower to Mosaic (TPU) on this CPU, through jax.export. Compiling
-    needs a TPU; lowering checks block shapes, layouts and every op."""
+    """Forward and backward lower to Mosaic (TPU) on this CPU, through jax.export: the kernel
+    lowers for the platform exported for, not this machine's. Compiling needs a TPU; lowering
+    checks block shapes, layouts and every op."""
     tpu_info = pytest.importorskip("jax._src.pallas.mosaic.tpu_info")
     if not all(hasattr(tpu_info, n) for n in ("registry", "get_tpu_info_for_chip", "ChipVersion")):
         pytest.skip("this JAX has no way to name a TPU generation for lowering on a CPU")
     kind = jax.devices()[0].device_kind
     tpu_info.registry[kind] = lambda: tpu_info.get_tpu_info_for_chip(tpu_info.ChipVersion.TPU_V5E, 1)
-    solve = functools.partial(feedback_solve_pallas, block=128, interpret=False)
     qb = jax.ShapeDtypeStruct((1, 256, 128), jnp.bfloat16)
     gamma = jax.ShapeDtypeStruct((1, 256), jnp.float32)
     f = jax.ShapeDtypeStruct((1, 256, 256), jnp.bfloat16)
-    backend = jax.default_backend
     try:
-        jax.default_backend = lambda: "tpu"  # the kernel picks TPU tile rules
-        grad = jax.grad(lambda *a: solve(*a).sum(), (0, 1, 2, 3))
-        for fn, kernels in ((solve, 2), (grad, 5)):
-            text = jax.export.export(jax.jit(fn), platforms=["tpu"])(qb, qb, gamma, f).mlir_module()
-            assert text.count("tpu_custom_call") == kernels
+        for block in (None, 256):  # TPU's default chunk, and a given one
+            solve = functools.partial(feedback_solve_pallas, block=block)
+            grad = jax.grad(lambda *a: solve(*a).sum(), (0, 1, 2, 3))
+            for fn, kernels in ((solve, 2), (grad, 5)):
+                assert lowered(fn, qb, qb, gamma, f, platforms=["tpu"]).count(MOSAIC) == kernels
     finally:
-        jax.default_backend = backend
         tpu_info.registry.pop(kind)
 
 
 def test_kernel_lowers_for_gpu():
-    """Forward (2 kernels) and backward (5) lower to Triton on this CPU. Whether the solve kernel,
-    which re-reads the chunks of s it wrote, needs a barrier there is for a GPU run to show."""
-    solve = functools.partial(feedback_solve_pallas, block=64, interpret=False)
+    """Forward (2 kernels) and backward (5) lower to Triton on this CPU; a chunk Mosaic refuses
+    (64) fails only the lowering for tpu. Whether the solve kernel, which re-reads the chunks of
+    s it wrote, needs a barrier there is for a GPU run to show."""
     qb = jax.ShapeDtypeStruct((1, 256, 64), jnp.bfloat16)
     gamma = jax.ShapeDtypeStruct((1, 256), jnp.float32)
     f = jax.ShapeDtypeStruct((1, 256, 256), jnp.bfloat16)
-    grad = jax.grad(lambda *a: solve(*a).sum(), (0, 1, 2, 3))
-    for fn, kernels in ((solve, 2), (grad, 5)):
-        assert lowered_for_gpu(fn, qb, qb, gamma, f).count(TRITON) == kernels
+    for block in (None, 64):
+        solve = functools.partial(feedback_solve_pallas, block=block)
+        grad = jax.grad(lambda *a: solve(*a).sum(), (0, 1, 2, 3))
+        for fn, kernels in ((solve, 2), (grad, 5)):
+            assert lowered(fn, qb, qb, gamma, f).count(TRITON) == kernels
+    with pytest.raises(ValueError, match="block=64 is not usable: it must be a multiple of 128"):
+        lowered(grad, qb, qb, gamma, f, platforms=["tpu"])

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from draws import normal
-from lowering import TRITON, lowered_for_gpu
+from lowering import MOSAIC, TRITON, lowered
 from models.registry import make_scheme
 from positional.attention import reference_attention
 from positional.kernels.tapa_attention import check_blocks
@@ -188,33 +188,48 @@ def test_pallas_impl_only_where_a_scheme_has_a_kernel():
 
 
 def test_kernel_lowers_for_tpu():
-    """Forward and backward lower to Mosaic (TPU) on this CPU, through jax.export. Compiling
-    the Mosaic module needs a TPU; lowering checks block shapes, layouts and every op."""
+    """Forward and backward lower to Mosaic (TPU) on this CPU, through jax.export: the kernel
+    lowers for the platform exported for, not this machine's. Compiling the Mosaic module needs
+    a TPU; lowering checks block shapes, layouts and every op."""
     tpu_info = pytest.importorskip("jax._src.pallas.mosaic.tpu_info")
     if not all(hasattr(tpu_info, n) for n in ("registry", "get_tpu_info_for_chip", "ChipVersion")):
         pytest.skip("this JAX has no way to name a TPU generation for lowering on a CPU")
     kind = jax.devices()[0].device_kind
     tpu_info.registry[kind] = lambda: tpu_info.get_tpu_info_for_chip(tpu_info.ChipVersion.TPU_V5E, 1)
-    f = functools.partial(tapa_attention, block_q=128, block_k=128, interpret=False)
     q = jax.ShapeDtypeStruct((1, 256, 4, 128), jnp.bfloat16)
     k = jax.ShapeDtypeStruct((1, 256, 2, 128), jnp.bfloat16)
-    backend = jax.default_backend
     try:
-        jax.default_backend = lambda: "tpu"  # the kernel picks TPU tile rules and compile options
-        grad = jax.grad(lambda q, k, v: f(q, k, v).astype(jnp.float32).sum(), (0, 1, 2))
-        for fn in (f, grad):
-            text = jax.export.export(jax.jit(fn), platforms=["tpu"])(q, k, k).mlir_module()
-            assert "tpu_custom_call" in text
+        for tiles in ({}, {"block_q": 128, "block_k": 256}):  # TPU's default tiles, and given ones
+            f = functools.partial(tapa_attention, **tiles)
+            grad = jax.grad(lambda q, k, v: f(q, k, v).astype(jnp.float32).sum(), (0, 1, 2))
+            for fn, kernels in ((f, 1), (grad, 3)):
+                assert lowered(fn, q, k, k, platforms=["tpu"]).count(MOSAIC) == kernels
     finally:
-        jax.default_backend = backend
         tpu_info.registry.pop(kind)
 
 
 def test_kernel_lowers_for_gpu():
     """Forward and backward lower to Triton on this CPU (the kernel also ran on an H100: RESULTS.md)."""
-    f = functools.partial(tapa_attention, block_q=64, block_k=64, interpret=False)
     q = jax.ShapeDtypeStruct((1, 256, 4, 128), jnp.bfloat16)
     k = jax.ShapeDtypeStruct((1, 256, 2, 128), jnp.bfloat16)
-    grad = jax.grad(lambda q, k, v: f(q, k, v).astype(jnp.float32).sum(), (0, 1, 2))
+    for tiles in ({}, {"block_q": 64, "block_k": 64}):
+        f = functools.partial(tapa_attention, **tiles)
+        grad = jax.grad(lambda q, k, v: f(q, k, v).astype(jnp.float32).sum(), (0, 1, 2))
+        for fn, kernels in ((f, 1), (grad, 3)):
+            assert lowered(fn, q, k, k).count(TRITON) == kernels
+
+
+def test_a_tile_one_platform_refuses_fails_only_its_lowering():
+    """block_k=64 suits Triton, not Mosaic (multiples of 128): cuda and CPU lower and run, and
+    only lowering for tpu fails, naming the field; interpret=True interprets on every platform."""
+    f = functools.partial(tapa_attention, block_q=128, block_k=64)
+    x = normal(jax.random.key(0), (1, 64, 2, 16))
+    grad = jax.grad(lambda q, k, v: f(q, k, v).sum(), (0, 1, 2))
     for fn in (f, grad):
-        assert TRITON in lowered_for_gpu(fn, q, k, k)
+        assert TRITON in lowered(fn, x, x, x)
+        with pytest.raises(ValueError, match="block_k=64 is not usable: it must be a multiple of 128"):
+            lowered(fn, x, x, x, platforms=["tpu"])
+    np.testing.assert_allclose(jax.jit(f)(x, x, x), f(x, x, x, interpret=True), atol=1e-6)
+    assert TRITON not in lowered(functools.partial(f, interpret=True), x, x, x)
+    with pytest.raises(ValueError, match="block_q=48 .* power of two.*block_q=48 .* multiple of 128"):
+        f(x, x, x, block_q=48, interpret=False)  # no platform can take it: an error at once

@@ -1,4 +1,20 @@
-"""Pallas kernels, each with the signature of the reference it accelerates."""
+"""Pallas kernels, each with the signature of the reference it accelerates.
+
+A kernel lowers for the platform it is lowered for (`per_platform`), not for the machine that
+traces it: `jax.export(..., platforms=["tpu"])` on a CPU host gives Mosaic, `["cuda"]` Triton.
+"""
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.extend as jex
+import jax.numpy as jnp
+from jax import lax
+from jax.interpreters import mlir
+
+# platform_dependent's platform names -> the backend names of the tile rules and defaults.
+PLATFORMS = {"cpu": "cpu", "cuda": "gpu", "tpu": "tpu"}
 
 
 def check_tile(kernel: str, name: str, size: int, backend: str, interpret: bool) -> None:
@@ -14,3 +30,67 @@ def check_tile(kernel: str, name: str, size: int, backend: str, interpret: bool)
                          f"backend {backend!r} needs interpret=True")
     if not ok:
         raise ValueError(f"{kernel} kernel {name}={size} is not usable: it must be {need}")
+
+
+def _refuse_lowering(ctx, *args, message: str, avals):
+    raise ValueError(message)
+
+
+# Stands for a kernel a platform cannot take (an explicit tile it refuses): it traces like the
+# kernel, so the other platforms' branches lower, and raises the reason if lowered itself.
+refused_p = jex.core.Primitive("pallas_kernel_refused")
+refused_p.multiple_results = True
+refused_p.def_abstract_eval(lambda *args, message, avals: list(avals))
+mlir.register_lowering(refused_p, _refuse_lowering)
+
+
+def _refused(message: str, like, args):
+    leaves, tree = jax.tree.flatten(like)
+    avals = tuple(jax.core.ShapedArray(x.shape, x.dtype) for x in leaves)
+    return tree.unflatten(refused_p.bind(*args, message=message, avals=avals))
+
+
+def refusal(message: str, out) -> Callable:
+    """A function of the kernel's arrays, shaped like its output `out` (a pytree of
+    ShapeDtypeStruct), whose forward and gradient raise ValueError(message) when lowered."""
+
+    @jax.custom_vjp
+    def refused(*args):
+        return _refused(message, out, args)
+
+    def backward(args, cotangent):
+        floats = [a for a in args if jnp.issubdtype(a.dtype, jnp.inexact)]
+        grads = iter(_refused(message, floats, (*args, cotangent)))
+        return tuple(next(grads) if jnp.issubdtype(a.dtype, jnp.inexact) else None
+                     for a in args)
+
+    refused.defvjp(lambda *args: (refused(*args), args), backward)
+    return refused
+
+
+def per_platform(settings: Callable[[str, bool], Any], run: Callable, args: tuple,
+                 interpret: bool | None):
+    """run(settings(backend, interpret), *args), lowered for the platform being lowered for.
+
+    `settings` gives a platform's static configuration (tiles, compiler options) and raises
+    ValueError when the platform cannot take what the caller asked for. interpret=None: the
+    Pallas interpreter on CPU, Triton on cuda, Mosaic on tpu; True: the interpreter everywhere;
+    False: never the interpreter (lowering for CPU fails). A platform whose settings raise is
+    refused when lowered for, with that error; the others lower as usual (jax.export).
+    """
+    if interpret:
+        return run(settings("cpu", True), *args)
+    branches, refused = {}, {}
+    for platform, backend in PLATFORMS.items():
+        try:
+            static = settings(backend, interpret is None and backend == "cpu")
+        except ValueError as error:
+            refused[platform] = str(error)
+        else:
+            branches[platform] = lambda *a, st=static: run(st, *a)
+    if not branches:
+        raise ValueError("; ".join(f"{p}: {m}" for p, m in refused.items()))
+    if refused:
+        out = jax.eval_shape(next(iter(branches.values())), *args)
+        branches |= {p: refusal(m, out) for p, m in refused.items()}
+    return lax.platform_dependent(*args, **branches)

@@ -19,7 +19,8 @@ k < ceil(log2 C) (M^C = 0), so a chunk costs matmuls only. Everything is fp32 (b
 cast first): the solve is a recurrence whose error would otherwise compound along T.
 
 Tiles: C (`block`) and Dt (`block_d`). On GPU (Triton) C must be a power of two >= 16; on TPU
-(Mosaic) a multiple of 128; in interpret mode (the CPU default) any size >= 1. The feature and
+(Mosaic) a multiple of 128; in interpret mode (the CPU default) any size >= 1: each for the
+platform being lowered for (`positional.kernels.per_platform`). The feature and
 feedback widths are zero-padded to a power of two >= 16 (Triton's block rule), which changes
 no dot product and gives zero columns of s. Each program holds whole-sequence qb, kb (and s in
 the solve) in fast memory; past that size the inputs need manual DMA (not done here).
@@ -34,8 +35,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 
-from positional.kernels import check_tile
+from positional.kernels import check_tile, per_platform
 from positional.softmax import MASKED
 
 # C when not given: TPU needs lane-sized (128) tiles; 64 keeps GPU tiles in registers.
@@ -109,6 +111,7 @@ class _Static:
     block_d: int
     scale: float  # 1/sqrt(dk) of the unpadded feedback width
     interpret: bool
+    backend: str  # "gpu", "tpu" or "cpu": the platform this configuration lowers for
 
 
 def check_blocks(block: int, backend: str, interpret: bool) -> None:
@@ -225,8 +228,7 @@ def _cols(x, dt):
 
 def _call(kernel, st, grid, args, specs, out_like, out_specs):
     params = {}
-    if not st.interpret and jax.default_backend() == "gpu":  # Triton: JAX's Mosaic GPU path has no dot here
-        from jax.experimental.pallas import triton as pltriton
+    if not st.interpret and st.backend == "gpu":  # Triton: JAX's Mosaic GPU path has no dot here
         params["compiler_params"] = pltriton.CompilerParams()
     return pl.pallas_call(functools.partial(kernel, st=st), grid=grid, in_specs=specs, out_specs=out_specs,
                           out_shape=[jax.ShapeDtypeStruct(x.shape, jnp.float32) for x in out_like],
@@ -279,22 +281,32 @@ def feedback_solve_pallas(qb, kb, gamma, f, *, block: int | None = None, block_d
                           interpret: bool | None = None) -> jax.Array:
     """s [B, T, D] fp32 solving (I - B) s = f. qb, kb [B, T, dk]; gamma [B, T]; f [B, T, D].
 
-    `interpret` defaults to True on CPU (the Pallas interpreter) and False elsewhere; `block_d`
-    (the feature tile, parallel over the grid) defaults to the padded width, or 128 when that
-    is a larger multiple of 128.
+    `interpret`: None (the default) lowers for the platform being lowered for (the Pallas
+    interpreter on CPU, Triton on cuda, Mosaic on tpu, each with its own default `block` and
+    rules: `positional.kernels.per_platform`); True interprets everywhere. `block_d` (the
+    feature tile, parallel over the grid) defaults to the padded width, or 128 when that is a
+    larger multiple of 128.
     """
     check_inputs(qb, kb, gamma, f)
-    backend = jax.default_backend()
-    interpret = backend == "cpu" if interpret is None else interpret
-    block = block or DEFAULT_BLOCK["interpret" if interpret else backend]
-    check_blocks(block, backend, interpret)
-    t, dk, d = qb.shape[1], qb.shape[2], f.shape[2]
-    tp = -(-t // block) * block
-    wk, wd = (max(16, pl.next_power_of_2(w)) for w in (dk, d))
+    dk, d = qb.shape[2], f.shape[2]
+    wd = max(16, pl.next_power_of_2(d))
     block_d = block_d or (128 if wd % 128 == 0 else wd)
     if wd % block_d:
         raise ValueError(f"feedback solve kernel block_d={block_d} must divide the padded feature width {wd}")
-    st = _Static(block=block, block_d=block_d, scale=dk ** -0.5, interpret=bool(interpret))
+
+    def settings(backend: str, interpret: bool) -> _Static:
+        c = block or DEFAULT_BLOCK.get("interpret" if interpret else backend, 64)
+        check_blocks(c, backend, interpret)
+        return _Static(block=c, block_d=block_d, scale=dk ** -0.5, interpret=interpret, backend=backend)
+
+    return per_platform(settings, _padded, (qb, kb, gamma, f), interpret)
+
+
+def _padded(st: _Static, qb, kb, gamma, f):
+    """The solve on inputs padded to st's chunk (and widths to a power of two >= 16)."""
+    t = qb.shape[1]
+    tp = -(-t // st.block) * st.block
+    wk, wd = (max(16, pl.next_power_of_2(w)) for w in (qb.shape[2], f.shape[2]))
     # Padded rows sit after every real row (hidden by the strict-past mask) and have gamma = 0.
     s = _fused(_pad(qb, tp, wk), _pad(kb, tp, wk), _pad(gamma[..., None], tp, 1), _pad(f, tp, wd), st)
-    return s[:, :t, :d]
+    return s[:, :t, :f.shape[2]]

@@ -23,7 +23,8 @@ accumulation (P and dS are cast to it, as flash attention does), except S_P, who
 
 Tiles: block_q x block_k. On GPU (Triton) both must be powers of two >= 16; on TPU (Mosaic)
 multiples of 128; in interpret mode (CPU, the default there) any size >= 1; `DEFAULT_TILES`
-when not given. Head parts are zero-padded to a power of two >= 16, which changes no dot
+when not given. The platform is the one being lowered for (an export for tpu from a CPU host
+gives Mosaic); a tile given explicitly that a platform cannot take fails only its lowering. Head parts are zero-padded to a power of two >= 16, which changes no dot
 product. On GPU, exp2, log2, cos and sin are single special-function instructions (`fast_math`).
 """
 
@@ -37,9 +38,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
 from positional.angles import wrap
-from positional.kernels import check_tile
+from positional.kernels import check_tile, per_platform
 from positional.softmax import MASKED, check_shapes
 
 LOG2E = 1.4426950408889634
@@ -59,6 +61,7 @@ class _Static:
     block_q: int
     block_k: int
     interpret: bool
+    backend: str  # "gpu", "tpu" or "cpu": the platform this configuration lowers for
     num_warps: int
     num_stages: int
     fast_math: bool
@@ -72,7 +75,6 @@ def check_blocks(block_q: int, block_k: int, backend: str, interpret: bool) -> N
 
 def _mufu(op: str, x):
     """One special-function-unit instruction per element (`ex2.approx.ftz.f32`, ...); GPU only."""
-    from jax.experimental.pallas import triton as plgpu
     out = jax.ShapeDtypeStruct(x.shape, x.dtype)
     return plgpu.elementwise_inline_asm(f"{op}.approx.ftz.f32 $0, $1;", args=[x], constraints="=f,f",
                                         pack=1, result_shape_dtypes=[out])[0]
@@ -236,8 +238,7 @@ def _specs(st: _Static, q_len: int, k_len: int, by: str):
 
 def _call(kernel, st, grid, in_specs, out_specs, out_shape, args):
     params = {}
-    if not st.interpret and jax.default_backend() == "gpu":
-        from jax.experimental.pallas import triton as plgpu
+    if not st.interpret and st.backend == "gpu":
         params["compiler_params"] = plgpu.CompilerParams(num_warps=st.num_warps, num_stages=st.num_stages)
     return pl.pallas_call(functools.partial(kernel, st=st), grid=grid, in_specs=in_specs,
                           out_specs=out_specs, out_shape=out_shape, interpret=st.interpret,
@@ -319,7 +320,9 @@ def phase_attention(qa, ka, qp, kp, v, *, c_amp: float, c_phase: float, alpha: f
     `tapa_attention` there, the fused TAPA with the reference's signature): qa [B, T, H, dA],
     qp [B, T, H, dP]; ka [B, S, K, dA], kp [B, S, K, dP], v [B, S, K, D] -> [B, T, H, D].
 
-    `interpret` defaults to True on CPU (the Pallas interpreter) and False elsewhere.
+    `interpret`: None (the default) lowers for the platform being lowered for (the Pallas
+    interpreter on CPU, Triton on cuda, Mosaic on tpu, each with its own default tiles and tile
+    rules: `positional.kernels.per_platform`); True interprets everywhere.
     GPU only: `num_warps` and `num_stages` tune the Triton compilation; `fast_math` computes
     exp2, log2, cos and sin with one special-function instruction each (cos and sin after
     exact wrapping into [-pi, pi)) instead of libdevice's accurate routines.
@@ -330,26 +333,32 @@ def phase_attention(qa, ka, qp, kp, v, *, c_amp: float, c_phase: float, alpha: f
                          f"qa{qa.shape} ka{ka.shape} in batch, length and heads, and each other in width")
     if not alpha > 0:
         raise ValueError(f"alpha must be > 0 (the distance exponent |i-j|^alpha); got alpha={alpha}")
-    backend = jax.default_backend()
-    interpret = backend == "cpu" if interpret is None else interpret
-    default_q, default_k = DEFAULT_TILES.get("interpret" if interpret else backend, (64, 64))
-    block_q, block_k = block_q or default_q, block_k or default_k
-    check_blocks(block_q, block_k, backend, interpret)
-    b, t, h, _ = qa.shape
-    s, kh, d = ka.shape[1], ka.shape[2], v.shape[-1]
-    tp, sp = -(-t // block_q) * block_q, -(-s // block_k) * block_k
+
+    def settings(backend: str, interpret: bool) -> _Static:
+        default_q, default_k = DEFAULT_TILES.get("interpret" if interpret else backend, (64, 64))
+        bq, bk = block_q or default_q, block_k or default_k
+        check_blocks(bq, bk, backend, interpret)
+        return _Static(alpha=float(alpha), c_amp=float(c_amp), phase_scale=float(2 * math.pi * c_phase),
+                       q_offset=int(q_offset), kv_len=ka.shape[1], group=qa.shape[2] // ka.shape[2],
+                       block_q=bq, block_k=bk, interpret=interpret, backend=backend,
+                       num_warps=num_warps, num_stages=num_stages,
+                       fast_math=bool(fast_math) and not interpret and backend == "gpu")
+
+    if segment_ids is None:
+        segment_ids = jnp.zeros(qa.shape[:2], jnp.int32)
+    return per_platform(settings, _padded, (qa, ka, qp, kp, v, segment_ids.astype(jnp.int32)), interpret)
+
+
+def _padded(st: _Static, qa, ka, qp, kp, v, seg):
+    """The kernel on inputs padded to st's tiles (and head parts to a power of two >= 16)."""
+    b, t, _, _ = qa.shape
+    s, d = ka.shape[1], v.shape[-1]
+    tp, sp = -(-t // st.block_q) * st.block_q, -(-s // st.block_k) * st.block_k
 
     def layout(x, n, length):  # [B, n, H, d] -> [B, H, n_padded, d_padded]
         width = max(16, pl.next_power_of_2(x.shape[-1]))
         return jnp.swapaxes(_pad_to(_pad_to(x, 1, length), 3, width), 1, 2)
 
-    if segment_ids is None:
-        segment_ids = jnp.zeros((b, t), jnp.int32)
-    seg = segment_ids.astype(jnp.int32)
-    st = _Static(alpha=float(alpha), c_amp=float(c_amp), phase_scale=float(2 * math.pi * c_phase),
-                 q_offset=int(q_offset), kv_len=s, group=h // kh, block_q=block_q, block_k=block_k,
-                 interpret=bool(interpret), num_warps=num_warps, num_stages=num_stages,
-                 fast_math=bool(fast_math) and not interpret and backend == "gpu")
     # Keys beyond the query length (decoding) see segment 0, as the reference does without ids.
     seg_k = seg if s == t else jnp.zeros((b, s), jnp.int32)
     o = _fused(layout(qa, t, tp), layout(ka, s, sp), layout(qp, t, tp), layout(kp, s, sp),
