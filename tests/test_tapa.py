@@ -229,7 +229,9 @@ def test_a_tile_one_platform_refuses_fails_only_its_lowering():
         assert TRITON in lowered(fn, x, x, x)
         with pytest.raises(ValueError, match="block_k=64 is not usable: it must be a multiple of 128"):
             lowered(fn, x, x, x, platforms=["tpu"])
-    np.testing.assert_allclose(jax.jit(f)(x, x, x), f(x, x, x, interpret=True), atol=1e-6)
+    want = f(x, x, x, interpret=True)
+    np.testing.assert_allclose(jax.jit(f)(x, x, x), want, atol=1e-6)
+    np.testing.assert_allclose(jax.jit(jax.vmap(f))(x[None], x[None], x[None])[0], want, atol=1e-6)
     assert TRITON not in lowered(functools.partial(f, interpret=True), x, x, x)
     with pytest.raises(ValueError, match="block_q=48 .* power of two.*block_q=48 .* multiple of 128"):
         f(x, x, x, block_q=48, interpret=False)  # no platform can take it: an error at once

@@ -11,7 +11,7 @@ import jax
 import jax.extend as jex
 import jax.numpy as jnp
 from jax import lax
-from jax.interpreters import mlir
+from jax.interpreters import batching, mlir
 
 # platform_dependent's platform names -> the backend names of the tile rules and defaults.
 PLATFORMS = {"cpu": "cpu", "cuda": "gpu", "tpu": "tpu"}
@@ -36,21 +36,28 @@ def _refuse_lowering(ctx, *args, message: str, avals):
     raise ValueError(message)
 
 
+def _refused_batched(args, dims, *, message: str, avals):
+    size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)  # None: not batched
+    avals = tuple(jax.core.ShapedArray((size, *a.shape), a.dtype) for a in avals)
+    return _refused_p.bind(*args, message=message, avals=avals), [0] * len(avals)
+
+
 # Stands for a kernel a platform cannot take (an explicit tile it refuses): it traces like the
 # kernel, so the other platforms' branches lower, and raises the reason if lowered itself.
-refused_p = jex.core.Primitive("pallas_kernel_refused")
-refused_p.multiple_results = True
-refused_p.def_abstract_eval(lambda *args, message, avals: list(avals))
-mlir.register_lowering(refused_p, _refuse_lowering)
+_refused_p = jex.core.Primitive("pallas_kernel_refused")
+_refused_p.multiple_results = True
+_refused_p.def_abstract_eval(lambda *args, message, avals: list(avals))
+mlir.register_lowering(_refused_p, _refuse_lowering)
+batching.primitive_batchers[_refused_p] = _refused_batched
 
 
 def _refused(message: str, like, args):
     leaves, tree = jax.tree.flatten(like)
     avals = tuple(jax.core.ShapedArray(x.shape, x.dtype) for x in leaves)
-    return tree.unflatten(refused_p.bind(*args, message=message, avals=avals))
+    return tree.unflatten(_refused_p.bind(*args, message=message, avals=avals))
 
 
-def refusal(message: str, out) -> Callable:
+def _refusal(message: str, out) -> Callable:
     """A function of the kernel's arrays, shaped like its output `out` (a pytree of
     ShapeDtypeStruct), whose forward and gradient raise ValueError(message) when lowered."""
 
@@ -77,6 +84,10 @@ def per_platform(settings: Callable[[str, bool], Any], run: Callable, args: tupl
     Pallas interpreter on CPU, Triton on cuda, Mosaic on tpu; True: the interpreter everywhere;
     False: never the interpreter (lowering for CPU fails). A platform whose settings raise is
     refused when lowered for, with that error; the others lower as usual (jax.export).
+
+    One platform per lowering: JAX 0.10 lowers a pallas_call inside a platform_dependent branch
+    for every platform of the module, so an export for ["cpu", "cuda"] fails in Pallas ("Only
+    interpret mode is supported on CPU backend").
     """
     if interpret:
         return run(settings("cpu", True), *args)
@@ -92,5 +103,5 @@ def per_platform(settings: Callable[[str, bool], Any], run: Callable, args: tupl
         raise ValueError("; ".join(f"{p}: {m}" for p, m in refused.items()))
     if refused:
         out = jax.eval_shape(next(iter(branches.values())), *args)
-        branches |= {p: refusal(m, out) for p, m in refused.items()}
+        branches |= {p: _refusal(m, out) for p, m in refused.items()}
     return lax.platform_dependent(*args, **branches)
