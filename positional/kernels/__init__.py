@@ -10,7 +10,6 @@ from typing import Any
 import jax
 import jax.extend as jex
 import jax.numpy as jnp
-from jax import lax
 from jax.interpreters import batching, mlir
 
 # platform_dependent's platform names -> the backend names of the tile rules and defaults.
@@ -104,4 +103,4 @@ def per_platform(settings: Callable[[str, bool], Any], run: Callable, args: tupl
     if refused:
         out = jax.eval_shape(next(iter(branches.values())), *args)
         branches |= {p: _refusal(m, out) for p, m in refused.items()}
-    return lax.platform_dependent(*args, **branches)
+    return jax.lax.platform_dependent(*args, **branches)
