@@ -114,7 +114,7 @@ def workdir_lock(workdir: str):
     The lock is an flock, which the OS releases however its holder ends (SIGKILL included);
     the file names the holder (host, pid, start) for the message, and is emptied on release,
     so a holder still named in a free lock died holding it: that lock is taken over with a
-    warning. (Every process of a multi-host run would take it: one per workdir for now.)
+    warning. Every process takes it: a multi-host run (none exists yet) would leave it to process 0.
     """
     path = os.path.join(workdir, "lock")
     with open(path, "a+") as f:  # created if missing, not truncated before it is ours
