@@ -4,12 +4,18 @@
         --config.workdir=runs/alibi
 
 Resumes from the latest complete checkpoint in `<workdir>/checkpoints` when there is one, so
-rerunning the same command after a crash or preemption continues the exact same run.
+rerunning the same command after a crash or preemption continues the exact same run. A run
+stopped by SIGTERM/SIGINT saves a checkpoint and exits 128 + the signal's number; one trainer
+at a time per workdir (`<workdir>/lock`).
 `--config.dry_run=True` compiles the sharded train step and prints each device's memory.
 The work is done by the runs library: lab/training.py.
 """
 
 from __future__ import annotations
+
+import os
+import signal
+import sys
 
 from absl import app
 
@@ -27,6 +33,13 @@ def main(argv):
         print(dry_run_report(cli.run_cli(lambda: dry_run(config))))
         return
     summary = cli.run_cli(lambda: train(config))
+    if summary["interrupted"]:
+        # Non-zero, so that a job scheduler or script sees the run did not finish; the shell's
+        # code for death by that signal (130 SIGINT, 143 SIGTERM).
+        print(f"interrupted: {summary['interrupted']} at step {summary['step']}; checkpoint saved at "
+              f"step {summary['step']} in {os.path.join(summary['workdir'], 'checkpoints')}. "
+              "Rerun the same command to continue.", file=sys.stderr)
+        sys.exit(128 + signal.Signals[summary["interrupted"]])
     if summary["losses"]:
         print(f"done: step {summary['step']}, final loss {summary['losses'][-1]:.4f}, "
               f"workdir {summary['workdir']}")

@@ -32,6 +32,9 @@ def parse_flags(argv):
         lines = [line.strip() for line in str(e).splitlines() if line.strip()]
         print(f"error: {(lines[-1] if lines else repr(e)).removeprefix('ValueError: ')}", file=sys.stderr)
         sys.exit(1)
+    except KeyError as e:  # ml_collections: an override under a group the config lacks (--config.modle.x)
+        print(f"error: unknown config field {str(e.args[0]).replace(chr(10), '; ')}", file=sys.stderr)
+        sys.exit(1)
 
 
 def checked_config(flag_holder) -> ml_collections.ConfigDict:

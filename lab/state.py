@@ -5,7 +5,9 @@ and loading a run: the model config from a run config, the device mesh, the opti
 
 from __future__ import annotations
 
+import functools
 import math
+import operator
 import os
 
 import jax
@@ -20,6 +22,34 @@ from models.lm import DecoderLM, ModelConfig
 
 def workdir_of(config) -> str:
     return config.workdir or os.path.join("runs", config.model.scheme)
+
+
+COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def check_config(config) -> None:
+    """Raise ValueError naming the first field whose value cannot work (the field, its value,
+    what is valid), so that a bad value stops a run before it creates its workdir, prepares
+    data or compiles; the model's own consistency (head counts, remat) is ModelConfig's check."""
+    # Zero steps with init_from stores its parameters under this config (a zero-shot extension).
+    least = {"seq_len": 1, "batch_size": 1, "train.steps": 0 if config.init_from else 1,
+             "train.warmup_steps": 0, "train.log_every": 1, "train.checkpoint_every": 1,
+             "train.keep_checkpoints": 1, "train.eval_every": 0,
+             "model.d_model": 1, "model.num_layers": 1, "model.num_heads": 1}
+    for field, low in least.items():
+        value = functools.reduce(operator.getitem, field.split("."), config)
+        if value < low:
+            zero_shot = " (0 with init_from: its parameters stored under this config)" if field == "train.steps" else ""
+            raise ValueError(f"{field}={value!r}; valid: an integer >= {low}{zero_shot}")
+    if not config.train.lr > 0:
+        raise ValueError(f"train.lr={config.train.lr!r}; valid: a number > 0")
+    for axis, size in config.mesh.items():
+        if size < 1 and size != -1:
+            raise ValueError(f"mesh.{axis}={size!r}; valid: an integer >= 1, or -1 for the devices "
+                             "left over (one axis at most)")
+    if config.model.dtype not in COMPUTE_DTYPES:
+        raise ValueError(f"model.dtype={config.model.dtype!r}; valid: {', '.join(COMPUTE_DTYPES)}")
+    ModelConfig.from_dict(config.model.to_dict())
 
 
 def model_config(config, vocab_size: int) -> ModelConfig:

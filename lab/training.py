@@ -3,6 +3,8 @@ checkpoints, signals, the NaN guard, metrics to JSONL and TensorBoard; every tra
 steps the validation loss and the named evaluators of `config.evals`, the ones eval.py runs,
 on the live model, with their reports under <workdir>/evals/<step>/<name>/).
 
+One trainer at a time per workdir: `<workdir>/lock` is held for the whole run.
+
 Each step's metrics are read one step late: the host dispatches step s + 1 before it waits for
 step s's loss, so it never stalls the device. A checkpoint is written only after the metrics of
 its step have been read and found finite.
@@ -10,10 +12,13 @@ its step have been read and found finite.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import math
 import os
 import signal
+import socket
 import sys
 import time
 
@@ -31,7 +36,7 @@ from lab.checkpoints import checkpoint_manager, load_params, restore_latest, sav
 from lab.evaluators import configured, in_training
 from lab.lengths import perplexity_at, task_accuracy_at
 from lab.runs import Run
-from lab.state import apply_optimizer, init_state, mesh_and_batch, workdir_of
+from lab.state import apply_optimizer, check_config, init_state, mesh_and_batch, workdir_of
 from models import sharding
 from models.lm import token_nll
 
@@ -73,6 +78,7 @@ def make_train_step(graphdef, rest, tx, config, state_shardings, batch_sharding)
 def dry_run(config: ml_collections.ConfigDict) -> dict:
     """Compile the sharded train step of `config` on abstract inputs, allocating and running
     nothing: the parameter count and XLA's memory analysis of the program each device runs."""
+    check_config(config)
     mesh, batch_sharding = mesh_and_batch(config)
     vocab = config.model.vocab_size or pipeline.tokenizer(config.data).vocab_size
     graphdef, rest, tx, _, state = init_state(config, vocab, mesh, abstract=True)
@@ -101,13 +107,52 @@ def dry_run_report(r: dict) -> str:
         f"  total {gib(r['total_bytes'])}"])
 
 
+@contextlib.contextmanager
+def workdir_lock(workdir: str):
+    """Hold `<workdir>/lock` while the block runs, or raise TrainingError naming its holder.
+
+    The lock is an flock, which the OS releases however its holder ends (SIGKILL included);
+    the file names the holder (host, pid, start) for the message, and is emptied on release,
+    so a holder still named in a free lock died holding it: that lock is taken over with a
+    warning. Every process takes it: a multi-host run (none exists yet) would leave it to process 0.
+    """
+    path = os.path.join(workdir, "lock")
+    with open(path, "a+") as f:  # created if missing, not truncated before it is ours
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            raise TrainingError(
+                f"{workdir} is in use by {f.read().strip() or 'another trainer'} (lock file {path}); "
+                "wait for that run to end or stop it, or give this one another --config.workdir") from None
+        f.seek(0)
+        if dead := f.read().strip():
+            print(f"warning: taking over {path} from {dead}, which ended without releasing it",
+                  file=sys.stderr)
+        f.truncate(0)
+        f.write(f"{socket.gethostname()} pid {os.getpid()} since {time.strftime('%Y-%m-%d %H:%M:%S')}")
+        f.flush()
+        try:
+            yield
+        finally:
+            f.truncate(0)
+
+
 def train(config: ml_collections.ConfigDict) -> dict:
-    """Run (or resume) training. Returns a summary dict. Raises TrainingError on divergence."""
+    """Run (or resume) training. Returns a summary dict, its 'interrupted' the name of the
+    signal that stopped the run early (None if it ran to the end). Raises ValueError for a bad
+    config value and TrainingError on divergence or when another trainer holds the workdir."""
+    check_config(config)
     evaluators = configured(config)  # a bad name fails here, before any work
     workdir = workdir_of(config)
     os.makedirs(workdir, exist_ok=True)
+    with workdir_lock(workdir):
+        return _train(config, workdir, evaluators)
+
+
+def _train(config, workdir, evaluators) -> dict:
+    mesh, batch_sharding = mesh_and_batch(config)  # before data: a mesh that does not fit fails at once
     tokenizer = pipeline.tokenizer(config.data)
-    mesh, batch_sharding = mesh_and_batch(config)
     graphdef, rest, tx, schedule, state = init_state(config, tokenizer.vocab_size, mesh)
     state_shardings = jax.tree.map(lambda x: x.sharding, state)
     train_step = make_train_step(graphdef, rest, tx, config, state_shardings, batch_sharding)
@@ -192,8 +237,6 @@ def train(config: ml_collections.ConfigDict) -> dict:
                 save(manager, state, loader.get_state(), {"step": step, "loss": history[-1]})
                 last_good = step
             if stop.signal:
-                print(f"\nstopped by {stop.signal} at step {step}; checkpoint saved in "
-                      f"{manager.directory}. Rerun the same command to resume.")
                 break
     finally:
         for s, h in previous.items():
@@ -201,8 +244,9 @@ def train(config: ml_collections.ConfigDict) -> dict:
         progress.close()
         writer.close()
         manager.close()
-    return {"workdir": workdir, "step": int(state["step"]), "losses": history,
-            "interrupted": stop.signal is not None}
+    step = int(state["step"])
+    return {"workdir": workdir, "step": step, "losses": history,
+            "interrupted": stop.signal if step < steps else None}
 
 
 class _Stop:

@@ -16,21 +16,13 @@ import orbax.checkpoint as ocp
 import pytest
 
 from lab.checkpoints import checkpoint_manager, load_params
-from lab.training import TrainingError, dry_run, train
-from tiny_setup import ROOT, cli, tiny_config
+from lab.training import TrainingError, dry_run, train, workdir_lock
+from tiny_setup import ROOT, cli, overrides, tiny_config
 
 
 def losses_of(workdir):
     with open(os.path.join(workdir, "metrics.jsonl")) as f:
         return {r["step"]: r["loss"] for r in map(json.loads, f)}
-
-
-def overrides(config):
-    """The command-line flags that reproduce the tiny config."""
-    return [f"--config.{k}={v}" for k, v in [
-        ("workdir", config.workdir), ("model.d_model", 32), ("model.num_layers", 2),
-        ("model.num_heads", 2), ("seq_len", 32), ("batch_size", 8), ("train.warmup_steps", 2),
-        ("train.log_every", 1), ("train.keep_checkpoints", 10)]]
 
 
 def test_loss_falls(tmp_path):
@@ -131,8 +123,8 @@ def test_nan_guard_stops_and_keeps_the_last_good_checkpoint(tmp_path):
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(params))
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
-def test_signal_mid_run_leaves_a_good_checkpoint(tmp_path, sig):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL])
+def test_signal_mid_run_leaves_a_good_checkpoint(tmp_path, sig, capsys):
     config = tiny_config(tmp_path)
     proc = subprocess.Popen(
         [sys.executable, "train.py", "--config", "configs/default.py", *overrides(config),
@@ -146,13 +138,23 @@ def test_signal_mid_run_leaves_a_good_checkpoint(tmp_path, sig):
     out, err = proc.communicate(timeout=60)
     manager = checkpoint_manager(tmp_path / "checkpoints", create=False)
     found = load_params(str(tmp_path), _abstract(config))
-    if sig == signal.SIGTERM:
-        assert proc.returncode == 0, err
-        assert "stopped by SIGTERM" in out
-        # The save on SIGTERM is at the step the run stopped, not only the periodic one.
-        assert found[0] == max(losses_of(tmp_path)) == manager.latest_step()
+    with workdir_lock(str(tmp_path)):  # free again, however the run ended
+        pass
+    took_over = [line for line in capsys.readouterr().err.splitlines() if f"pid {proc.pid}" in line]
+    if sig != signal.SIGKILL:
+        # Non-zero, the shell's way (128 + the signal's number), with one line saying how to go on.
+        assert proc.returncode == 128 + sig, err
+        step = max(losses_of(tmp_path))
+        assert err.strip().splitlines()[-1] == (
+            f"interrupted: {sig.name} at step {step}; checkpoint saved at step {step} in "
+            f"{tmp_path / 'checkpoints'}. Rerun the same command to continue.")
+        assert "done:" not in out
+        # The save on a signal is at the step the run stopped, not only the periodic one.
+        assert found[0] == step == manager.latest_step()
+        assert not took_over  # the run released its lock
     else:
         assert found[0] >= 50 and found[0] % 25 == 0
+        assert len(took_over) == 1 and took_over[0].startswith("warning: ")  # the dead run's lock
 
 
 def test_sharded_training_on_8_devices_matches_one_device(tiny_run, tmp_path):
@@ -185,6 +187,7 @@ def test_sharded_training_on_8_devices_matches_one_device(tiny_run, tmp_path):
     ("--config.mesh.data=3", "does not fit 1 devices"),
     ("--config.init_from=/no/such/run", "/no/such/run' does not exist"),
     ("--config.train.stepz=3", "unknown config field 'train.stepz'"),
+    ("--config.modle.d_model=1", "unknown config field 'modle'; Did you mean \"model\""),
     ("--config.model.scheme_options.gate_bias=5.0", "scheme 'rope' has no option(s) ['gate_bias']"),
     ("--config.evals=lengths,nope", "unknown evaluator in config.evals 'nope'; valid: lengths, transport, "),
 ])

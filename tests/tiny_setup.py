@@ -21,6 +21,14 @@ def tiny_config(workdir, scheme="rope", **train):
     return c
 
 
+def overrides(config):
+    """The command-line flags that reproduce the tiny config."""
+    return [f"--config.{k}={v}" for k, v in [
+        ("workdir", config.workdir), ("model.d_model", 32), ("model.num_layers", 2),
+        ("model.num_heads", 2), ("seq_len", 32), ("batch_size", 8), ("train.warmup_steps", 2),
+        ("train.log_every", 1), ("train.keep_checkpoints", 10)]]
+
+
 def cli(*args, env=None, cwd=ROOT):
     """Run a project entry point in a subprocess (from the repository root by default)."""
     return subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True,
