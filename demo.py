@@ -34,6 +34,7 @@ def run(schemes, fast: bool = False, out: str = "") -> str:
         config = demo.get_config(scheme + ("/fast" if fast else ""))
         t0 = time.perf_counter()
         summary = cli.run_cli(lambda: train(config))
+        cli.exit_if_interrupted(summary)  # a stopped run ends the demo (rerun to continue)
         final = f"final loss {summary['losses'][-1]:.4f}" if summary["losses"] else "already trained"
         print(f"[{scheme}] {summary['step']} steps, {final}, {time.perf_counter() - t0:.0f}s")
         workdirs.append(summary["workdir"])

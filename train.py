@@ -13,10 +13,6 @@ The work is done by the runs library: lab/training.py.
 
 from __future__ import annotations
 
-import os
-import signal
-import sys
-
 from absl import app
 
 from lab import cli
@@ -33,13 +29,7 @@ def main(argv):
         print(dry_run_report(cli.run_cli(lambda: dry_run(config))))
         return
     summary = cli.run_cli(lambda: train(config))
-    if summary["interrupted"]:
-        # Non-zero, so that a job scheduler or script sees the run did not finish; the shell's
-        # code for death by that signal (130 SIGINT, 143 SIGTERM).
-        print(f"interrupted: {summary['interrupted']} at step {summary['step']}; checkpoint saved at "
-              f"step {summary['step']} in {os.path.join(summary['workdir'], 'checkpoints')}. "
-              "Rerun the same command to continue.", file=sys.stderr)
-        sys.exit(128 + signal.Signals[summary["interrupted"]])
+    cli.exit_if_interrupted(summary)
     if summary["losses"]:
         print(f"done: step {summary['step']}, final loss {summary['losses'][-1]:.4f}, "
               f"workdir {summary['workdir']}")

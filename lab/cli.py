@@ -4,6 +4,8 @@ check, one readable line for expected failures (bad flags included), and quiet l
 from __future__ import annotations
 
 import importlib.util
+import os
+import signal
 import sys
 
 import ml_collections
@@ -79,6 +81,17 @@ def run_cli(fn):
     except (TrainingError, DataError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
+
+
+def exit_if_interrupted(summary: dict) -> None:
+    """After `lab.training.train`: a run a signal stopped early says where it stopped and exits
+    non-zero, so a job scheduler or script (`train.py ... && eval.py ...`) sees it did not finish;
+    the code is the shell's for death by that signal (130 SIGINT, 143 SIGTERM)."""
+    if summary["interrupted"]:
+        print(f"interrupted: {summary['interrupted']} at step {summary['step']}; checkpoint saved at "
+              f"step {summary['step']} in {os.path.join(summary['workdir'], 'checkpoints')}. "
+              "Rerun the same command to continue.", file=sys.stderr)
+        sys.exit(128 + signal.Signals[summary["interrupted"]])
 
 
 def require_workdirs(workdirs) -> None:
