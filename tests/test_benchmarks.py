@@ -66,6 +66,7 @@ def test_logit_fits_runs(capsys):
     assert "| 48 |" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # the sequence axis itself: tests/test_scale.py, tests/test_ring.py
 def test_sequence_parallel_runs(capsys):
     rows = run("sequence_parallel", ["--seq-len", "512", "--devices", "1,2", "--steps", "1"])
     assert [r["devices"] for r in rows] == [1, 2] and rows[1]["mesh"]["sequence"] == 2
