@@ -45,7 +45,7 @@ def _probe_length() -> dict:
 
 OPTIONS = {  # evaluator -> its options from the flags
     "lengths": lambda: {"max_multiplier": FLAGS.max_multiplier or None, "tokens": FLAGS.tokens or None,
-                        "stride": None if FLAGS.stride < 0 else FLAGS.stride},
+                        "stride": None if FLAGS.stride == -1 else FLAGS.stride},
     "transport": _probe_length,
     "near_far": lambda: {**_probe_length(), **_ranges()},
     "analysis": dict,

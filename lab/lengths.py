@@ -143,6 +143,9 @@ def evaluate_runs(runs, *, multipliers=None, max_multiplier=None, tokens=None, s
     ev = base.eval
     multipliers = list(multipliers or ev.multipliers)
     if max_multiplier:
+        if max_multiplier < min(multipliers):
+            raise ValueError(f"lengths option max_multiplier={max_multiplier} is below every length multiplier "
+                             f"{sorted(multipliers)}; valid: >= {min(multipliers)}")
         multipliers = [m for m in multipliers if m <= max_multiplier]
         m = max(multipliers) * 2
         while m <= max_multiplier:
@@ -151,6 +154,11 @@ def evaluate_runs(runs, *, multipliers=None, max_multiplier=None, tokens=None, s
     lengths = eval_lengths(base.seq_len, multipliers)
     tokens = tokens or ev.tokens
     stride = ev.stride if stride is None else stride
+    if tokens < 1:
+        raise ValueError(f"lengths option tokens={tokens}; valid: an integer >= 1 (scored tokens per length)")
+    if stride < 0:
+        raise ValueError(f"lengths option stride={stride}; valid: 0 (non-overlapping windows) or a positive "
+                         "sliding-window stride")
     held_out = held_out_stream(base, tokens + max(lengths) + 1 + max(lengths)) if lm_runs else None
     results = {"lengths": lengths, "tokens": tokens, "stride": stride, "runs": {}}
     for name, run in runs:

@@ -80,6 +80,25 @@ def test_cli_compares_runs_and_reports_missing_ones(tiny_run, tmp_path):
     assert "not a training run directory" in missing.stderr.strip().splitlines()[-1]
 
 
+@pytest.mark.parametrize("options,error", [
+    ({"stride": -7}, "lengths option stride=-7; valid: 0 (non-overlapping windows) or a positive"),
+    ({"tokens": -5}, "lengths option tokens=-5; valid: an integer >= 1"),
+    ({"max_multiplier": 0.25}, "lengths option max_multiplier=0.25 is below every length multiplier"),
+])
+def test_bad_lengths_options_are_one_line(tiny_run, options, error):
+    config, _ = tiny_run
+    with pytest.raises(ValueError) as raised:
+        evaluate_runs([config.workdir], **options)
+    assert str(raised.value).startswith(error) and "\n" not in str(raised.value)
+
+
+def test_cli_bad_stride_is_one_line_not_ignored(tiny_run, tmp_path):
+    config, _ = tiny_run
+    run = cli("eval.py", f"--workdirs={config.workdir}", f"--out={tmp_path}", "--stride=-7")
+    assert run.returncode == 1
+    assert run.stderr.strip().splitlines()[-1].startswith("error: lengths option stride=-7")
+
+
 def test_probe_command_reports_every_layer(tiny_run, tmp_path):
     config, _ = tiny_run
     run = cli("eval.py", f"--workdirs={config.workdir}", f"--out={tmp_path}", "--probe_length=64")
