@@ -4,7 +4,7 @@
     python benchmarks/tapa_kernel.py --lengths 8192 --json out.json
 
 Compares, in one process and on the same inputs (bf16, causal, batch 1):
-  - tapa/pallas   the fused kernel (positional/kernels/tapa_attention.py), several tile shapes;
+  - tapa/pallas   the fused kernel (positional/kernels/flash.py with TAPA's score), several tile shapes;
   - cudnn         `jax.nn.dot_product_attention(..., implementation="cudnn")`: plain softmax
                   attention by cuDNN's flash kernel, the speed target;
   - flash/pallas  JAX's own Pallas (Triton) flash attention for plain softmax attention, the
@@ -72,7 +72,7 @@ def check(phase: str = "quadratic") -> list[dict]:
         q, k, v = inputs(jax.random.key(t), b, t, h, kh, d, dtype)
         seg = (jnp.arange(t) >= t // 3).astype(jnp.int32)[None].repeat(b, 0)
         kern = functools.partial(tapa_attention, segment_ids=seg, phase=phase, block_q=bq, block_k=bk)
-        ref = functools.partial(reference_attention, segment_ids=seg, score_fn=tapa_score_fn(phase=phase))
+        ref = functools.partial(reference_attention, segment_ids=seg, score_fn=tapa_score_fn(q.shape[-1], phase=phase))
         up = [x.astype(jnp.float32) for x in (q, k, v)]
         with jax.default_matmul_precision("highest"):
             want = jax.jit(ref)(*up)
@@ -102,7 +102,7 @@ def timed(fn, args, repeats):
     return statistics.median(times), temp
 
 
-def contenders(tiles):
+def contenders(tiles, head_dim):
     out = {f"tapa/pallas {bq}x{bk} w{w}{'' if fast else ' accurate'}":
            functools.partial(tapa_attention, block_q=bq, block_k=bk, num_warps=w, fast_math=fast)
            for bq, bk, w, fast in tiles}
@@ -113,8 +113,8 @@ def contenders(tiles):
                                                                sm_scale=q.shape[-1] ** -0.5)
     except ImportError as e:
         print("no pallas flash attention:", e)
-    out["tapa/blockwise"] = functools.partial(blockwise_attention, score_fn=tapa_score_fn(), block_size=1024)
-    out["tapa/reference"] = functools.partial(reference_attention, score_fn=tapa_score_fn())
+    out["tapa/blockwise"] = functools.partial(blockwise_attention, score_fn=tapa_score_fn(head_dim), block_size=1024)
+    out["tapa/reference"] = functools.partial(reference_attention, score_fn=tapa_score_fn(head_dim))
     return out
 
 
@@ -122,7 +122,7 @@ def bench(lengths, heads, head_dim, repeats, tiles, reference_max):
     rows = []
     for t in lengths:
         q, k, v = inputs(jax.random.key(0), 1, t, heads, heads, head_dim, jnp.bfloat16)
-        for name, fn in contenders(tiles).items():
+        for name, fn in contenders(tiles, head_dim).items():
             if name in ("tapa/reference", "tapa/blockwise") and t > reference_max:
                 continue
             try:

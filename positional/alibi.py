@@ -13,7 +13,8 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
-from positional.scheme import Scheme, at_slots
+from positional.logits import Bias
+from positional.scheme import Scheme, position_values
 
 
 def alibi_slopes(num_heads: int) -> np.ndarray:
@@ -32,13 +33,9 @@ class Alibi(Scheme):
     has_bias = bias_only = True
 
     def bias_fn(self, features, positions):
-        if positions is not None and positions.ndim != 2:
-            raise ValueError(f"alibi needs one position per token, positions [B, T]; got shape "
-                             f"{tuple(positions.shape)}")
-        slopes = jnp.asarray(alibi_slopes(self.num_heads), jnp.float32)
+        slopes = jnp.asarray(alibi_slopes(self.num_heads), jnp.float32)[None, None]  # [1, 1, H]
 
-        def bias(qi, kj):  # [B or 1, H, tq, tk]
-            distance = (at_slots(positions, qi)[:, :, None] - at_slots(positions, kj)[:, None, :]).astype(jnp.float32)
-            return -slopes[None, :, None, None] * distance[:, None]
+        def bias(q, k, qi, kj):
+            return -q["slope"] * (q.get("position", qi) - k.get("position", kj))
 
-        return bias
+        return Bias(bias, {"slope": slopes, **position_values(positions)})

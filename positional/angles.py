@@ -1,6 +1,5 @@
 """Angle arithmetic in fp32 that does not drift: wrapping into [-pi, pi) and compensated
-(hi, lo) addition. Used by the accumulated SO(2) angles (positional/so2.py), ESPR's phases and
-the TAPA kernel's fast cosine (positional/kernels/tapa_attention.py)."""
+(hi, lo) addition. Used by the accumulated SO(2) angles (positional/so2.py) and ESPR's phases."""
 
 from __future__ import annotations
 

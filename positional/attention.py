@@ -7,7 +7,9 @@ the bias and score hooks):
   "reference"  materialises the [B, H, T, S] scores (positional/softmax.py);
   "blockwise"  online softmax over key blocks, O(T * block) memory (positional/softmax.py);
   "ring"       the sequence split over the `sequence` axis of the enclosing `ring_mesh`, keys
-               and values passed around the ring (positional/ring.py); blockwise elsewhere.
+               and values passed around the ring (positional/ring.py); blockwise elsewhere;
+  "pallas"     the fused flash-attention kernel (positional/kernels/flash.py): any `Bias` and
+               `Score` hook (positional/logits.py) fused into its tiles.
 
 This module sits above every implementation it names, so none of them imports it.
 """
@@ -16,11 +18,12 @@ from __future__ import annotations
 
 import jax
 
+from positional.kernels.flash import fused_attention
 from positional.ring import mesh_ring_attention
 from positional.softmax import blockwise_attention, reference_attention
 
 IMPLEMENTATIONS = {"reference": reference_attention, "blockwise": blockwise_attention,
-                   "ring": mesh_ring_attention}
+                   "ring": mesh_ring_attention, "pallas": fused_attention}
 
 
 def attention(q, k, v, *, impl: str = "reference", **kwargs) -> jax.Array:

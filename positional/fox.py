@@ -21,19 +21,14 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from positional.logits import Bias
 from positional.scheme import Scheme
 
 
-def forget_bias(log_forget):
-    """A BiasFn (qi, kj) -> [B, H, tq, tk]: sum of log f over tokens j+1..i, fp32."""
+def forget_bias(log_forget) -> Bias:
+    """The Bias F_i - F_j (F the cumulative sum of log f over slots), fp32."""
     cum = jnp.cumsum(log_forget.astype(jnp.float32), axis=1)  # F [B, T, H]
-    cum = jnp.moveaxis(cum, 1, 2)
-
-    def bias(qi, kj):
-        at = lambda idx: jnp.take(cum, idx, axis=2, mode="clip")  # noqa: E731  (padded blocks clip)
-        return at(qi)[..., :, None] - at(kj)[..., None, :]
-
-    return bias
+    return Bias(lambda q, k, qi, kj: q["F"] - k["F"], {"F": cum})
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,7 +16,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from positional.scheme import Scheme, at_slots
+from positional.logits import Bias
+from positional.scheme import Scheme, position_values
 
 R_MIN = 0.01
 
@@ -33,15 +34,14 @@ class KerpleLog(Scheme):
     has_bias = bias_only = needs_features = default_key = True
 
     def bias_fn(self, features, positions):
-        r1, r2 = (jnp.maximum(features[name].astype(jnp.float32), R_MIN)[None, :, None, None]
-                  for name in ("kerple_r1", "kerple_r2"))
+        r = {name: jnp.maximum(features[name].astype(jnp.float32), R_MIN)[None, None] for name in ("kerple_r1", "kerple_r2")}
 
-        def bias(qi, kj):  # [B or 1, H, tq, tk]
-            distance = at_slots(positions, qi)[:, :, None] - at_slots(positions, kj)[:, None, :]
+        def bias(q, k, qi, kj):
             # Keys after the query are masked; the clamp keeps their log finite.
-            return -r1 * jnp.log1p(r2 * jnp.maximum(distance, 0).astype(jnp.float32)[:, None])
+            distance = jnp.maximum(q.get("position", qi) - k.get("position", kj), 0)
+            return -q["kerple_r1"] * jnp.log1p(q["kerple_r2"] * distance)
 
-        return bias
+        return Bias(bias, {**r, **position_values(positions)})
 
     def default_features(self, q, k, *, positions, key=None, segment_ids=None):
         return initial_parameters(self.draw_key(key), self.num_heads)

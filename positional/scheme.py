@@ -5,8 +5,8 @@ on an NNX module as static data). Its hooks, all pure:
 
   transform(q, k, v, features, positions) -> (q, k, v)   before attention (RoPE, SO(2), ...)
   transform_out(out, features, positions) -> out         after it (Q/K/V variants rotate back)
-  bias_fn(features, positions) -> BiasFn | None          additive logit bias (ALiBi, FoX, ...)
-  score_fn(features) -> ScoreFn | None                   a logit that is not q.k/sqrt(D) (TAPA)
+  bias_fn(features, positions) -> Bias | None            additive logit bias (ALiBi, FoX, ...)
+  score_fn(features) -> Score | None                     a logit that is not q.k/sqrt(D) (TAPA)
   feature_cache(batch, max_len) -> dict                  per-token features the score bias reads
                                                          at key positions (FoX's gates), zeros
   default_features(q, k, *, positions, key, segment_ids) -> dict
@@ -14,9 +14,11 @@ on an NNX module as static data). Its hooks, all pure:
                                                          model: the features module's at its
                                                          initialisation (random draws from `key`)
 
-A bias reads positions, not row indices: `positions` [B, S] holds the position of every key
-slot, and the returned BiasFn (qi, kj) -> [B or 1, H or 1, tq, tk] takes the positions of query
-slots qi and key slots kj with `at_slots(positions, qi)`; so the conformance suite's shift
+Biases and scores are `positional.logits.Bias` and `Score`: a function of a few numbers per
+slot, which every implementation evaluates (the fused kernel inside its tiles, with their
+gradients), so a new bias scheme runs fused with no kernel code of its own. A bias reads
+positions, not row indices: `positions` [B, S] holds the position of every key slot, and
+`position_values(positions)` makes them the bias's values; so the conformance suite's shift
 check sees an absolute bias. The decode cache keeps the positions of the cached slots.
 
 `biases` holds score-bias schemes added to this one's logits (a registry name such as
@@ -41,10 +43,11 @@ From those the base class derives the parallel form `attend` and an exact decode
 (`init_cache` / `decode_step`) whose cache holds keys and values already transformed. Schemes
 whose transport of a key changes as the sequence grows (PaTH) or that need state of the past
 (accumulated angles) override the decode pair; schemes that change the whole path override
-`attend` too. `impls` lists the attention implementations a scheme runs on; a scheme with a
-fused kernel adds "pallas" and routes it in `attention`, the one attention call of both forms.
-Impl "ring" (positional/ring.py: the sequence split over the devices of a mesh) is the generic
-`attention`'s, so a scheme that overrides `attention` loses it unless its `impls` lists it.
+`attend` too. `impls` lists the attention implementations a scheme runs on. Impls "ring"
+(positional/ring.py: the sequence split over the devices of a mesh) and "pallas" (the fused
+kernel, positional/kernels/flash.py, with the scheme's Bias and Score in its tiles) are the
+generic `attention`'s, so a scheme that overrides `attention` loses them unless its `impls`
+lists them.
 
 Shapes: q [B, T, H, D]; k, v [B, T, K, D]; positions, segment_ids [B, T] int32 (multi-axis
 schemes, ESPR, also take positions [B, T, d_c]).
@@ -58,9 +61,11 @@ import jax
 import jax.numpy as jnp
 
 from positional.attention import IMPLEMENTATIONS, attention
-from positional.softmax import MASKED, BiasFn, ScoreFn, attention_logits, causal_softmax
+from positional.logits import Bias, Score, sum_of
+from positional.softmax import MASKED, BiasFn, attention_logits, causal_softmax
 
 Features = dict | None
+GENERIC_ONLY = ("ring", "pallas")  # implementations of the generic `Scheme.attention` alone
 
 # Probe families: "angles", SO(2) step angles (features 'psi' and 'theta'); "householder", PaTH's
 # steps (features 'w' and 'beta'); "rope_pairs", fixed RoPE frequencies (`theta`), decomposed
@@ -94,10 +99,11 @@ class Scheme:
         if unknown:
             raise TypeError(f"{cls.__name__}.probes names unknown probe families {sorted(unknown)}; "
                             f"valid: {', '.join(PROBE_FAMILIES)}")
-        # "ring" runs the generic attention below with the sequence split over devices; a scheme
-        # that brings its own `attention` (PaTH, ESPR random features) has it only if it says so.
+        # "ring" (the sequence split over devices) and "pallas" (the fused kernel) run the generic
+        # attention below; a scheme that brings its own `attention` (PaTH, ESPR random features)
+        # has them only if it says so.
         if "attention" in vars(cls) and "impls" not in vars(cls):
-            cls.impls = tuple(i for i in cls.impls if i != "ring")
+            cls.impls = tuple(i for i in cls.impls if i not in GENERIC_ONLY)
 
     def __post_init__(self):
         if self.needs_even_head_dim and self.head_dim % 2:
@@ -111,10 +117,10 @@ class Scheme:
     def transform_out(self, out, features, positions):
         return out
 
-    def bias_fn(self, features, positions) -> BiasFn | None:
+    def bias_fn(self, features, positions) -> Bias | None:
         return None
 
-    def score_fn(self, features) -> ScoreFn | None:
+    def score_fn(self, features) -> Score | None:
         return None
 
     def feature_cache(self, batch: int, max_len: int) -> dict:
@@ -130,7 +136,7 @@ class Scheme:
         return self.has_bias or bool(self.biases)
 
     def score_bias(self, features, positions) -> BiasFn | None:
-        """This scheme's bias plus those of `biases`, as one BiasFn (or None); positions [B, S]
+        """This scheme's bias plus those of `biases`, as one Bias (or None); positions [B, S]
         of every key slot (None: the slot indices themselves).
 
         Every part reads the same features dict: the layer merges the dicts of all the parts'
@@ -140,9 +146,9 @@ class Scheme:
             return None
         fns = [f for f in (self.bias_fn(features, positions), *(b.bias_fn(features, positions)
                                                                 for b in self.biases)) if f]
-        if len(fns) <= 1:
-            return fns[0] if fns else None
-        return lambda qi, kj: sum(f(qi, kj) for f in fns)
+        if all(isinstance(f, Bias) for f in fns):
+            return sum_of(fns) if fns else None
+        return lambda qi, kj: sum(f(qi, kj) for f in fns)  # a plain BiasFn: no fused path
 
     def draw_key(self, key):
         """The key of a random draw: the `draw_seed` option's where that is >= 0, else `key`."""
@@ -285,12 +291,15 @@ class Scheme:
         return out, {**cache, "k": ck, "v": cv, "index": index + n}
 
 
-def at_slots(positions, slots):
-    """The positions [B or 1, n] of the slots `slots` [n] (int) from positions [B, S] of every
-    slot; with positions None, the slots themselves. Blocks padded past the end clip."""
+def position_values(positions) -> dict:
+    """A bias's values holding the position of every slot, {"position": [B, S, 1] fp32}; {} when
+    positions are None (the slots themselves: a bias then reads qi and kj)."""
     if positions is None:
-        return slots[None]
-    return jnp.take(positions, slots, axis=1, mode="clip")
+        return {}
+    if positions.ndim != 2:
+        raise ValueError(f"this bias needs one position per token, positions [B, T]; got shape "
+                         f"{tuple(positions.shape)}")
+    return {"position": positions.astype(jnp.float32)[..., None]}
 
 
 def check_cache_room(cache_len: int, index: int, n: int) -> None:

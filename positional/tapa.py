@@ -24,9 +24,9 @@ import math
 import jax
 import jax.numpy as jnp
 
-from positional.kernels.tapa_attention import phase_attention
+from positional.kernels.flash import fused_attention
+from positional.logits import Score
 from positional.scheme import Scheme
-from positional.softmax import ScoreFn, check_shapes
 
 PHASES = ("quadratic", "linear")
 
@@ -51,8 +51,8 @@ def check_options(alpha: float, phase: str) -> None:
 
 
 def distance_power(qi, kj, alpha: float) -> jax.Array:
-    """|i - j|^alpha [len(qi), len(kj)] fp32, 0 on the diagonal."""
-    d = jnp.abs(qi[:, None] - kj[None, :]).astype(jnp.float32)
+    """|i - j|^alpha fp32, 0 on the diagonal, for query slots qi [n, 1] and key slots kj [1, m]."""
+    d = jnp.abs(qi - kj).astype(jnp.float32)
     return jnp.where(d > 0, jnp.exp(alpha * jnp.log(jnp.maximum(d, 1.0))), 0.0)
 
 
@@ -72,32 +72,28 @@ def split_qk(q, k, theta: float, phase: str = "quadratic"):
     return qa, ka, qp, kp, n_amp ** -0.5, n_phase ** -0.5
 
 
-def tapa_score_fn(alpha: float = 0.1, theta: float = 0.5, phase: str = "quadratic") -> ScoreFn:
-    """The attention `score_fn` of TAPA: one block of logits [B, K, G, tq, tk], fp32."""
+def tapa_score_fn(head_dim: int, alpha: float = 0.1, theta: float = 0.5, phase: str = "quadratic") -> Score:
+    """TAPA's logit as a `Score`: parts (q_A, q_P), (k_A, k_P) and their combination."""
     check_options(alpha, phase)
+    n_amp, n_phase = split_dims(head_dim, theta)
+    c_amp, phase_scale = n_amp ** -0.5, 2 * math.pi * n_phase ** -0.5
 
-    def score(qb, kb, qi, kj):  # qb [B, tq, K, G, D], kb [B, tk, K, D]
-        qa, ka, qp, kp, c_amp, c_phase = split_qk(qb, kb[:, :, :, None], theta, phase)
-        s_amp = jnp.einsum("btkgd,bskd->bkgts", qa, ka[:, :, :, 0], preferred_element_type=jnp.float32)
-        s_phase = jnp.einsum("btkgd,bskd->bkgts", qp.astype(jnp.float32), kp[:, :, :, 0].astype(jnp.float32),
-                             precision=jax.lax.Precision.HIGHEST)
-        angle = (2 * math.pi * c_phase) * distance_power(qi, kj, alpha) * s_phase
-        return c_amp * s_amp * jnp.cos(angle)
+    def split(q, k):
+        qa, ka, qp, kp, _, _ = split_qk(q, k, theta, phase)
+        return (qa, qp), (ka, kp)
 
-    return score
+    def score(dots, qi, kj):
+        return c_amp * dots[0] * jnp.cos(phase_scale * distance_power(qi, kj, alpha) * dots[1])
+
+    return Score(split, score)
 
 
 def tapa_attention(q, k, v, *, alpha: float = 0.1, theta: float = 0.5, phase: str = "quadratic",
                    **kernel_options) -> jax.Array:
-    """TAPA causal attention by the fused Pallas kernel (positional/kernels/tapa_attention.py),
+    """TAPA causal attention by the fused kernel (positional/kernels/flash.py) with TAPA's score,
     with the signature of the reference: q [B, T, H, D]; k, v [B, S, K, D] -> [B, T, H, D].
-    kernel_options: segment_ids, q_offset, block_q, block_k, interpret, and the GPU tuning of
-    `phase_attention`."""
-    check_shapes(q, k, v, kernel_options.get("segment_ids"))
-    check_options(alpha, phase)
-    qa, ka, qp, kp, c_amp, c_phase = split_qk(q, k, theta, phase)
-    return phase_attention(qa, ka, qp, kp, v, c_amp=c_amp, c_phase=c_phase, alpha=alpha,
-                           **kernel_options).astype(q.dtype)
+    kernel_options: those of `fused_attention` (segment_ids, q_offset, tiles, interpret, ...)."""
+    return fused_attention(q, k, v, score_fn=tapa_score_fn(q.shape[-1], alpha, theta, phase), **kernel_options)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,11 +101,8 @@ class Tapa(Scheme):
     alpha: float = 0.1
     theta: float = 0.5
     phase: str = "quadratic"  # "quadratic" (eq. 10) | "linear" (the eq. 16 ablation)
-    block_q: int | None = None  # Pallas kernel tiles (impl="pallas"); None: the backend's default
-    block_k: int | None = None
 
     has_score = True
-    impls = ("reference", "blockwise", "ring", "pallas")  # all but "pallas" are the generic attention
 
     def __post_init__(self):
         super().__post_init__()
@@ -117,15 +110,4 @@ class Tapa(Scheme):
         split_dims(self.head_dim, self.theta)
 
     def score_fn(self, features):
-        return tapa_score_fn(self.alpha, self.theta, self.phase)
-
-    def attention(self, q, k, v, features, *, positions=None, segment_ids=None, q_offset=0, impl="reference",
-                  block_size=512):
-        if impl != "pallas":
-            return super().attention(q, k, v, features, positions=positions, segment_ids=segment_ids,
-                                     q_offset=q_offset, impl=impl, block_size=block_size)
-        if self.biases:
-            raise ValueError("the tapa Pallas kernel has no additive bias; use impl='blockwise' for "
-                             f"{'+'.join(['tapa'] + [type(b).__name__.lower() for b in self.biases])}")
-        return tapa_attention(q, k, v, segment_ids=segment_ids, q_offset=q_offset, alpha=self.alpha,
-                              theta=self.theta, phase=self.phase, block_q=self.block_q, block_k=self.block_k)
+        return tapa_score_fn(self.head_dim, self.alpha, self.theta, self.phase)

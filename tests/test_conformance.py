@@ -15,7 +15,8 @@ from flax import nnx
 from draws import normal
 from models.layers import Attention, ModelConfig
 from models.registry import REGISTRY, Entry, make_scheme
-from positional.scheme import Scheme, at_slots
+from positional.logits import Bias
+from positional.scheme import Scheme, position_values
 
 SCHEMES = sorted(REGISTRY) + ["rope+alibi", "so2_learned_qkv+alibi"]  # and composed with a bias
 T = 12
@@ -178,7 +179,7 @@ class AbsoluteBias(Scheme):
     has_bias = bias_only = True
 
     def bias_fn(self, features, positions):
-        return lambda qi, kj: jnp.cos(at_slots(positions, kj).astype(jnp.float32))[:, None, None, :]
+        return Bias(lambda q, k, qi, kj: jnp.cos(k.get("position", kj) * 1.0), position_values(positions))
 
 
 def test_shift_check_sees_an_absolute_bias(monkeypatch):

@@ -14,7 +14,7 @@ from draws import normal
 from lowering import MOSAIC, TRITON, lowered
 from models.registry import make_scheme
 from positional.attention import reference_attention
-from positional.kernels.tapa_attention import check_blocks
+from positional.kernels.flash import check_blocks
 from positional.rope import rope_frequencies, rotate
 from positional.tapa import distance_power, split_dims, tapa_attention, tapa_score_fn
 
@@ -22,8 +22,8 @@ from positional.tapa import distance_power, split_dims, tapa_attention, tapa_sco
 def logits_of(q, k, **options):
     """TAPA logits [T, S] of one head through the attention score hook (q [T, D], k [S, D])."""
     t, s = q.shape[0], k.shape[0]
-    out = tapa_score_fn(**options)(q.reshape(1, t, 1, 1, -1), k.reshape(1, s, 1, -1),
-                                   jnp.arange(t), jnp.arange(s))
+    out = tapa_score_fn(q.shape[-1], **options)(q.reshape(1, t, 1, 1, -1), k.reshape(1, s, 1, -1),
+                                                 jnp.arange(t), jnp.arange(s))
     return np.asarray(out[0, 0, 0], np.float64)
 
 
@@ -48,7 +48,7 @@ def test_logit_matches_the_definition_in_float64(phase):
 
 
 def test_distance_power_values():
-    r = np.asarray(distance_power(jnp.arange(70000), jnp.zeros(1, jnp.int32), 0.1))[:, 0]
+    r = np.asarray(distance_power(jnp.arange(70000)[:, None], jnp.zeros((1, 1), jnp.int32), 0.1))[:, 0]
     # the notes' table of r^0.1
     for dist, value in [(0, 0.0), (1, 1.0), (2, 1.072), (100, 1.585), (1024, 2.0), (8192, 2.462),
                         (32768, 2.828), (49152, 2.946), (65536, 3.031)]:
@@ -76,8 +76,8 @@ def pair_logits(q, k, r):
     d = q.shape[-1]
 
     def one(a, b):
-        return tapa_score_fn()(a.reshape(1, 1, 1, 1, d), b.reshape(1, 1, 1, d), jnp.asarray([r]),
-                               jnp.asarray([0]))[0, 0, 0, 0, 0]
+        return tapa_score_fn(d)(a.reshape(1, 1, 1, 1, d), b.reshape(1, 1, 1, d), jnp.asarray([r]),
+                                jnp.asarray([0]))[0, 0, 0, 0, 0]
 
     return np.asarray(jax.vmap(one)(q, k))
 
@@ -135,7 +135,7 @@ def test_kernel_matches_reference_values_and_gradients(t, h, kh, d, dtype, phase
     # ids 1 and 2: padded query rows (id 0) then see no key at all, which must stay finite.
     seg = jnp.asarray(1 + (np.arange(t) >= t // 3)[None].repeat(2, 0), jnp.int32) if segments else None
     kern = functools.partial(tapa_attention, segment_ids=seg, phase=phase, block_q=bq, block_k=bk)
-    ref = functools.partial(reference_attention, segment_ids=seg, score_fn=tapa_score_fn(phase=phase))
+    ref = functools.partial(reference_attention, segment_ids=seg, score_fn=tapa_score_fn(d, phase=phase))
     up = [x.astype(jnp.float32) for x in (q, k, v)]  # the reference on the same (rounded) inputs
     tol = 1e-5 if dtype == jnp.float32 else 1e-2  # bf16: P and dS are cast to bf16 for the matmuls
     def rel(a, b):
@@ -154,7 +154,7 @@ def test_kernel_with_a_query_offset_decoding():
     q = normal(kq, (1, 5, 2, 16))
     k, v = normal(kk, (1, 21, 2, 16)), normal(kv, (1, 21, 2, 16))
     got = jax.jit(functools.partial(tapa_attention, q_offset=16, block_q=8, block_k=8))(q, k, v)
-    want = jax.jit(functools.partial(reference_attention, q_offset=16, score_fn=tapa_score_fn()))(q, k, v)
+    want = jax.jit(functools.partial(reference_attention, q_offset=16, score_fn=tapa_score_fn(16)))(q, k, v)
     np.testing.assert_allclose(got, want, atol=1e-5)
 
 
@@ -177,14 +177,13 @@ def test_block_sizes_the_backend_cannot_use():
             check_blocks(*args, interpret=False)
 
 
-def test_pallas_impl_only_where_a_scheme_has_a_kernel():
-    scheme = make_scheme("rope", num_heads=2, head_dim=8)
-    x = jnp.ones((1, 4, 2, 8))
-    with pytest.raises(ValueError, match="no attention impl 'pallas'; valid: reference, blockwise"):
-        scheme.attend(x, x, x, positions=jnp.zeros((1, 4), jnp.int32), impl="pallas")
-    composed = make_scheme("tapa+alibi", num_heads=2, head_dim=8)
-    with pytest.raises(ValueError, match="no additive bias"):
-        composed.attend(x, x, x, positions=jnp.zeros((1, 4), jnp.int32), impl="pallas")
+def test_tapa_with_a_bias_runs_fused():
+    """TAPA's score and ALiBi's bias in one kernel: impl='pallas' of tapa+alibi is the reference."""
+    scheme = make_scheme("tapa+alibi", num_heads=2, head_dim=16)
+    q, k, v = (normal(jax.random.key(i), (1, 19, 2, 16)) for i in range(3))
+    pos = jnp.arange(19)[None]
+    got = jax.jit(functools.partial(scheme.attend, positions=pos, impl="pallas"))(q, k, v)
+    np.testing.assert_allclose(got, scheme.attend(q, k, v, positions=pos), atol=2e-5)
 
 
 def test_kernel_lowers_for_tpu():
@@ -217,21 +216,3 @@ def test_kernel_lowers_for_gpu():
         grad = jax.grad(lambda q, k, v: f(q, k, v).astype(jnp.float32).sum(), (0, 1, 2))
         for fn, kernels in ((f, 1), (grad, 3)):
             assert lowered(fn, q, k, k).count(TRITON) == kernels
-
-
-def test_a_tile_one_platform_refuses_fails_only_its_lowering():
-    """block_k=64 suits Triton, not Mosaic (multiples of 128): cuda and CPU lower and run, and
-    only lowering for tpu fails, naming the field; interpret=True interprets on every platform."""
-    f = functools.partial(tapa_attention, block_q=128, block_k=64)
-    x = normal(jax.random.key(0), (1, 64, 2, 16))
-    grad = jax.grad(lambda q, k, v: f(q, k, v).sum(), (0, 1, 2))
-    for fn in (f, grad):
-        assert TRITON in lowered(fn, x, x, x)
-        with pytest.raises(ValueError, match="block_k=64 is not usable: it must be a multiple of 128"):
-            lowered(fn, x, x, x, platforms=["tpu"])
-    want = f(x, x, x, interpret=True)
-    np.testing.assert_allclose(jax.jit(f)(x, x, x), want, atol=1e-6)
-    np.testing.assert_allclose(jax.jit(jax.vmap(f))(x[None], x[None], x[None])[0], want, atol=1e-6)
-    assert TRITON not in lowered(functools.partial(f, interpret=True), x, x, x)
-    with pytest.raises(ValueError, match="block_q=48 .* power of two.*block_q=48 .* multiple of 128"):
-        f(x, x, x, block_q=48, interpret=False)  # no platform can take it: an error at once

@@ -90,6 +90,7 @@ def per_platform(settings: Callable[[str, bool], Any], run: Callable, args: tupl
     """
     if interpret:
         return run(settings("cpu", True), *args)
+    flat, tree = jax.tree.flatten(args)  # the branches and the refusal take arrays, not pytrees
     branches, refused = {}, {}
     for platform, backend in PLATFORMS.items():
         try:
@@ -97,10 +98,10 @@ def per_platform(settings: Callable[[str, bool], Any], run: Callable, args: tupl
         except ValueError as error:
             refused[platform] = str(error)
         else:
-            branches[platform] = lambda *a, st=static: run(st, *a)
+            branches[platform] = lambda *a, st=static: run(st, *jax.tree.unflatten(tree, a))
     if not branches:
         raise ValueError("; ".join(f"{p}: {m}" for p, m in refused.items()))
     if refused:
-        out = jax.eval_shape(next(iter(branches.values())), *args)
+        out = jax.eval_shape(next(iter(branches.values())), *flat)
         branches |= {p: _refusal(m, out) for p, m in refused.items()}
-    return jax.lax.platform_dependent(*args, **branches)
+    return jax.lax.platform_dependent(*flat, **branches)

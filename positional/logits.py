@@ -1,0 +1,87 @@
+"""Logit hooks in a form every attention implementation evaluates, the fused kernel included.
+
+A scheme that changes the logit says how from a few numbers per token, never from a T x T array:
+
+  Bias(fn, values)   an additive bias b_ij = fn(q, k, qi, kj). `values` maps names to arrays of
+                     one number per key slot and head, [B or 1, S or 1, H or 1] (positions, FoX's
+                     cumulative log gates, per-head slopes as [1, 1, H]); fn reads them at the
+                     query slot, q[name] [..., tq, 1], and at the key slot, k[name] [..., 1, tk];
+                     qi [tq, 1] and kj [1, tk] are the slot indices themselves.
+  Score(split, fn)   a logit that replaces scale * q.k (TAPA): split(q, k) -> (q_parts, k_parts)
+                     cuts the head vectors into parts (whole arrays, [B, T, H, d_i] and
+                     [B, S, K, d_i]); fn(dots, qi, kj) combines the tiles dots[i] = q_part_i .
+                     k_part_i (fp32) into the logit.
+
+fn uses elementwise operations and broadcasting only (it runs on [B, H, tq, tk] blocks in the
+plain-JAX paths and on [tq, tk] tiles inside the Pallas kernel, positional/kernels/flash.py,
+which differentiates it there), and stays finite on masked pairs (keys after the query), whose
+logits are discarded. Both are callables with the contracts of positional/softmax.py (BiasFn
+(qi, kj) and ScoreFn (qb, kb, qi, kj)), so the reference, blockwise and ring paths take them as
+they take any bias or score function; the fused kernel takes only these two forms.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+
+def slot_values(x, idx):
+    """x [B|1, S|1, H|1] read at slots idx [n] -> [B|1, H|1, n] (an axis of size 1 stays 1;
+    padded blocks past the end clip)."""
+    x = jnp.asarray(x, jnp.float32)
+    if x.shape[1] != 1:
+        x = jnp.take(x, idx, axis=1, mode="clip")
+    return jnp.swapaxes(x, 1, 2)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Bias:
+    fn: Callable
+    values: dict = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self):
+        for name, x in self.values.items():
+            if jnp.ndim(x) != 3:
+                raise ValueError(f"bias value {name!r} must be [B or 1, S or 1, H or 1] (one number per "
+                                 f"slot and head); got shape {tuple(jnp.shape(x))}")
+
+    def __call__(self, qi, kj):
+        """The bias of query slots qi [tq] against key slots kj [tk]: [B|1, H|1, tq, tk] fp32."""
+        q = {n: slot_values(x, qi)[..., None] for n, x in self.values.items()}
+        k = {n: slot_values(x, kj)[..., None, :] for n, x in self.values.items()}
+        return jnp.asarray(self.fn(q, k, qi[:, None], kj[None, :]), jnp.float32)
+
+
+def sum_of(biases: list[Bias]) -> Bias:
+    """One Bias adding several: each part reads its own values (names kept apart by index)."""
+    if len(biases) == 1:
+        return biases[0]
+    values = {f"{i}.{n}": x for i, b in enumerate(biases) for n, x in b.values.items()}
+
+    def fn(q, k, qi, kj):
+        part = lambda d, i: {n.split(".", 1)[1]: x for n, x in d.items() if n.split(".", 1)[0] == str(i)}  # noqa: E731
+        return sum(b.fn(part(q, i), part(k, i), qi, kj) for i, b in enumerate(biases))
+
+    return Bias(fn, values)
+
+
+def dot_tile(a, b, contract: str):
+    """Tiles of a . b with fp32 accumulation (full fp32 precision for fp32 inputs)."""
+    precision = jax.lax.Precision.HIGHEST if a.dtype == jnp.float32 == b.dtype else None
+    return jnp.einsum(contract, a, b, preferred_element_type=jnp.float32, precision=precision)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Score:
+    split: Callable
+    fn: Callable
+
+    def __call__(self, qb, kb, qi, kj):
+        """One block of logits [B, K, G, tq, tk] from qb [B, tq, K, G, D], kb [B, tk, K, D]."""
+        q_parts, k_parts = self.split(qb, kb[:, :, :, None])
+        dots = tuple(dot_tile(a, b[:, :, :, 0], "btkgd,bskd->bkgts") for a, b in zip(q_parts, k_parts))
+        return jnp.asarray(self.fn(dots, qi[:, None], kj[None, :]), jnp.float32)
