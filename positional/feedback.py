@@ -75,7 +75,7 @@ def feedback_matrix(qb, kb, gamma, segment_ids=None) -> jax.Array:
 
 def solve_reference(qb, kb, gamma, f, segment_ids=None) -> jax.Array:
     """s [B, T, D] fp32 solving (I - B) s = f, with B built in full."""
-    check_inputs(qb, kb, gamma, f)
+    check_inputs(qb, kb, gamma, f, segment_ids)
     t = qb.shape[1]
     i_minus_b = jnp.eye(t, dtype=jnp.float32) - feedback_matrix(qb, kb, gamma, segment_ids)
     return solve_unit_lower(i_minus_b, f.astype(jnp.float32))
@@ -197,7 +197,7 @@ def pad_chunks(qb, kb, gamma, f, block_size: int):
 
 def solve_blocked(qb, kb, gamma, f, segment_ids=None, *, block_size: int = 256) -> jax.Array:
     """s [B, T, D] fp32 by blocked forward substitution; T need not be a multiple of block_size."""
-    check_inputs(qb, kb, gamma, f)
+    check_inputs(qb, kb, gamma, f, segment_ids)
     t = qb.shape[1]
     qb_p, kb_p, gamma_p, f_p, c = pad_chunks(qb, kb, gamma, f, block_size)
     seg = jnp.zeros(qb.shape[:2], jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
@@ -213,10 +213,7 @@ def feedback_solve(qb, kb, gamma, f, segment_ids=None, *, impl: str = "reference
     if impl == "blocked":
         return solve_blocked(qb, kb, gamma, f, segment_ids, block_size=block_size)
     if impl == "pallas":
-        if segment_ids is not None:
-            raise ValueError("the feedback solve Pallas kernel has no segment ids (packed sequences); "
-                             "use impl='blocked' or 'reference'")
-        return feedback_solve_pallas(qb, kb, gamma, f, block=block_size)
+        return feedback_solve_pallas(qb, kb, gamma, f, segment_ids, block=block_size)
     raise ValueError(f"unknown feedback solve impl {impl!r}; valid: {', '.join(IMPLEMENTATIONS)}")
 
 

@@ -4,8 +4,10 @@ Expected values come from the Sessa paper (Prop 29, Lemma 4.10, Lemma 4.2) and f
 independent float64 NumPy solve listed in the implementation notes, never from the code here.
 """
 
+import base64
 import functools
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -112,26 +114,42 @@ def test_row_zero_and_the_recurrence():
     np.testing.assert_allclose(s, np.stack(expected), rtol=1e-5, atol=1e-6)
 
 
-IMPLS = {"blocked": fb.solve_blocked, "pallas": functools.partial(feedback_solve_pallas, interpret=True)}
+IMPLS = {"blocked": fb.solve_blocked, "pallas": functools.partial(feedback_solve_pallas, interpret=True),
+         "pallas_tpu": functools.partial(feedback_solve_pallas, interpret="tpu")}  # TPU form, TPU interpreter
 
 
-@pytest.mark.parametrize("impl, t, block, d, dtype", [
-    ("blocked", 37, 8, 5, jnp.float32), ("blocked", 5, 8, 4, jnp.bfloat16),
-    ("pallas", 19, 8, 20, jnp.float32), ("pallas", 13, 8, 6, jnp.bfloat16)])
-def test_implementations_agree_values_and_gradients(impl, t, block, d, dtype):
+def _segments(t):
+    """Segment ids [2, t] of packed rows: row 0 holds a length-1 segment (5) and one across a
+    chunk boundary; row 1 ends in a length-1 segment."""
+    cuts = ([5, 6, 13], [8, t - 1])
+    return jnp.asarray(np.stack([np.searchsorted(c, np.arange(t), side="right") for c in cuts]))
+
+
+def _solve_and_vjp(fn, w, seg):
+    """One jitted function giving s and the gradient of sum(s * w) for qb, kb, gamma, f."""
+    def run(*args):
+        s, vjp = jax.vjp(lambda *a: fn(*a, seg), *args)
+        return s, vjp(w)
+    return jax.jit(run)
+
+
+@pytest.mark.parametrize("impl, t, block, d, dtype, packed", [
+    ("blocked", 37, 8, 5, jnp.float32, True), ("blocked", 5, 8, 4, jnp.bfloat16, False),
+    ("pallas", 19, 8, 20, jnp.float32, True), ("pallas", 13, 8, 6, jnp.bfloat16, False),
+    ("pallas_tpu", 19, 8, 20, jnp.float32, True)])
+def test_implementations_agree_values_and_gradients(impl, t, block, d, dtype, packed):
+    """T not a multiple of the block; packed rows: 3 and 4 segments, of length 1 among them."""
     qb, kb, gamma, f = _random_inputs(jax.random.key(4), 2, t, 8, d, dtype=dtype)
     w = normal(jax.random.key(5), (2, t, d))
-    fast = functools.partial(IMPLS[impl], block=block) if impl == "pallas" else \
-        functools.partial(IMPLS[impl], block_size=block)
-    if impl == "pallas" and d == 20:  # two feature tiles on the grid
+    seg = _segments(t) if packed else None
+    fast = functools.partial(IMPLS[impl], block_size=block) if impl == "blocked" else \
+        functools.partial(IMPLS[impl], block=block)
+    if impl != "blocked" and d == 20:  # two feature tiles on the grid
         fast = functools.partial(fast, block_d=16)
-    loss = lambda fn: lambda *a: jnp.sum(fn(*a) * w)  # noqa: E731
-    value_and_grad = lambda fn: jax.jit(jax.value_and_grad(loss(fn), (0, 1, 2, 3)))  # noqa: E731
-    s_fast = jax.jit(fast)(qb, kb, gamma, f)
+    s_fast, g_fast = _solve_and_vjp(fast, w, seg)(qb, kb, gamma, f)
+    s_ref, g_ref = _solve_and_vjp(fb.solve_reference, w, seg)(qb, kb, gamma, f)
     assert s_fast.dtype == jnp.float32 and s_fast.shape == (2, t, d)
-    np.testing.assert_allclose(s_fast, solve_reference(qb, kb, gamma, f), rtol=1e-5, atol=1e-5)
-    _, g_ref = value_and_grad(fb.solve_reference)(qb, kb, gamma, f)
-    _, g_fast = value_and_grad(fast)(qb, kb, gamma, f)
+    np.testing.assert_allclose(s_fast, s_ref, rtol=1e-5, atol=1e-5)
     for a, b in zip(g_ref, g_fast):
         assert a.dtype == b.dtype
         tol = 2e-2 if b.dtype == jnp.bfloat16 else 1e-4  # bf16 only rounds the cotangent's storage
@@ -168,6 +186,12 @@ def test_bad_input_is_a_clear_error():
         fb.solve_reference(x, x, jnp.zeros((1, 5)), x)
     with pytest.raises(ValueError, match="unknown feedback solve impl 'dense'"):
         fb.feedback_solve(x, x, jnp.zeros((1, 4)), x, impl="dense")
+    with pytest.raises(ValueError, match="segment_ids must be integers \\[B, T\\] = \\[1, 4\\]; got float32 \\[1, 4\\]"):
+        fb.feedback_solve(x, x, jnp.zeros((1, 4)), x, jnp.zeros((1, 4)), impl="pallas")
+    with pytest.raises(ValueError, match="segment_ids must be integers .*; got int32 \\[1, 5\\]"):
+        fb.solve_reference(x, x, jnp.zeros((1, 4)), x, jnp.zeros((1, 5), jnp.int32))
+    with pytest.raises(ValueError, match="interpret='gpu' must be None, True, False or 'tpu'"):
+        feedback_solve_pallas(x, x, jnp.zeros((1, 4)), x, interpret="gpu")
     check_blocks(128, "tpu", interpret=False)
     for (block, backend), msg in [((64, "tpu"), "block=64 .* multiple of 128"),
                                   ((48, "gpu"), "block=48 .* power of two"), ((64, "cpu"), "interpret")]:
@@ -175,39 +199,71 @@ def test_bad_input_is_a_clear_error():
             check_blocks(block, backend, interpret=False)
 
 
+def _mosaic_operands(text):
+    """Per TPU kernel of an exported module, the shapes of its VMEM operands (blocks, scratch),
+    read from the Mosaic module each tpu_custom_call carries (MLIR bytecode, base64)."""
+    try:
+        from jax._src.lib import tpu
+        from jax._src.lib.mlir import ir
+    except ImportError:
+        pytest.skip("this JAX cannot read a Mosaic module back")
+    context = ir.Context()
+    tpu.register_dialect(context)
+    context.allow_unregistered_dialects = True  # the serialized ops are "stable_mosaic.*"
+    kernels = []
+    with context:
+        for body in re.findall(r'\\22body\\22: \\22([A-Za-z0-9+/=]+)\\22', text):
+            module = str(ir.Module.parse(base64.b64decode(body)))
+            signature = module[module.index("^bb0"):].split("\n", 1)[0]
+            kernels.append([tuple(map(int, m.split("x"))) for m in
+                            re.findall(r"memref<([0-9x]+)x\w+, #tpu.memory_space<vmem>>", signature)])
+    return kernels
+
+
 def test_kernel_lowers_for_tpu():
-    """Forward and backward lower to Mosaic (TPU) on this CPU, through jax.export: the kernel
-    lowers for the platform exported for, not this machine's. Compiling needs a TPU; lowering
-    checks block shapes, layouts and every op."""
+    """Forward and backward lower to Mosaic (TPU) on this CPU, through jax.export, with segment
+    ids: the kernel lowers for the platform exported for, not this machine's. Compiling needs a
+    TPU; lowering checks block shapes and every op. Every block is one chunk: the only T-long
+    operand is the [T, Dt] scratch the solve (s) and lambda kernels keep resident."""
     tpu_info = pytest.importorskip("jax._src.pallas.mosaic.tpu_info")
     if not all(hasattr(tpu_info, n) for n in ("registry", "get_tpu_info_for_chip", "ChipVersion")):
         pytest.skip("this JAX has no way to name a TPU generation for lowering on a CPU")
     kind = jax.devices()[0].device_kind
     tpu_info.registry[kind] = lambda: tpu_info.get_tpu_info_for_chip(tpu_info.ChipVersion.TPU_V5E, 1)
-    qb = jax.ShapeDtypeStruct((1, 256, 128), jnp.bfloat16)
-    gamma = jax.ShapeDtypeStruct((1, 256), jnp.float32)
-    f = jax.ShapeDtypeStruct((1, 256, 256), jnp.bfloat16)
+    t = 2048
+    qb = jax.ShapeDtypeStruct((1, t, 128), jnp.bfloat16)
+    gamma = jax.ShapeDtypeStruct((1, t), jnp.float32)
+    f = jax.ShapeDtypeStruct((1, t, 256), jnp.bfloat16)
+    seg = jax.ShapeDtypeStruct((1, t), jnp.int32)
     try:
-        for block in (None, 256):  # TPU's default chunk, and a given one
+        for block in (None, 256):  # TPU's default chunk (128), and a given one
             solve = functools.partial(feedback_solve_pallas, block=block)
             grad = jax.grad(lambda *a: solve(*a).sum(), (0, 1, 2, 3))
-            for fn, kernels in ((solve, 2), (grad, 5)):
-                assert lowered(fn, qb, qb, gamma, f, platforms=["tpu"]).count(MOSAIC) == kernels
+            for fn, kernels, resident in ((solve, 2, 1), (grad, 5, 2)):  # solve; lambda
+                text = lowered(fn, qb, qb, gamma, f, seg, platforms=["tpu"])
+                assert text.count(MOSAIC) == kernels
+                operands = _mosaic_operands(text)
+                assert len(operands) == kernels
+                long = sorted([shape for shape in shapes if t in shape] for shapes in operands)
+                assert long == [[]] * (kernels - resident) + [[(t, 128)]] * resident
+                assert all(max(shape[-2:]) <= max(block or 128, 256) for shapes in operands
+                           for shape in shapes if t not in shape)
     finally:
         tpu_info.registry.pop(kind)
 
 
 def test_kernel_lowers_for_gpu():
-    """Forward (2 kernels) and backward (5) lower to Triton on this CPU; a chunk Mosaic refuses
-    (64) fails only the lowering for tpu. Whether the solve kernel, which re-reads the chunks of
-    s it wrote, needs a barrier there is for a GPU run to show."""
+    """Forward (2 kernels) and backward (5) lower to Triton on this CPU, with segment ids; a
+    chunk Mosaic refuses (64) fails only the lowering for tpu. Whether the solve kernel, which
+    re-reads the chunks of s it wrote, needs a barrier there is for a GPU run to show."""
     qb = jax.ShapeDtypeStruct((1, 256, 64), jnp.bfloat16)
     gamma = jax.ShapeDtypeStruct((1, 256), jnp.float32)
     f = jax.ShapeDtypeStruct((1, 256, 256), jnp.bfloat16)
+    seg = jax.ShapeDtypeStruct((1, 256), jnp.int32)
     for block in (None, 64):
         solve = functools.partial(feedback_solve_pallas, block=block)
         grad = jax.grad(lambda *a: solve(*a).sum(), (0, 1, 2, 3))
         for fn, kernels in ((solve, 2), (grad, 5)):
-            assert lowered(fn, qb, qb, gamma, f).count(TRITON) == kernels
+            assert lowered(fn, qb, qb, gamma, f, seg).count(TRITON) == kernels
     with pytest.raises(ValueError, match="block=64 is not usable: it must be a multiple of 128"):
         lowered(grad, qb, qb, gamma, f, platforms=["tpu"])

@@ -53,15 +53,17 @@ def test_decode_matches_parallel(mixer):
 
 
 def test_blocked_solve_and_packing_in_the_model():
-    """The blocked solve gives the reference's logits, and packed sequences equal separate runs."""
+    """The blocked solve and the Pallas kernel (interpreted) give the reference's logits on a
+    packed row, and packed sequences equal separate runs."""
     tokens = jax.random.randint(jax.random.key(2), (1, 20), 0, 11)
     seg = jnp.array([[1] * 8 + [2] * 12])
     outs = {}
-    for solve in ("reference", "blocked"):
+    for solve in ("reference", "pallas", "blocked"):
         cfg = _config("sessa", mixer_options=(("solve", solve), ("solve_block", 8)))
         forward, state = _forward(DecoderLM(cfg, rngs=nnx.Rngs(0)))
         outs[solve] = forward(state, tokens, seg)
-    np.testing.assert_allclose(outs["blocked"], outs["reference"], rtol=1e-4, atol=1e-4)
+    for solve in ("blocked", "pallas"):
+        np.testing.assert_allclose(outs[solve], outs["reference"], rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(outs["reference"][:, 8:], forward(state, tokens[:, 8:]), rtol=1e-4, atol=1e-4)
 
 

@@ -1,17 +1,19 @@
 """Sessa's feedback solve (I - B) s = f in Pallas: blocked forward substitution, no T x T buffer.
 
-Same signature and result as `positional.feedback.solve_reference` (s in fp32). Every tile of
+Same signature and result as `positional.feedback.solve_reference` (s in fp32), segment ids
+included (packed rows: the past of t is the strict past in t's segment). Every tile of
 B = gamma alpha is recomputed from qb, kb, the row log-sum-exp and gamma (the tile functions
-below, shared with the plain-JAX blocked solve of `positional/feedback.py`). Five kernels:
+below, shared with the plain-JAX blocked solve of `positional/feedback.py`). Five kernels, each
+a program per row chunk i (or feature tile) folding over the chunks k it needs:
 
-  lse    grid (B, T/C):     row log-sum-exp of the strict-past logits, flash style.
-  solve  grid (B, D/Dt):    chunks in time order: R_i = f_i + gamma_i sum_{j<i} alpha_ij S_j,
-                            S_i = (I - B_ii)^{-1} R_i; also h_i = sum_{j<=i} alpha_ij S_j.
-  lambda grid (B, D/Dt):    the backward's reverse-time solve lambda = (I - B)^{-T} ds, last
+  lse    per (b, i):        row log-sum-exp of the strict-past logits, flash style (k <= i).
+  solve  per (b, Dt tile):  chunks in time order: R_i = f_i + gamma_i sum_{k<i} alpha_ik S_k,
+                            S_i = (I - B_ii)^{-1} R_i; also h_i = sum_{k<=i} alpha_ik S_k.
+  lambda per (b, Dt tile):  the backward's reverse-time solve lambda = (I - B)^{-T} ds, last
                             chunk first: lambda_i = (I - B_ii)^{-T} (ds_i + sum_{k>i} B_ki^T lambda_k).
-  dq, dk grid (B, T/C):     dlogit = gamma alpha (<lambda_t, s_j> - dgamma_t), dgamma_t = <lambda_t, h_t>,
-                            contracted with kb (over key chunks) or qb (over query chunks), as
-                            flash attention's backward does with dP.
+  dq, dk per (b, i):        dlogit = gamma alpha (<lambda_t, s_j> - dgamma_t), dgamma_t = <lambda_t, h_t>,
+                            contracted with kb (over key chunks k <= i) or qb (over query
+                            chunks k >= i), as flash attention's backward does with dP.
 
 The solve is sequential over chunks and parallel over (batch, feature tiles). Inside a chunk,
 (I - M)^{-1} for strictly lower M [C, C] is the exact doubling product prod_k (I + M^(2^k)),
@@ -22,19 +24,35 @@ Tiles: C (`block`) and Dt (`block_d`). On GPU (Triton) C must be a power of two 
 (Mosaic) a multiple of 128; in interpret mode (the CPU default) any size >= 1: each for the
 platform being lowered for (`positional.kernels.per_platform`). The feature and
 feedback widths are zero-padded to a power of two >= 16 (Triton's block rule), which changes
-no dot product and gives zero columns of s. Each program holds whole-sequence qb, kb (and s in
-the solve) in fast memory; past that size the inputs need manual DMA (not done here).
+no dot product and gives zero columns of s.
+
+Two grid forms of the same kernel bodies (`_fold`), by the platform lowered for:
+  - Triton (and the interpreter): grid (B, T/C) or (B, D/Dt); a program loops over chunks k of
+    whole-sequence refs, which stay in global memory (only the tiles loaded are in registers).
+  - TPU (Mosaic): the chunk pair is on the grid, (B, T/C, T/C) or (B, D/Dt, T/C, T/C), the last
+    axis (k) sequential ("arbitrary"); every BlockSpec is one chunk [C, width], a key chunk's index
+    clamped to the active range so the steps outside it fetch nothing new, and the fold's
+    accumulator waits in VMEM scratch between steps. Resident for a whole sequence: only the
+    solve's s and the lambda kernel's lambda, one [Tp, Dt] fp32 VMEM scratch each (4 MiB at
+    T=8192, Dt=128; 16 MiB at 32K), because chunk i reads every earlier (later) chunk's result,
+    written by the same program (an output block cannot be read back once written to HBM). At
+    T=8192, dk = D = 1024, C = 128, a program holds about 2.4 (lse), 7.8 (solve), 8.1 (lambda)
+    and 6 MiB (dq, dk) of VMEM, double buffers included, against 65-168 MiB with whole-sequence
+    blocks. The TPU form asks for VMEM_LIMIT plus the resident scratch; it runs on CPU in Pallas's
+    TPU interpret mode (`interpret="tpu"`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
 from positional.kernels import check_tile, per_platform
@@ -42,9 +60,11 @@ from positional.softmax import MASKED
 
 # C when not given: TPU needs lane-sized (128) tiles; 64 keeps GPU tiles in registers.
 DEFAULT_BLOCK = {"gpu": 64, "tpu": 128, "interpret": 64}
+# TPU: the scoped VMEM asked for on top of the resident s (or lambda) of the sequential kernels.
+VMEM_LIMIT = 32 * 2 ** 20
 
 
-def check_inputs(qb, kb, gamma, f) -> None:
+def check_inputs(qb, kb, gamma, f, segment_ids=None) -> None:
     """Raise naming the argument when shapes do not fit together."""
     if qb.ndim != 3 or kb.ndim != 3 or f.ndim != 3:
         raise ValueError(f"feedback solve expects qb, kb [B, T, dk] and f [B, T, D]; got qb{qb.shape} "
@@ -55,6 +75,10 @@ def check_inputs(qb, kb, gamma, f) -> None:
     if qb.shape[:2] != kb.shape[:2] or qb.shape[:2] != f.shape[:2] or gamma.shape != qb.shape[:2]:
         raise ValueError(f"feedback solve: qb{qb.shape}, kb{kb.shape}, gamma{gamma.shape} and f{f.shape} "
                          "must share batch and time [B, T]")
+    if segment_ids is not None and (segment_ids.shape != qb.shape[:2]
+                                    or not jnp.issubdtype(segment_ids.dtype, jnp.integer)):
+        raise ValueError(f"feedback solve segment_ids must be integers [B, T] = {list(qb.shape[:2])}; "
+                         f"got {segment_ids.dtype} {list(segment_ids.shape)}")
 
 
 # ---- tiles (2-D arrays, no batch), shared with the blocked solve of positional/feedback.py ----
@@ -113,6 +137,11 @@ class _Static:
     interpret: bool
     backend: str  # "gpu", "tpu" or "cpu": the platform this configuration lowers for
 
+    @property
+    def stream(self) -> bool:
+        """The grid streams the chunks (TPU); otherwise a program loops over whole-sequence refs."""
+        return self.backend == "tpu"
+
 
 def check_blocks(block: int, backend: str, interpret: bool) -> None:
     """Raise naming the field when the chunk size cannot run on this backend."""
@@ -133,141 +162,230 @@ def _chunk(i, c):
     return pl.ds(pl.multiple_of(i * c, c), c)
 
 
-def _lse_kernel(qb_ref, kb_ref, lse_ref, *, st: _Static):
+def _at(ref, k, st, axis=0):
+    """Chunk k of a time-major operand (time on `axis`: 1 for the key segment row [1, Tp]): the
+    block itself when the grid streams it (its BlockSpec already picked chunk k), else a slice."""
+    if st.stream:
+        return ref[...]
+    return ref[:, _chunk(k, st.block)] if axis else ref[_chunk(k, st.block), :]
+
+
+def _put(ref, k, st, value):
+    if st.stream:
+        ref[...] = value
+    else:
+        ref[_chunk(k, st.block), :] = value
+
+
+def _fold(st, axis, lo, hi, init, step, finish, acc_refs):
+    """finish(*acc) for the tuple acc = step(k, acc) folded from init over chunks lo <= k < hi.
+
+    Triton and the interpreter: a loop inside the program. TPU: k is grid axis `axis`, the last,
+    run in order; each grid step holds chunk k of the streamed operands, acc waits in the VMEM
+    scratch `acc_refs` between steps, and finish runs on the last step."""
+    if not st.stream:
+        return finish(*lax.fori_loop(lo, hi, step, init))
+    k = pl.program_id(axis)
+
+    def store(values):
+        for ref, value in zip(acc_refs, values):
+            ref[...] = value
+
+    pl.when(k == 0)(lambda: store(init))
+    pl.when((lo <= k) & (k < hi))(lambda: store(step(k, tuple(r[...] for r in acc_refs))))
+    pl.when(k == pl.num_programs(axis) - 1)(lambda: finish(*(r[...] for r in acc_refs)))
+
+
+def _lse_kernel(qb_ref, segq_ref, kb_ref, segk_ref, lse_ref, *acc, st: _Static):
     c, i = st.block, pl.program_id(1)
-    qb_i = qb_ref[...]
+    qb_i, seg_i = qb_ref[...], segq_ref[...]
+
+    def step(j, carry):
+        return lse_update(carry, qb_i, _at(kb_ref, j, st), i * c, j * c, st.scale, (seg_i, _at(segk_ref, j, st, 1)))
+
+    def finish(m, row_sum):
+        lse_ref[...] = lse_finish(m, row_sum)
+
     init = (jnp.full((c, 1), MASKED, jnp.float32), jnp.zeros((c, 1), jnp.float32))
-    step = lambda j, carry: lse_update(carry, qb_i, kb_ref[_chunk(j, c), :], i * c, j * c, st.scale)  # noqa: E731
-    lse_ref[...] = lse_finish(*lax.fori_loop(0, i + 1, step, init))
+    _fold(st, 2, 0, i + 1, init, step, finish, acc)
 
 
-def _solve_kernel(qb_ref, kb_ref, lse_ref, gamma_ref, f_ref, s_ref, h_ref, *, st: _Static):
+def _solve_kernel(qb_ref, segq_ref, lse_ref, gamma_ref, f_ref, kbi_ref, segki_ref, kb_ref, segk_ref,
+                  s_ref, h_ref, *scratch, st: _Static):
     c = st.block
+    s_all, acc = (scratch[0], scratch[1:]) if st.stream else (s_ref, ())  # s of every chunk so far
 
-    def chunk(i, carry):
-        rows = _chunk(i, c)
-        qb_i, lse_i, g_i = qb_ref[rows, :], lse_ref[rows, :], gamma_ref[rows, :]
+    def chunk(i, carry=None):
+        at = lambda ref, axis=0: _at(ref, i, st, axis)  # noqa: E731
+        qb_i, seg_i, lse_i, g_i = at(qb_ref), at(segq_ref), at(lse_ref), at(gamma_ref)
 
-        def past(j, acc):
-            keys = _chunk(j, c)
-            return acc + dot(alpha_tile(qb_i, kb_ref[keys, :], lse_i, i * c, j * c, st.scale), s_ref[keys, :])
+        def step(j, carry):  # alpha_ij S_j for an earlier chunk j
+            a = alpha_tile(qb_i, _at(kb_ref, j, st), lse_i, i * c, j * c, st.scale, (seg_i, _at(segk_ref, j, st, 1)))
+            return (carry[0] + dot(a, s_all[_chunk(j, c), :]),)
 
-        h_past = lax.fori_loop(0, i, past, jnp.zeros((c, st.block_d), jnp.float32))
-        a_ii = alpha_tile(qb_i, kb_ref[rows, :], lse_i, i * c, i * c, st.scale)
-        s_i = unit_lower_solve(g_i * a_ii, f_ref[rows, :] + g_i * h_past)
-        s_ref[rows, :] = s_i
-        h_ref[rows, :] = h_past + dot(a_ii, s_i)
+        def finish(h_past):
+            a_ii = alpha_tile(qb_i, at(kbi_ref), lse_i, i * c, i * c, st.scale, (seg_i, at(segki_ref, 1)))
+            s_i = unit_lower_solve(g_i * a_ii, at(f_ref) + g_i * h_past)
+            s_all[_chunk(i, c), :] = s_i
+            if st.stream:
+                s_ref[...] = s_i
+            _put(h_ref, i, st, h_past + dot(a_ii, s_i))
+
+        _fold(st, 3, 0, i, (jnp.zeros((c, st.block_d), jnp.float32),), step, finish, acc)
         return carry
 
-    lax.fori_loop(0, qb_ref.shape[0] // c, chunk, 0)
+    if st.stream:
+        chunk(pl.program_id(2))
+    else:
+        lax.fori_loop(0, qb_ref.shape[0] // c, chunk, 0)
 
 
-def _lambda_kernel(qb_ref, kb_ref, lse_ref, gamma_ref, ds_ref, lam_ref, *, st: _Static):
+def _lambda_kernel(qb_ref, segq_ref, lse_ref, gamma_ref, kbi_ref, segki_ref, ds_ref,
+                   qbk_ref, segqk_ref, lsek_ref, gammak_ref, lam_ref, *scratch, st: _Static):
     c = st.block
-    n = qb_ref.shape[0] // c
+    lam_all, acc = (scratch[0], scratch[1:]) if st.stream else (lam_ref, ())  # lambda of the later chunks
+    n = pl.num_programs(2) if st.stream else qb_ref.shape[0] // c
 
-    def chunk(step, carry):
-        i = n - 1 - step
-        rows = _chunk(i, c)
-        kb_i = kb_ref[rows, :]
+    def chunk(i, carry=None):
+        at = lambda ref, axis=0: _at(ref, i, st, axis)  # noqa: E731
+        kb_i, segk_i = at(kbi_ref), at(segki_ref, 1)
 
-        def later(k, acc):  # B_ki^T lambda_k for a later chunk k
-            ks = _chunk(k, c)
-            a = alpha_tile(qb_ref[ks, :], kb_i, lse_ref[ks, :], k * c, i * c, st.scale)
-            return acc + dot(gamma_ref[ks, :] * a, lam_ref[ks, :], transpose_a=True)
+        def step(k, carry):  # B_ki^T lambda_k for a later chunk k
+            at_k = lambda ref, axis=0: _at(ref, k, st, axis)  # noqa: E731
+            a = alpha_tile(at_k(qbk_ref), kb_i, at_k(lsek_ref), k * c, i * c, st.scale, (at_k(segqk_ref), segk_i))
+            return (carry[0] + dot(at_k(gammak_ref) * a, lam_all[_chunk(k, c), :], transpose_a=True),)
 
-        rhs = lax.fori_loop(i + 1, n, later, ds_ref[rows, :])
-        a_ii = alpha_tile(qb_ref[rows, :], kb_i, lse_ref[rows, :], i * c, i * c, st.scale)
-        lam_ref[rows, :] = unit_lower_solve(gamma_ref[rows, :] * a_ii, rhs, transpose=True)
+        def finish(rhs):
+            a_ii = alpha_tile(at(qb_ref), kb_i, at(lse_ref), i * c, i * c, st.scale, (at(segq_ref), segk_i))
+            lam_i = unit_lower_solve(at(gamma_ref) * a_ii, at(ds_ref) + rhs, transpose=True)
+            lam_all[_chunk(i, c), :] = lam_i
+            if st.stream:
+                lam_ref[...] = lam_i
+
+        _fold(st, 3, i + 1, n, (jnp.zeros((c, st.block_d), jnp.float32),), step, finish, acc)
         return carry
 
-    lax.fori_loop(0, n, chunk, 0)
+    if st.stream:
+        chunk(n - 1 - pl.program_id(2))
+    else:
+        lax.fori_loop(0, n, lambda step, carry: chunk(n - 1 - step, carry), 0)
 
 
-def _dq_kernel(qb_ref, kb_ref, lse_ref, gamma_ref, dgamma_ref, lam_ref, s_ref, dqb_ref, *, st: _Static):
+def _dq_kernel(qb_ref, segq_ref, lse_ref, gamma_ref, dgamma_ref, lam_ref, kb_ref, segk_ref, s_ref,
+               dqb_ref, *acc, st: _Static):
     c, i = st.block, pl.program_id(1)
-    qb_i, lse_i, g_i, dg_i, lam_i = qb_ref[...], lse_ref[...], gamma_ref[...], dgamma_ref[...], lam_ref[...]
+    qb_i, seg_i, lse_i, g_i, dg_i, lam_i = (r[...] for r in (qb_ref, segq_ref, lse_ref, gamma_ref, dgamma_ref, lam_ref))
 
-    def body(j, dq):
-        keys = _chunk(j, c)
-        kb_j = kb_ref[keys, :]
-        a = alpha_tile(qb_i, kb_j, lse_i, i * c, j * c, st.scale)
-        return dq + dot(dlogit_tile(a, g_i, dg_i, lam_i, s_ref[keys, :], st.scale), kb_j)
+    def step(j, carry):
+        kb_j = _at(kb_ref, j, st)
+        a = alpha_tile(qb_i, kb_j, lse_i, i * c, j * c, st.scale, (seg_i, _at(segk_ref, j, st, 1)))
+        return (carry[0] + dot(dlogit_tile(a, g_i, dg_i, lam_i, _at(s_ref, j, st), st.scale), kb_j),)
 
-    dqb_ref[...] = lax.fori_loop(0, i + 1, body, jnp.zeros(qb_i.shape, jnp.float32))
+    def finish(dq):
+        dqb_ref[...] = dq
+
+    _fold(st, 2, 0, i + 1, (jnp.zeros(qb_i.shape, jnp.float32),), step, finish, acc)
 
 
-def _dk_kernel(qb_ref, kb_ref, lse_ref, gamma_ref, dgamma_ref, lam_ref, s_ref, dkb_ref, *, st: _Static):
+def _dk_kernel(kb_ref, segk_ref, s_ref, qb_ref, segq_ref, lse_ref, gamma_ref, dgamma_ref, lam_ref,
+               dkb_ref, *acc, st: _Static):
     c, j = st.block, pl.program_id(1)
-    kb_j, s_j = kb_ref[...], s_ref[...]
+    kb_j, seg_j, s_j = kb_ref[...], segk_ref[...], s_ref[...]
 
-    def body(i, dk):
-        rows = _chunk(i, c)
-        qb_i = qb_ref[rows, :]
-        a = alpha_tile(qb_i, kb_j, lse_ref[rows, :], i * c, j * c, st.scale)
-        dlogit = dlogit_tile(a, gamma_ref[rows, :], dgamma_ref[rows, :], lam_ref[rows, :], s_j, st.scale)
-        return dk + dot(dlogit, qb_i, transpose_a=True)
+    def step(i, carry):
+        at = lambda ref: _at(ref, i, st)  # noqa: E731
+        qb_i = at(qb_ref)
+        a = alpha_tile(qb_i, kb_j, at(lse_ref), i * c, j * c, st.scale, (at(segq_ref), seg_j))
+        dlogit = dlogit_tile(a, at(gamma_ref), at(dgamma_ref), at(lam_ref), s_j, st.scale)
+        return (carry[0] + dot(dlogit, qb_i, transpose_a=True),)
 
-    dkb_ref[...] = lax.fori_loop(j, qb_ref.shape[0] // c, body, jnp.zeros(kb_j.shape, jnp.float32))
+    def finish(dk):
+        dkb_ref[...] = dk
 
-
-def _whole(x):
-    """BlockSpec of the whole sequence of batch row b: [Tp, width]."""
-    return pl.BlockSpec((None, x.shape[1], x.shape[2]), lambda b, i: (b, 0, 0))
+    _fold(st, 2, j, pl.num_programs(1), (jnp.zeros(kb_j.shape, jnp.float32),), step, finish, acc)
 
 
-def _rows(x, c):
-    """BlockSpec of time chunk i: [C, width]."""
-    return pl.BlockSpec((None, c, x.shape[2]), lambda b, i: (b, i, 0))
+# ---- block specs and calls -------------------------------------------------------------------
+# Each operand has a role: "row", the program's own chunk i; "tile", the same in the program's
+# feature tile (the solve and lambda kernels' f, ds, s, h, lambda); "key", the chunk k the fold is
+# on (earlier chunks, or later ones with later=True). Arrays are [B, Tp, w], except the key
+# segment ids [B, 1, Tp] (integers), time last, so that a chunk of them is a row [1, C].
+def _spec(st, x, role, sequential, later):
+    time_last = jnp.issubdtype(x.dtype, jnp.integer) and x.shape[1] == 1
+    c, tp = st.block, x.shape[2] if time_last else x.shape[1]
+    width = st.block_d if role == "tile" else x.shape[2]
+    if st.stream:  # grid (B, [D/Dt,] i, k): one chunk each; a key clamped to the active range
+        n = tp // c
+        row = (lambda g: n - 1 - g[-2]) if later and sequential else (lambda g: g[-2])
+        clamp = jnp.maximum if later else jnp.minimum
+        pick = row if role != "key" else lambda g: clamp(row(g), g[-1])
+        length = c
+    elif sequential:  # grid (B, D/Dt): the whole sequence, a program loops over the chunks
+        pick, length = (lambda g: 0), tp
+    else:  # grid (B, T/C): the program's chunk, or the whole sequence for the loop over keys
+        pick, length = ((lambda g: 0), tp) if role == "key" else ((lambda g: g[1]), c)
+    col = (lambda g: g[1]) if role == "tile" else (lambda g: 0)
+    if time_last:
+        return pl.BlockSpec((None, 1, length), lambda *g: (g[0], 0, pick(g)))
+    return pl.BlockSpec((None, length, width), lambda *g: (g[0], pick(g), col(g)))
 
 
-def _cols(x, dt):
-    """BlockSpec of feature tile i over the whole sequence: [Tp, Dt]."""
-    return pl.BlockSpec((None, x.shape[1], dt), lambda b, i: (b, 0, i))
+def _call(kernel, st, args, roles, outs, *, tiles=None, later=False, scratch=()):
+    """Run kernel over args (by `roles`) giving outs (ShapeDtypeStructs, role "row" or "tile").
 
-
-def _call(kernel, st, grid, args, specs, out_like, out_specs):
+    tiles: the feature tile count of the sequential kernels (solve, lambda), None for the others.
+    scratch: on TPU, the VMEM scratch shapes (fp32) the kernel's fold keeps between grid steps."""
+    b, tp = args[0].shape[:2]
+    n, sequential = tp // st.block, tiles is not None
+    grid = (b, tiles) if sequential else (b, n)
+    out_roles = ["tile" if sequential else "row"] * len(outs)
     params = {}
-    if not st.interpret and st.backend == "gpu":  # Triton: JAX's Mosaic GPU path has no dot here
+    if st.stream:
+        grid += (n, n) if sequential else (n,)
+        semantics = ("parallel", "parallel") + ("arbitrary",) * (len(grid) - 2)
+        resident = sum(4 * math.prod(s) for s in scratch)
+        params["compiler_params"] = pltpu.CompilerParams(dimension_semantics=semantics,
+                                                         vmem_limit_bytes=VMEM_LIMIT + resident)
+        params["scratch_shapes"] = [pltpu.VMEM(s, jnp.float32) for s in scratch]
+    elif not st.interpret and st.backend == "gpu":  # Triton: JAX's Mosaic GPU path has no dot here
         params["compiler_params"] = pltriton.CompilerParams()
-    return pl.pallas_call(functools.partial(kernel, st=st), grid=grid, in_specs=specs, out_specs=out_specs,
-                          out_shape=[jax.ShapeDtypeStruct(x.shape, jnp.float32) for x in out_like],
-                          interpret=st.interpret, **params)(*args)
+    interpret = pltpu.InterpretParams() if st.interpret and st.stream else st.interpret
+    spec = lambda x, role: _spec(st, x, role, sequential, later)  # noqa: E731
+    return pl.pallas_call(functools.partial(kernel, st=st), grid=grid,
+                          in_specs=[spec(x, r) for x, r in zip(args, roles)],
+                          out_specs=[spec(x, r) for x, r in zip(outs, out_roles)],
+                          out_shape=[jax.ShapeDtypeStruct(x.shape, jnp.float32) for x in outs],
+                          interpret=interpret, **params)(*args)
 
 
-def _forward(qb, kb, gamma, f, st):
-    b, tp = qb.shape[:2]
+def _forward(qb, kb, gamma, f, segq, segk, st):
     c, dt = st.block, st.block_d
-    lse_like = jax.ShapeDtypeStruct((b, tp, 1), jnp.float32)
-    (lse,) = _call(_lse_kernel, st, (b, tp // c), (qb, kb), [_rows(qb, c), _whole(kb)], [lse_like],
-                   [_rows(lse_like, c)])
-    args = (qb, kb, lse, gamma, f)
-    s, h = _call(_solve_kernel, st, (b, f.shape[2] // dt), args,
-                 [_whole(qb), _whole(kb), _whole(lse), _whole(gamma), _cols(f, dt)], [f, f],
-                 [_cols(f, dt), _cols(f, dt)])
-    return s, (qb, kb, lse, gamma, s, h)
+    lse_like = jax.ShapeDtypeStruct((*qb.shape[:2], 1), jnp.float32)
+    (lse,) = _call(_lse_kernel, st, (qb, segq, kb, segk), ("row", "row", "key", "key"), [lse_like],
+                   scratch=[(c, 1), (c, 1)])
+    args = (qb, segq, lse, gamma, f, kb, segk, kb, segk)
+    s, h = _call(_solve_kernel, st, args, ("row",) * 4 + ("tile", "row", "row", "key", "key"), [f, f],
+                 tiles=f.shape[2] // dt, scratch=[(qb.shape[1], dt), (c, dt)])
+    return s, (qb, kb, lse, gamma, segq, segk, s, h)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _fused(qb, kb, gamma, f, st):
-    return _forward(qb, kb, gamma, f, st)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _fused(qb, kb, gamma, f, segq, segk, st):
+    return _forward(qb, kb, gamma, f, segq, segk, st)[0]
 
 
 def _fused_bwd(st, res, ds):
-    qb, kb, lse, gamma, s, h = res
-    b, tp = qb.shape[:2]
+    qb, kb, lse, gamma, segq, segk, s, h = res
     c, dt = st.block, st.block_d
-    (lam,) = _call(_lambda_kernel, st, (b, s.shape[2] // dt), (qb, kb, lse, gamma, ds),
-                   [_whole(qb), _whole(kb), _whole(lse), _whole(gamma), _cols(ds, dt)], [ds], [_cols(ds, dt)])
+    args = (qb, segq, lse, gamma, kb, segk, ds, qb, segq, lse, gamma)
+    (lam,) = _call(_lambda_kernel, st, args, ("row",) * 6 + ("tile",) + ("key",) * 4, [ds],
+                   tiles=ds.shape[2] // dt, later=True, scratch=[(qb.shape[1], dt), (c, dt)])
     dgamma = jnp.sum(lam * h, axis=-1, keepdims=True)
-    args = (qb, kb, lse, gamma, dgamma, lam, s)
-    (dqb,) = _call(_dq_kernel, st, (b, tp // c), args,
-                   [_rows(qb, c), _whole(kb), _rows(lse, c), _rows(gamma, c), _rows(dgamma, c),
-                    _rows(lam, c), _whole(s)], [qb], [_rows(qb, c)])
-    (dkb,) = _call(_dk_kernel, st, (b, tp // c), args,
-                   [_whole(qb), _rows(kb, c), _whole(lse), _whole(gamma), _whole(dgamma), _whole(lam),
-                    _rows(s, c)], [kb], [_rows(kb, c)])
-    return dqb, dkb, dgamma, lam
+    (dqb,) = _call(_dq_kernel, st, (qb, segq, lse, gamma, dgamma, lam, kb, segk, s),
+                   ("row",) * 6 + ("key",) * 3, [qb], scratch=[(c, qb.shape[2])])
+    (dkb,) = _call(_dk_kernel, st, (kb, segk, s, qb, segq, lse, gamma, dgamma, lam),
+                   ("row",) * 3 + ("key",) * 6, [kb], later=True, scratch=[(c, kb.shape[2])])
+    return dqb, dkb, dgamma, lam, None, None
 
 
 _fused.defvjp(lambda *a: _forward(*a), _fused_bwd)
@@ -277,17 +395,21 @@ def _pad(x, length, width):
     return jnp.pad(x.astype(jnp.float32), ((0, 0), (0, length - x.shape[1]), (0, width - x.shape[2])))
 
 
-def feedback_solve_pallas(qb, kb, gamma, f, *, block: int | None = None, block_d: int | None = None,
-                          interpret: bool | None = None) -> jax.Array:
-    """s [B, T, D] fp32 solving (I - B) s = f. qb, kb [B, T, dk]; gamma [B, T]; f [B, T, D].
+def feedback_solve_pallas(qb, kb, gamma, f, segment_ids=None, *, block: int | None = None,
+                          block_d: int | None = None, interpret: bool | str | None = None) -> jax.Array:
+    """s [B, T, D] fp32 solving (I - B) s = f. qb, kb [B, T, dk]; gamma [B, T]; f [B, T, D];
+    segment_ids [B, T] integer (packed rows: the past is the strict past in the same segment).
 
     `interpret`: None (the default) lowers for the platform being lowered for (the Pallas
     interpreter on CPU, Triton on cuda, Mosaic on tpu, each with its own default `block` and
-    rules: `positional.kernels.per_platform`); True interprets everywhere. `block_d` (the
-    feature tile, parallel over the grid) defaults to the padded width, or 128 when that is a
-    larger multiple of 128.
+    rules: `positional.kernels.per_platform`); True interprets everywhere (the Triton form);
+    "tpu" runs the TPU form (streamed chunks, VMEM scratch) in Pallas's TPU interpret mode.
+    `block_d` (the feature tile, parallel over the grid) defaults to the padded width, or 128
+    when that is a larger multiple of 128.
     """
-    check_inputs(qb, kb, gamma, f)
+    check_inputs(qb, kb, gamma, f, segment_ids)
+    if interpret not in (None, True, False, "tpu"):
+        raise ValueError(f"feedback solve kernel interpret={interpret!r} must be None, True, False or 'tpu'")
     dk, d = qb.shape[2], f.shape[2]
     wd = max(16, pl.next_power_of_2(d))
     block_d = block_d or (128 if wd % 128 == 0 else wd)
@@ -299,14 +421,19 @@ def feedback_solve_pallas(qb, kb, gamma, f, *, block: int | None = None, block_d
         check_blocks(c, backend, interpret)
         return _Static(block=c, block_d=block_d, scale=dk ** -0.5, interpret=interpret, backend=backend)
 
-    return per_platform(settings, _padded, (qb, kb, gamma, f), interpret)
+    seg = jnp.zeros(qb.shape[:2], jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
+    if interpret == "tpu":
+        return _padded(settings("tpu", True), qb, kb, gamma, f, seg)
+    return per_platform(settings, _padded, (qb, kb, gamma, f, seg), interpret)
 
 
-def _padded(st: _Static, qb, kb, gamma, f):
+def _padded(st: _Static, qb, kb, gamma, f, seg):
     """The solve on inputs padded to st's chunk (and widths to a power of two >= 16)."""
     t = qb.shape[1]
     tp = -(-t // st.block) * st.block
     wk, wd = (max(16, pl.next_power_of_2(w)) for w in (qb.shape[2], f.shape[2]))
     # Padded rows sit after every real row (hidden by the strict-past mask) and have gamma = 0.
-    s = _fused(_pad(qb, tp, wk), _pad(kb, tp, wk), _pad(gamma[..., None], tp, 1), _pad(f, tp, wd), st)
+    seg = jnp.pad(seg, ((0, 0), (0, tp - t)))
+    s = _fused(_pad(qb, tp, wk), _pad(kb, tp, wk), _pad(gamma[..., None], tp, 1), _pad(f, tp, wd),
+               seg[..., None], seg[:, None, :], st)
     return s[:, :t, :f.shape[2]]
