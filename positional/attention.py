@@ -7,7 +7,11 @@ the bias and score hooks):
   "reference"  materialises the [B, H, T, S] scores (positional/softmax.py);
   "blockwise"  online softmax over key blocks, O(T * block) memory (positional/softmax.py);
   "ring"       the sequence split over the `sequence` axis of the enclosing `ring_mesh`, keys
-               and values passed around the ring (positional/ring.py); blockwise elsewhere.
+               and values passed around the ring (positional/ring.py); blockwise elsewhere;
+  "cudnn"      cuDNN flash attention through jax.nn.dot_product_attention, CUDA GPUs, bf16/fp16,
+               no bias_fn or score_fn (positional/vendor.py);
+  "splash"     TPU splash attention (Pallas), training shapes (q_offset 0, T == S), no bias_fn or
+               score_fn (positional/vendor.py).
 
 This module sits above every implementation it names, so none of them imports it.
 """
@@ -18,9 +22,10 @@ import jax
 
 from positional.ring import mesh_ring_attention
 from positional.softmax import blockwise_attention, reference_attention
+from positional.vendor import cudnn_attention, splash_attention
 
 IMPLEMENTATIONS = {"reference": reference_attention, "blockwise": blockwise_attention,
-                   "ring": mesh_ring_attention}
+                   "ring": mesh_ring_attention, "cudnn": cudnn_attention, "splash": splash_attention}
 
 
 def attention(q, k, v, *, impl: str = "reference", **kwargs) -> jax.Array:

@@ -298,3 +298,15 @@ def test_what_each_takes():
     assert vendor.splash_refusal(*shapes(d=16), platform="cpu", interpret=True) is None
     check_line(vendor.splash_refusal(*shapes(t=1, s=9, d=16), q_offset=8, platform="cpu", interpret=True),
                "splash", "q_offset=8")
+
+
+def test_the_dispatcher_names_them():
+    """attention(impl=...) reaches both, block_size passed on (splash: its tile cap; cudnn: ignored)."""
+    from positional.attention import IMPLEMENTATIONS, attention
+    assert IMPLEMENTATIONS["cudnn"] is vendor.cudnn_attention
+    assert IMPLEMENTATIONS["splash"] is vendor.splash_attention
+    q, k, v = inputs(4, t=12, dtype=jnp.float32)
+    out = jax.jit(functools.partial(attention, impl="splash", block_size=128, interpret=True))(q, k, v)
+    assert_close(out, reference_attention(q, k, v), 1e-5)
+    with pytest.raises(ValueError, match=r"^impl='cudnn' cannot take q dtype float32"):
+        attention(q, k, v, impl="cudnn", block_size=512)
