@@ -1,6 +1,6 @@
 """The attention dispatcher: one call, an implementation chosen by name.
 
-    attention(q, k, v, impl="blockwise", bias_fn=..., segment_ids=...)
+    attention(q, k, v, impl="auto", bias_fn=..., segment_ids=...)
 
 Implementations (same arguments, same semantics; see positional/softmax.py for the shapes and
 the bias and score hooks):
@@ -9,27 +9,99 @@ the bias and score hooks):
   "ring"       the sequence split over the `sequence` axis of the enclosing `ring_mesh`, keys
                and values passed around the ring (positional/ring.py); blockwise elsewhere;
   "pallas"     the fused flash-attention kernel (positional/kernels/flash.py): any `Bias` and
-               `Score` hook (positional/logits.py) fused into its tiles.
+               `Score` hook (positional/logits.py) fused into its tiles;
+  "cudnn"      cuDNN flash attention through jax.nn.dot_product_attention, CUDA GPUs, bf16/fp16,
+               no bias_fn or score_fn (positional/vendor.py);
+  "splash"     TPU splash attention (Pallas), training shapes (q_offset 0, T == S), no bias_fn or
+               score_fn (positional/vendor.py);
+  "auto"       the fastest of them that can take the call, for the platform being lowered for
+               (`choose`): ring on a sequence mesh; on CPU reference up to REFERENCE_MAX keys,
+               blockwise past it; on GPU cuDNN for plain softmax, on TPU splash, else the fused
+               kernel, else blockwise. Each choice is logged once (logger "positional.attention").
 
 This module sits above every implementation it names, so none of them imports it.
 """
 
 from __future__ import annotations
 
+import logging
+
 import jax
 
 from positional.kernels.flash import fused_attention
-from positional.ring import mesh_ring_attention
+from positional.kernels.flash import refusal as fused_refusal
+from positional.ring import mesh_ring_attention, ring_active
 from positional.softmax import blockwise_attention, reference_attention
+from positional.vendor import (cudnn_attention, cudnn_call, cudnn_present, cudnn_refusal, splash_attention,
+                               splash_call, splash_refusal)
 
 IMPLEMENTATIONS = {"reference": reference_attention, "blockwise": blockwise_attention,
-                   "ring": mesh_ring_attention, "pallas": fused_attention}
+                   "ring": mesh_ring_attention, "pallas": fused_attention, "cudnn": cudnn_attention,
+                   "splash": splash_attention}
+REFERENCE_MAX = 2048  # "auto" on CPU: reference attention up to this many keys, blockwise past it
+LOG = logging.getLogger("positional.attention")
+_LOGGED: set = set()
+
+
+def choose(q, k, v, *, platform: str, bias_fn=None, score_fn=None, segment_ids=None, q_offset=0
+           ) -> tuple[str, str]:
+    """(impl, why): what impl="auto" runs for this call lowered for `platform` ("cpu", "cuda",
+    "tpu"), off a sequence mesh. Reads shapes, dtypes and the hooks' kinds only."""
+    if platform == "cpu":
+        if k.shape[1] <= REFERENCE_MAX:
+            return "reference", f"CPU, {k.shape[1]} keys <= {REFERENCE_MAX}: the T x S scores are small"
+        return "blockwise", f"CPU, {k.shape[1]} keys > {REFERENCE_MAX}: memory bounded by the block"
+    hooks = dict(segment_ids=segment_ids, q_offset=q_offset, bias_fn=bias_fn, score_fn=score_fn)
+    if platform == "cuda":
+        vendor, why_not = "cudnn", cudnn_refusal(q, k, v, platform=platform, **hooks)
+        if why_not is None and segment_ids is not None:
+            why_not = "packed rows (segment ids) would reach cuDNN as a T x S mask"
+        if why_not is None and not cudnn_present():
+            why_not = "this JAX has no cuDNN"
+    else:
+        vendor, why_not = "splash", splash_refusal(q, k, v, platform=platform, **hooks)
+    if why_not is None:
+        return vendor, "plain softmax"
+    why_not = why_not.split("; use impl=")[0]
+    not_fused = fused_refusal(bias_fn, score_fn, q_offset)
+    if not_fused is None:
+        return "pallas", f"the fused kernel; not {vendor}: {why_not}"
+    return "blockwise", f"no fused path: {not_fused}"
+
+
+def auto_attention(q, k, v, *, label: str = "", bias_fn=None, score_fn=None, segment_ids=None, q_offset=0,
+                   scale=None, block_size: int = 512) -> jax.Array:
+    """Impl "auto": per platform of the lowering (`jax.lax.platform_dependent`), `choose`'s pick."""
+    kwargs = dict(bias_fn=bias_fn, score_fn=score_fn, segment_ids=segment_ids, q_offset=q_offset, scale=scale)
+    if ring_active():
+        return mesh_ring_attention(q, k, v, block_size=block_size, **kwargs)
+
+    def branch(platform):
+        impl, why = choose(q, k, v, platform=platform, bias_fn=bias_fn, score_fn=score_fn,
+                           segment_ids=segment_ids, q_offset=q_offset)
+        line = f"attention impl auto{f' ({label})' if label else ''} on {platform}: {impl}, {why}"
+        LOG.debug(line, extra={"platform": platform, "impl": impl, "why": why, "label": label})
+        if line not in _LOGGED:
+            _LOGGED.add(line)
+            LOG.info(line)
+        if impl == "cudnn":
+            return lambda q, k, v: cudnn_call(q, k, v, segment_ids=segment_ids, q_offset=q_offset, scale=scale)
+        if impl == "splash":
+            return lambda q, k, v: splash_call(q, k, v, segment_ids=segment_ids, scale=scale, block_size=block_size)
+        if impl == "pallas":
+            return lambda q, k, v: fused_attention(q, k, v, platform=platform, **kwargs)
+        return lambda q, k, v: attention(q, k, v, impl=impl, block_size=block_size, **kwargs)
+
+    return jax.lax.platform_dependent(q, k, v, cpu=branch("cpu"), cuda=branch("cuda"), tpu=branch("tpu"))
 
 
 def attention(q, k, v, *, impl: str = "reference", **kwargs) -> jax.Array:
-    """Dispatch to an implementation by name (a key of IMPLEMENTATIONS)."""
+    """Dispatch to an implementation by name ("auto" or a key of IMPLEMENTATIONS)."""
+    if impl == "auto":
+        return auto_attention(q, k, v, **kwargs)
+    kwargs.pop("label", None)
     if impl not in IMPLEMENTATIONS:
-        raise ValueError(f"unknown attention impl {impl!r}; valid: {sorted(IMPLEMENTATIONS)}")
+        raise ValueError(f"unknown attention impl {impl!r}; valid: auto, {', '.join(sorted(IMPLEMENTATIONS))}")
     if impl == "reference":
         kwargs.pop("block_size", None)
     return IMPLEMENTATIONS[impl](q, k, v, **kwargs)

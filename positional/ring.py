@@ -280,6 +280,11 @@ def ring_mesh(mesh):
         _MESHES.pop()
 
 
+def ring_active(axis: str = "sequence") -> bool:
+    """Whether an enclosing `ring_mesh` splits `axis` over more than one device."""
+    return bool(_MESHES) and _MESHES[-1].shape.get(axis, 1) > 1
+
+
 def mesh_ring_attention(q, k, v, *, q_offset=0, axis: str = "sequence", hooks: Hooks | None = None,
                         features=None, **kwargs) -> jax.Array:
     """Attention impl "ring": `ring_attention` over the mesh of the enclosing `ring_mesh`.

@@ -60,12 +60,14 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from positional.attention import IMPLEMENTATIONS, attention
+from positional.attention import IMPLEMENTATIONS, REFERENCE_MAX, attention
+from positional.ring import ring_active
 from positional.logits import Bias, Score, sum_of
 from positional.softmax import MASKED, BiasFn, attention_logits, causal_softmax
 
 Features = dict | None
-GENERIC_ONLY = ("ring", "pallas")  # implementations of the generic `Scheme.attention` alone
+# Implementations of the generic `Scheme.attention` alone.
+GENERIC_ONLY = ("auto", "ring", "pallas", "cudnn", "splash")
 
 # Probe families: "angles", SO(2) step angles (features 'psi' and 'theta'); "householder", PaTH's
 # steps (features 'w' and 'beta'); "rope_pairs", fixed RoPE frequencies (`theta`), decomposed
@@ -91,7 +93,7 @@ class Scheme:
     probes = ()
     config_defaults = {}  # read only: copied where applied
     #: attention implementations this scheme runs on.
-    impls = tuple(IMPLEMENTATIONS)
+    impls = ("auto", *IMPLEMENTATIONS)
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -99,9 +101,9 @@ class Scheme:
         if unknown:
             raise TypeError(f"{cls.__name__}.probes names unknown probe families {sorted(unknown)}; "
                             f"valid: {', '.join(PROBE_FAMILIES)}")
-        # "ring" (the sequence split over devices) and "pallas" (the fused kernel) run the generic
+        # "ring" (the sequence split over devices), the fused kernels and "auto" run the generic
         # attention below; a scheme that brings its own `attention` (PaTH, ESPR random features)
-        # has them only if it says so.
+        # has them only if it says so (its "auto" is then its reference or blockwise, by length).
         if "attention" in vars(cls) and "impls" not in vars(cls):
             cls.impls = tuple(i for i in cls.impls if i not in GENERIC_ONLY)
 
@@ -179,6 +181,8 @@ class Scheme:
     def attend(self, q, k, v, features=None, *, positions, segment_ids=None,
                impl: str = "reference", block_size: int = 512, key=None) -> jax.Array:
         """Causal attention under this scheme. Returns [B, T, H, D]."""
+        if impl == "auto" and impl not in self.impls:
+            impl = "reference" if k.shape[1] <= REFERENCE_MAX else "blockwise"
         if impl not in self.impls:
             why = ": ring splits the generic attention, which this scheme replaces" if impl == "ring" else ""
             raise ValueError(f"scheme {type(self).__name__} has no attention impl {impl!r}{why}; "
@@ -239,12 +243,15 @@ class Scheme:
                   block_size=512) -> jax.Array:
         """Attention on transformed q, k, v with this scheme's score and bias; positions [B, S] of
         the key slots (the bias reads them; None: the slot indices)."""
+        if impl == "auto" and ring_active():
+            impl = "ring"
         hooks = {"bias_fn": self.score_bias(features, positions), "score_fn": self.score_fn(features)}
         if impl == "ring" and any(hooks.values()):  # built inside the ring's shard_map (positional/ring.py)
             hooks = {"hooks": lambda f: (self.score_bias(f["features"], f["positions"]), self.score_fn(f["features"])),
                      "features": {"features": features, "positions": positions}}
+        label = {"label": type(self).__name__} if impl == "auto" else {}
         return attention(q, k, v, segment_ids=segment_ids, q_offset=q_offset, impl=impl,
-                         block_size=block_size, **hooks)
+                         block_size=block_size, **hooks, **label)
 
     # ---- decode form -------------------------------------------------------------------------
     def init_cache(self, batch: int, max_len: int, num_kv_heads: int, dtype=jnp.float32) -> dict:

@@ -71,8 +71,10 @@ def forward(scheme, dtype="float32"):
 
     apply.graphdef, apply.decode, apply.value_and_grads = graphdef, decode, value_and_grads
     scheme_ = nnx.merge(graphdef, params).scheme
-    # Off a mesh "ring" is blockwise; tests/test_ring.py runs it on one.
-    apply.impls, apply.relative = tuple(i for i in scheme_.impls if i != "ring"), scheme_.relative
+    # Off a mesh "ring" is blockwise (tests/test_ring.py runs it on one); "auto" on CPU is one of
+    # the others; cuDNN and splash cannot run here (tests/test_vendor.py runs their semantics).
+    apply.impls = tuple(i for i in scheme_.impls if i not in ("ring", "auto", "cudnn", "splash"))
+    apply.relative = scheme_.relative
     return params, apply
 
 

@@ -13,7 +13,6 @@ from models.registry import REGISTRY, make_scheme
 from models.sharding import activation_rules
 from positional.attention import attention, blockwise_attention
 from positional.scheme import Scheme
-from positional.tapa import Tapa
 from test_scale import check_sharded, sharded_step
 from tiny_setup import cli
 
@@ -82,7 +81,7 @@ def test_ring_off_a_sequence_mesh_is_blockwise():
 def test_ring_is_for_schemes_with_the_generic_attention():
     for name in sorted(REGISTRY):
         scheme = make_scheme(name, num_heads=2, head_dim=8)
-        generic = type(scheme).attention in (Scheme.attention, Tapa.attention)  # Tapa: but for "pallas"
+        generic = type(scheme).attention is Scheme.attention
         assert ("ring" in scheme.impls) == generic, name
     x = jnp.zeros((1, 8, 2, 8))
     for name in ("path", "path_fox", "espr_rf"):

@@ -75,7 +75,7 @@ def _refusal(message: str, out) -> Callable:
 
 
 def per_platform(settings: Callable[[str, bool], Any], run: Callable, args: tuple,
-                 interpret: bool | None):
+                 interpret: bool | None, platform: str | None = None):
     """run(settings(backend, interpret), *args), lowered for the platform being lowered for.
 
     `settings` gives a platform's static configuration (tiles, compiler options) and raises
@@ -83,6 +83,8 @@ def per_platform(settings: Callable[[str, bool], Any], run: Callable, args: tupl
     Pallas interpreter on CPU, Triton on cuda, Mosaic on tpu; True: the interpreter everywhere;
     False: never the interpreter (lowering for CPU fails). A platform whose settings raise is
     refused when lowered for, with that error; the others lower as usual (jax.export).
+    `platform` ("cpu", "cuda" or "tpu"), where given, builds that platform's alone: for a caller
+    that is itself one branch of a `platform_dependent`.
 
     One platform per lowering: JAX 0.10 lowers a pallas_call inside a platform_dependent branch
     for every platform of the module, so an export for ["cpu", "cuda"] fails in Pallas ("Only
@@ -90,6 +92,8 @@ def per_platform(settings: Callable[[str, bool], Any], run: Callable, args: tupl
     """
     if interpret:
         return run(settings("cpu", True), *args)
+    if platform is not None:  # the caller already branches per platform (the "auto" dispatcher)
+        return run(settings(PLATFORMS[platform], interpret is None and platform == "cpu"), *args)
     flat, tree = jax.tree.flatten(args)  # the branches and the refusal take arrays, not pytrees
     branches, refused = {}, {}
     for platform, backend in PLATFORMS.items():

@@ -356,6 +356,17 @@ _fused.defvjp(_fused_fwd, _fused_bwd)
 
 
 # ---- the public function -------------------------------------------------------------------------
+def refusal(bias_fn, score_fn, q_offset) -> str | None:
+    """Why the kernel cannot take these hooks and offset, or None."""
+    for name, hook, kind in (("bias_fn", bias_fn, Bias), ("score_fn", score_fn, Score)):
+        if hook is not None and not isinstance(hook, kind):
+            return (f"{name} must be a positional.logits.{kind.__name__} (a function of per-slot values) to be "
+                    f"fused; got {type(hook).__name__}")
+    if not isinstance(q_offset, int):
+        return "q_offset must be a Python int (the kernel's causal offset is static), not a traced value (decoding)"
+    return None
+
+
 def _pad_to(x, axis, size):
     pad = [(0, 0)] * x.ndim
     pad[axis] = (0, size - x.shape[axis])
@@ -366,7 +377,7 @@ def fused_attention(q, k, v, *, bias_fn: Bias | None = None, score_fn: Score | N
                     q_offset: int = 0, scale: float | None = None, block_q: int | None = None,
                     block_k: int | None = None, interpret: bool | None = None, stream: bool | None = None,
                     num_warps: int = 4, num_stages: int = 2, fast_math: bool = True,
-                    block_size: int | None = None) -> jax.Array:
+                    block_size: int | None = None, platform: str | None = None) -> jax.Array:
     """Causal attention with the reference's signature and semantics, fused: q [B, T, H, D];
     k, v [B, S, K, D] -> [B, T, H, D]. bias_fn a `Bias`, score_fn a `Score` (positional/logits.py).
 
@@ -376,17 +387,14 @@ def fused_attention(q, k, v, *, bias_fn: Bias | None = None, score_fn: Score | N
     streams on TPU and in the interpreter (the faster of the two there), loops on GPU;
     True/False forces it (the interpreter runs both). GPU only:
     `num_warps`, `num_stages` (Triton), `fast_math` (exp2 by one special-function instruction).
-    `block_size` (the plain-JAX paths' block) is the interpreter's tile where none is given, so a
+    `platform` ("cpu", "cuda", "tpu"): build that platform's kernel alone (for a caller that
+    branches per platform itself, the "auto" dispatcher). `block_size` (the plain-JAX paths' block) is the interpreter's tile where none is given, so a
     model's CPU tests run the kernel over several tiles; lowering for GPU or TPU ignores it.
     """
     check_shapes(q, k, v, segment_ids)
-    for name, hook, kind in (("bias_fn", bias_fn, Bias), ("score_fn", score_fn, Score)):
-        if hook is not None and not isinstance(hook, kind):
-            raise ValueError(f"fused attention: {name} must be a positional.logits.{kind.__name__} (a function "
-                             f"of per-slot values) to be fused; got {type(hook).__name__}; use impl='blockwise'")
-    if not isinstance(q_offset, int):
-        raise ValueError("fused attention: q_offset must be a Python int (the kernel's causal offset is "
-                         "static); use impl='blockwise' for a traced offset (decoding)")
+    why = refusal(bias_fn, score_fn, q_offset)
+    if why:
+        raise ValueError(f"fused attention: {why}; use impl='blockwise'")
     b, t, h, d = q.shape
     s = k.shape[1]
     scale = d ** -0.5 if scale is None else float(scale)
@@ -416,7 +424,7 @@ def fused_attention(q, k, v, *, bias_fn: Bias | None = None, score_fn: Score | N
 
     seg = jnp.zeros((b, t), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
     q_values = {n: x[:, q_offset:q_offset + t] for n, x in values.items()}
-    return per_platform(settings, _padded, (q_parts, k_parts, v, q_values, values, seg), interpret)
+    return per_platform(settings, _padded, (q_parts, k_parts, v, q_values, values, seg), interpret, platform)
 
 
 def _padded(st: _Static, q_parts, k_parts, v, q_values, k_values, seg):

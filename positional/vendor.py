@@ -1,0 +1,306 @@
+"""Vendor attention kernels behind the dispatcher's signature: cuDNN flash attention on CUDA
+GPUs ("cudnn", through `jax.nn.dot_product_attention`) and Pallas splash attention on TPU
+("splash", `jax.experimental.pallas.ops.tpu.splash_attention`).
+
+Both compute plain causal softmax attention with the semantics of positional/softmax.py (GQA,
+causal with `q_offset`, same-segment masking, `scale`, output in q's dtype) and nothing else:
+no `bias_fn` or `score_fn`, so only schemes whose logit is `scale * q.k` after their transform
+(RoPE, NoPE) can use them. Each has a pure `*_refusal(...)` that says, in one line, why it
+cannot take a call (or None); the implementation raises ValueError with that line. A chooser
+calls the refusal with the platform being lowered for.
+
+cudnn (`cudnn_attention`)
+  bf16 or fp16 q, k, v of one dtype; head_dim a multiple of 8 and at most 128 (256 where this
+  process's GPU is Hopper or later: the rule jax applies when it traces the call). GQA is
+  native. Causal with q_offset 0 and T == S (training) is cuDNN's causal mask, no bias.
+  Everything else is an explicit boolean mask that jax passes to cuDNN as a [B or 1, 1, T, S]
+  additive bias: segment ids (any ids, not only contiguous runs) and decoding (q_offset > 0,
+  static or traced, T <= S). That bias is O(B T S) memory, and cuDNN's backward also writes
+  its gradient (jax always asks for it), so packed long sequences cost T * S per example where
+  the training case without segment ids costs nothing extra. With a bias, cuDNN's backward needs
+  even lengths: an odd T gets one padded query row, an odd S one padded, masked key. The packed
+  "offsets" form of jax's cuDNN binding (Hopper, contiguous segments, a static segment count)
+  is private and not used.
+  jax asks cuDNN for its version when it traces the call, so a process without cuDNN (a CPU-only
+  jaxlib) refuses at trace time; where cuDNN is present, the call is built with
+  `jax.lax.platform_dependent` (positional.kernels.per_platform), so lowering it for a platform
+  other than cuda raises the one-line refusal there.
+
+splash (`splash_attention`)
+  Training shapes only: q_offset the static 0 and T == S (no decoding); bf16 or fp32; head_dim
+  a multiple of 64 (the head dims jax's splash tests run: 64, 128, 192, 256). GQA is native
+  (the kernel's MHA form with fewer kv heads); segment ids are the kernel's SegmentIds. The
+  kernel takes [H, T, D] per example (vmapped over the batch) and no scale, so q is pre-scaled
+  (rounded to q's dtype: one more rounding than positional/softmax.py's fp32 scale). Its tiles
+  must be multiples of 128 dividing the sequence: T is padded up to a multiple of 128 and the
+  tile is the largest 128 * 2^i <= max(block_size, 128) that divides it. Padded keys sit after
+  every real query, so the causal mask already hides them (no extra segment id needed); padded
+  queries see themselves, and their rows are dropped (zero cotangent, exact gradients). Lowered
+  with `per_platform`: Mosaic on tpu, the refusal elsewhere; interpret=True runs the Pallas
+  interpreter on any platform (tests), where head_dim is not checked.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax._src.cudnn import fused_attention_stablehlo
+
+from positional.kernels import per_platform
+from positional.softmax import BiasFn, ScoreFn, check_shapes
+
+INSTEAD = "use impl='blockwise' or 'auto'"
+# per_platform's backend names -> the platform names refusals use.
+_PLATFORM = {"cpu": "cpu", "gpu": "cuda", "tpu": "tpu"}
+
+
+def _static_int(x) -> int | None:
+    """x as a Python int when it is known at trace time, else None (a traced value)."""
+    if isinstance(x, jax.core.Tracer):
+        return None
+    try:
+        return operator.index(np.asarray(x).item())
+    except TypeError:
+        return None
+
+
+def _dtype_name(x) -> str:
+    return jnp.dtype(x.dtype).name
+
+
+def _hooks_refusal(impl: str, bias_fn, score_fn) -> str | None:
+    if bias_fn is not None:
+        return (f"impl={impl!r} is plain softmax attention and cannot take bias_fn (this scheme adds a "
+                f"logit bias); {INSTEAD}")
+    if score_fn is not None:
+        return (f"impl={impl!r} is plain softmax attention and cannot take score_fn (this scheme's logit "
+                f"is not scale * q.k); {INSTEAD}")
+    return None
+
+
+def _dtype_refusal(impl: str, q, k, v, allowed: tuple[str, ...], why: str) -> str | None:
+    names = (_dtype_name(q), _dtype_name(k), _dtype_name(v))
+    if names[0] not in allowed:
+        return (f"impl={impl!r} cannot take q dtype {names[0]}: {why} needs {' or '.join(allowed)}; "
+                f"cast q, k, v or {INSTEAD}")
+    if len(set(names)) > 1:
+        return (f"impl={impl!r} needs q, k, v of one dtype, got q {names[0]}, k {names[1]}, v {names[2]}; "
+                f"cast them or {INSTEAD}")
+    return None
+
+
+# ---- cuDNN ---------------------------------------------------------------------------------
+
+def cudnn_present() -> bool:
+    """Whether jax can build a cuDNN call in this process: it asks the cuDNN library for its
+    version when it traces one (a CPU-only jaxlib has none)."""
+    try:
+        fused_attention_stablehlo.check_cudnn_version()
+    except (RuntimeError, ImportError, AttributeError):
+        return False
+    return True
+
+
+def cudnn_head_dim_limit() -> int:
+    """The largest head_dim jax lets cuDNN take here: 256 on Hopper or later, else 128. Like jax
+    (which asks when it traces the call), it reads this process's first CUDA device."""
+    try:
+        device = jax.devices("cuda")[0]
+        capability = tuple(int(x) for x in device.compute_capability.split("."))
+    except (RuntimeError, AttributeError, ValueError):
+        return 128
+    return 256 if capability >= (9, 0) else 128
+
+
+def cudnn_refusal(q, k, v, *, segment_ids=None, q_offset=0, bias_fn: BiasFn | None = None,
+                  score_fn: ScoreFn | None = None, platform: str) -> str | None:
+    """Why impl='cudnn' cannot take this call when lowered for `platform` ('cuda'; 'gpu', jax's
+    backend name, counts as cuda), as one line, or None. Reads shapes and dtypes only (q, k, v
+    may be ShapeDtypeStructs); segment_ids and q_offset (static or traced) are always expressible."""
+    del segment_ids, q_offset  # expressed as a mask (the module doc)
+    reason = _hooks_refusal("cudnn", bias_fn, score_fn)
+    if reason:
+        return reason
+    if platform not in ("cuda", "gpu"):
+        return f"impl='cudnn' runs on CUDA GPUs (cuDNN flash attention), not on platform {platform!r}; {INSTEAD}"
+    reason = _dtype_refusal("cudnn", q, k, v, ("bfloat16", "float16"), "cuDNN flash attention")
+    if reason:
+        return reason
+    d, limit = q.shape[-1], cudnn_head_dim_limit()
+    if d % 8 or d > limit:
+        return (f"impl='cudnn' cannot take head_dim={d}: cuDNN needs a multiple of 8 and at most {limit} "
+                f"on this GPU (256 from Hopper on); {INSTEAD}")
+    return None
+
+
+def cudnn_call(q, k, v, *, segment_ids=None, q_offset=0, scale: float | None = None,
+               implementation: str = "cudnn") -> jax.Array:
+    """The `jax.nn.dot_product_attention` call impl='cudnn' makes, with its masks and padding;
+    `implementation` is jax's ("cudnn", or "xla": the same call on any platform, for tests)."""
+    t, s = q.shape[1], k.shape[1]
+    square = _static_int(q_offset) == 0 and t == s  # the training case: cuDNN's own causal mask
+    mask = None
+    if segment_ids is not None:
+        mask = (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]  # [B, 1, T, S]
+    if not square:
+        causal = (q_offset + jnp.arange(t))[:, None] >= jnp.arange(s)[None, :]
+        mask = causal[None, None] if mask is None else mask & causal
+    pt, ps = t % 2, s % 2
+    if pt or ps:
+        # jax lets cuDNN's backward take even lengths only: a padded query row sees every real
+        # key (its output is dropped); a padded key is masked, or, in the square causal case
+        # (both padded), after every real query.
+        q = jnp.pad(q, ((0, 0), (0, pt), (0, 0), (0, 0)))
+        k, v = (jnp.pad(x, ((0, 0), (0, ps), (0, 0), (0, 0))) for x in (k, v))
+        if mask is not None:
+            mask = jnp.pad(mask, ((0, 0), (0, 0), (0, pt), (0, 0)), constant_values=True)
+            mask = jnp.pad(mask, ((0, 0), (0, 0), (0, 0), (0, ps)), constant_values=False)
+    out = jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale, is_causal=square,
+                                       implementation=implementation)
+    return out[:, :t].astype(q.dtype)
+
+
+def cudnn_attention(q, k, v, *, bias_fn: BiasFn | None = None, segment_ids=None, q_offset=0,
+                    scale: float | None = None, score_fn: ScoreFn | None = None,
+                    block_size: int | None = None) -> jax.Array:
+    """Causal softmax attention by cuDNN flash attention (the module doc); block_size is ignored."""
+    del block_size
+    check_shapes(q, k, v, segment_ids)
+    reason = cudnn_refusal(q, k, v, segment_ids=segment_ids, q_offset=q_offset, bias_fn=bias_fn,
+                           score_fn=score_fn, platform="cuda")
+    if reason:
+        raise ValueError(reason)
+
+    def settings(backend, interpret):
+        reason = cudnn_refusal(q, k, v, platform=_PLATFORM[backend])
+        if reason:
+            raise ValueError(reason)
+
+    offset = None if _static_int(q_offset) is not None else jnp.asarray(q_offset)
+    args = tuple(x for x in (q, k, v, segment_ids, offset) if x is not None)
+
+    def run(_, q, k, v, *rest):
+        rest = list(rest)
+        seg = rest.pop(0) if segment_ids is not None else None
+        off = rest.pop(0) if offset is not None else q_offset
+        return cudnn_call(q, k, v, segment_ids=seg, q_offset=off, scale=scale)
+
+    try:
+        return per_platform(settings, run, args, interpret=False)
+    except NotImplementedError as error:  # jax's own check of cuDNN's limits on this GPU
+        raise ValueError(f"impl='cudnn' cannot take this call on this GPU: {_one_line(error)}; "
+                         f"{INSTEAD}") from error
+    except RuntimeError as error:  # jax found no cuDNN library when tracing the call
+        raise ValueError(f"impl='cudnn' needs cuDNN, which this JAX cannot use here "
+                         f"({_one_line(error)}): run on a CUDA GPU with jax[cuda12], or {INSTEAD}") from error
+
+
+def _one_line(error: Exception) -> str:
+    return " ".join(str(error).split())
+
+
+# ---- splash (TPU) --------------------------------------------------------------------------
+
+LANES = 128  # splash tiles are multiples of this
+
+
+def splash_tiling(length: int, block_size: int | None) -> tuple[int, int]:
+    """(padded length, tile): the length rounded up to a multiple of 128, and the largest
+    128 * 2^i <= max(block_size, 128) dividing it (block_size None: 512)."""
+    padded = -(-length // LANES) * LANES
+    cap = max(512 if block_size is None else block_size, LANES)
+    tile = LANES
+    while tile * 2 <= cap and padded % (tile * 2) == 0:
+        tile *= 2
+    return padded, tile
+
+
+def splash_refusal(q, k, v, *, segment_ids=None, q_offset=0, bias_fn: BiasFn | None = None,
+                   score_fn: ScoreFn | None = None, platform: str, interpret: bool = False) -> str | None:
+    """Why impl='splash' cannot take this call when lowered for `platform` ('tpu'), as one line,
+    or None. interpret=True: the Pallas interpreter, any platform and head_dim. Reads shapes and
+    dtypes only (q, k, v may be ShapeDtypeStructs); any length is padded to whole tiles."""
+    del segment_ids  # the kernel's SegmentIds
+    reason = _hooks_refusal("splash", bias_fn, score_fn)
+    if reason:
+        return reason
+    if not interpret and platform != "tpu":
+        return (f"impl='splash' runs on TPU (a Pallas Mosaic kernel), not on platform {platform!r}; "
+                f"{INSTEAD}")
+    offset = _static_int(q_offset)
+    if offset != 0:
+        shown = "a traced value" if offset is None else offset
+        return (f"impl='splash' cannot take q_offset={shown}: it attends a whole sequence to itself "
+                f"(training), not a decoding step; {INSTEAD}")
+    if q.shape[1] != k.shape[1]:
+        return (f"impl='splash' cannot take q length {q.shape[1]} with key length {k.shape[1]}: it attends "
+                f"a whole sequence to itself; {INSTEAD}")
+    reason = _dtype_refusal("splash", q, k, v, ("bfloat16", "float32"), "splash attention")
+    if reason:
+        return reason
+    d = q.shape[-1]
+    if not interpret and d % 64:
+        return (f"impl='splash' cannot take head_dim={d}: splash attention on TPU takes multiples of 64 "
+                f"(64, 128, 192, 256 tested by jax); {INSTEAD}")
+    return None
+
+
+def _splash_kernel(heads: int, length: int, tile: int, interpret: bool):
+    # Built per call: it holds its mask tables as jax arrays (traced under jit); the tables'
+    # numpy computation is cached by jax.
+    from jax.experimental.pallas.ops.tpu import splash_attention as splash
+
+    mask = splash.MultiHeadMask([splash.CausalMask((length, length))] * heads)
+    tiles = splash.BlockSizes(block_q=tile, block_kv=tile, block_kv_compute=tile, block_q_dkv=tile,
+                              block_kv_dkv=tile, block_kv_dkv_compute=tile, use_fused_bwd_kernel=True)
+    return splash.make_splash_mha(mask, block_sizes=tiles, head_shards=1, q_seq_shards=1, interpret=interpret)
+
+
+def splash_call(q, k, v, *, segment_ids=None, scale: float | None = None, block_size: int | None = 512,
+                interpret: bool = False) -> jax.Array:
+    """The splash kernel on q [B, T, H, D], k, v [B, T, K, D] (the module doc: padding, tiles)."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import SegmentIds
+
+    b, t, h, d = q.shape
+    length, tile = splash_tiling(t, block_size)
+    scale = d ** -0.5 if scale is None else scale
+    q = (q.astype(jnp.float32) * scale).astype(q.dtype)
+
+    def heads_first(x):  # [B, T, N, D] -> [B, N, length, D]
+        return jnp.pad(x, ((0, 0), (0, length - t), (0, 0), (0, 0))).transpose(0, 2, 1, 3)
+
+    kernel = _splash_kernel(h, length, tile, interpret)
+    qh, kh, vh = heads_first(q), heads_first(k), heads_first(v)
+    if segment_ids is None:
+        out = jax.vmap(kernel)(qh, kh, vh)
+    else:
+        seg = jnp.pad(segment_ids.astype(jnp.int32), ((0, 0), (0, length - t)))
+        out = jax.vmap(lambda q, k, v, s: kernel(q, k, v, segment_ids=SegmentIds(s, s)))(qh, kh, vh, seg)
+    return out.transpose(0, 2, 1, 3)[:, :t].astype(q.dtype)
+
+
+def splash_attention(q, k, v, *, bias_fn: BiasFn | None = None, segment_ids=None, q_offset=0,
+                     scale: float | None = None, score_fn: ScoreFn | None = None,
+                     block_size: int | None = 512, interpret: bool = False) -> jax.Array:
+    """Causal softmax attention by TPU splash attention (the module doc); block_size caps the tile."""
+    check_shapes(q, k, v, segment_ids)
+    reason = splash_refusal(q, k, v, segment_ids=segment_ids, q_offset=q_offset, bias_fn=bias_fn,
+                            score_fn=score_fn, platform="tpu", interpret=interpret)
+    if reason:
+        raise ValueError(reason)
+
+    def settings(backend, interp):
+        reason = splash_refusal(q, k, v, platform=_PLATFORM[backend], interpret=interp)
+        if reason:
+            raise ValueError(reason)
+        return interp
+
+    args = (q, k, v) if segment_ids is None else (q, k, v, segment_ids)
+
+    def run(interp, q, k, v, seg=None):
+        return splash_call(q, k, v, segment_ids=seg, scale=scale, block_size=block_size, interpret=interp)
+
+    return per_platform(settings, run, args, interpret=True if interpret else False)

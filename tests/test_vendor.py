@@ -1,0 +1,312 @@
+"""positional/vendor.py: cuDNN and splash attention against the reference, on this CPU.
+
+cuDNN needs a GPU to run: its semantics are checked through the very call impl='cudnn' builds
+(`cudnn_call`: masks, padding) with jax's "xla" implementation in place of "cudnn", and its
+lowering for cuda through jax.export. Splash runs in the Pallas interpreter, and lowers for tpu
+(Mosaic) through jax.export. Every refusal is one line naming the field and what to use.
+"""
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from draws import normal
+from lowering import MOSAIC
+from positional import vendor
+from positional.softmax import reference_attention
+
+CUDNN_CALLS = ("__cudnn$fmhaSoftmax", "__cudnn$fmhaScaleBiasSoftmax", "__cudnn$fmhaSoftmaxBackward",
+               "__cudnn$fmhaScaleBiasSoftmaxBackward")
+
+
+def inputs(seed, b=2, t=12, s=None, h=4, kh=2, d=16, dtype=jnp.bfloat16):
+    kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
+    s = s or t
+    return normal(kq, (b, t, h, d), dtype), normal(kk, (b, s, kh, d), dtype), normal(kv, (b, s, kh, d), dtype)
+
+
+def segments(b, t, seed=0):
+    """Sorted ids 1..3 per row: packed documents, the last row one document."""
+    ids = np.sort(np.random.default_rng(seed).integers(1, 4, size=(b, t)), axis=1)
+    ids[-1] = 1
+    return jnp.asarray(ids, jnp.int32)
+
+
+def values_and_grads(fn, q, k, v, *extra):
+    """out and d/d(q, k, v) of sum(out * w), w fixed: fn(q, k, v, *extra) jitted."""
+    w = normal(jax.random.key(99), q.shape, jnp.float32)
+
+    def loss(q, k, v, *extra):
+        out = fn(q, k, v, *extra)
+        return jnp.sum(out.astype(jnp.float32) * w), out
+
+    (_, out), grads = jax.jit(jax.value_and_grad(loss, (0, 1, 2), has_aux=True))(q, k, v, *extra)
+    return out, grads
+
+
+def assert_close(got, want, rel):
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    assert np.linalg.norm(got - want) <= rel * np.linalg.norm(want), np.abs(got - want).max()
+
+
+def fp32(*xs):
+    return tuple(x.astype(jnp.float32) for x in xs)
+
+
+# ---- cuDNN's call, run by XLA ----------------------------------------------------------------
+
+@pytest.mark.parametrize("t,s,q_offset,with_segments", [
+    (12, 12, 0, False),   # training: cuDNN's own causal mask, no bias
+    (12, 12, 0, True),    # packed: causal + a segment mask (the bias)
+    (11, 11, 0, True),    # odd: padded to 12 (a query row, a masked key)
+    (11, 11, 0, False),   # odd, no mask: the padded key is after every query
+    pytest.param(3, 10, 6, False, marks=pytest.mark.slow),  # decoding, a static offset (causal mask)
+    (1, 9, "traced", False),  # one decoding step at a traced index
+])
+def test_cudnn_call_by_xla_equals_reference(t, s, q_offset, with_segments):
+    """GQA (4 query heads on 2 kv heads), bf16: the output within bf16 rounding of the fp32
+    reference on the same inputs, the gradients likewise."""
+    q, k, v = inputs(t + s, t=t, s=s)
+    seg = segments(2, t) if with_segments else None
+    traced = q_offset == "traced"
+    offset = 8 if traced else q_offset
+
+    def ours(q, k, v, off):
+        return vendor.cudnn_call(q, k, v, segment_ids=seg, q_offset=off if traced else offset,
+                                 implementation="xla")
+
+    def ref(q, k, v, off):
+        return reference_attention(q, k, v, segment_ids=seg, q_offset=offset)
+
+    out, grads = values_and_grads(ours, q, k, v, jnp.int32(offset))
+    want, want_grads = values_and_grads(ref, *fp32(q, k, v), jnp.int32(offset))
+    assert out.dtype == jnp.bfloat16 and out.shape == q.shape
+    assert_close(out, want, 6e-3)  # bf16 rounding: 2.5e-3 here; a mask off by one key: O(0.1)
+    for g, w in zip(grads, want_grads):
+        assert_close(g, w, 1e-2)
+
+
+def test_cudnn_call_scale():
+    q, k, v = inputs(1)
+    out = jax.jit(functools.partial(vendor.cudnn_call, scale=0.3, implementation="xla"))(q, k, v)
+    assert_close(out, reference_attention(*fp32(q, k, v), scale=0.3), 1e-2)
+
+
+# ---- splash, interpreted ---------------------------------------------------------------------
+
+def test_splash_tiling():
+    assert vendor.splash_tiling(1023, 512) == (1024, 512)
+    assert vendor.splash_tiling(200, 512) == (256, 256)
+    assert vendor.splash_tiling(1152, 512) == (1152, 128)  # 9 * 128: only 128 divides it
+    assert vendor.splash_tiling(12, 64) == (128, 128)      # tiles are at least 128
+    assert vendor.splash_tiling(4096, None) == (4096, 512)
+
+
+@pytest.mark.parametrize("t,with_segments,dtype", [
+    (200, True, jnp.float32), pytest.param(12, False, jnp.bfloat16, marks=pytest.mark.slow)])
+def test_splash_interpreted_equals_reference(t, with_segments, dtype):
+    """GQA; t=200 pads to 256, two 128-tiles (block_size=128), with packed segments."""
+    q, k, v = inputs(t, t=t, dtype=dtype)
+    seg = segments(2, t, seed=t) if with_segments else None
+    ours = functools.partial(vendor.splash_attention, segment_ids=seg, block_size=128, interpret=True)
+    out, grads = values_and_grads(ours, q, k, v)
+    want, want_grads = values_and_grads(functools.partial(reference_attention, segment_ids=seg), *fp32(q, k, v))
+    assert out.dtype == dtype and out.shape == q.shape
+    rel = 1e-5 if dtype == jnp.float32 else 6e-3
+    assert_close(out, want, rel)
+    for g, w in zip(grads, want_grads):
+        assert_close(g, w, 2 * rel)
+
+
+# ---- lowering for the accelerators, on this CPU --------------------------------------------
+
+def lowered(fn, *args, platforms):
+    """StableHLO text of jit(fn) exported for `platforms` (cuDNN's calls carry no
+    serialization guarantee, so that check is waived: the text is for inspection)."""
+    checks = [jax.export.DisabledSafetyCheck.custom_call(c) for c in CUDNN_CALLS]
+    return jax.export.export(jax.jit(fn), platforms=list(platforms), disabled_checks=checks)(*args).mlir_module()
+
+
+@pytest.fixture
+def cudnn_version(monkeypatch):
+    """jax asks the cuDNN library for its version when it traces the call; this CPU jaxlib has
+    none, so the query answers 9.10 (what lowering needs; compiling needs the GPU)."""
+    from jax._src.cudnn import fused_attention_stablehlo
+    monkeypatch.setattr(fused_attention_stablehlo, "check_cudnn_version", lambda: 91000)
+
+
+def grad_of(fn):
+    return jax.grad(lambda q, k, v, *extra: fn(q, k, v, *extra).astype(jnp.float32).sum(), (0, 1, 2))
+
+
+def test_cudnn_lowers_for_cuda(cudnn_version):
+    """T = S = 255 (odd: padded): without segment ids the causal flash call, with them the
+    bias call; forward and backward. Lowered for cpu, the same function refuses in one line."""
+    q = jax.ShapeDtypeStruct((2, 255, 4, 64), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((2, 255, 2, 64), jnp.bfloat16)
+    seg = jax.ShapeDtypeStruct((2, 255), jnp.int32)
+    plain = lambda q, k, v, seg: vendor.cudnn_attention(q, k, v)  # noqa: E731
+    packed = lambda q, k, v, seg: vendor.cudnn_attention(q, k, v, segment_ids=seg)  # noqa: E731
+    for fn, calls in [(plain, ["__cudnn$fmhaSoftmax"]),
+                      (grad_of(plain), ["__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward"]),
+                      (packed, ["__cudnn$fmhaScaleBiasSoftmax"]),
+                      (grad_of(packed), ["__cudnn$fmhaScaleBiasSoftmax", "__cudnn$fmhaScaleBiasSoftmaxBackward"])]:
+        text = lowered(fn, q, k, k, seg, platforms=["cuda"])
+        assert sorted(set(re.findall(r"__cudnn\$\w+", text))) == calls
+        assert '\\22mask_type\\22: \\22CAUSAL\\22' in text  # cuDNN skips the future, bias or not
+        with pytest.raises(ValueError, match=r"^impl='cudnn' runs on CUDA GPUs .* not on platform 'cpu'; use impl"):
+            lowered(fn, q, k, k, seg, platforms=["cpu"])
+    # A decoding step at a traced index: the causal mask as a bias.
+    step = jax.ShapeDtypeStruct((2, 1, 4, 64), jnp.bfloat16)
+    text = lowered(lambda q, k, v, i: vendor.cudnn_attention(q, k, v, q_offset=i), step, k, k,
+                   jax.ShapeDtypeStruct((), jnp.int32), platforms=["cuda"])
+    assert "__cudnn$fmhaScaleBiasSoftmax" in text
+
+
+def test_cudnn_on_cpu_refuses_in_one_line(cudnn_version):
+    q, k, v = inputs(2)
+    with pytest.raises(ValueError) as error:
+        jax.jit(vendor.cudnn_attention)(q, k, v)
+    assert "\n" not in str(error.value) and "platform 'cpu'" in str(error.value)
+
+
+def test_cudnn_without_cudnn_refuses_at_trace_time():
+    """This CPU jaxlib has no cuDNN: jax cannot even build the call, and says so in one line."""
+    from jax._src.lib import cuda_versions
+    if cuda_versions is not None:
+        pytest.skip("this jaxlib has cuDNN")
+    q, k, v = inputs(3)
+    with pytest.raises(ValueError) as error:
+        vendor.cudnn_attention(q, k, v)
+    message = str(error.value)
+    assert "\n" not in message and message.startswith("impl='cudnn' needs cuDNN") and "impl='blockwise'" in message
+
+
+@pytest.fixture
+def tpu_chip():
+    """A TPU generation for lowering on this CPU (as tests/test_tapa.py)."""
+    tpu_info = pytest.importorskip("jax._src.pallas.mosaic.tpu_info")
+    if not all(hasattr(tpu_info, n) for n in ("registry", "get_tpu_info_for_chip", "ChipVersion")):
+        pytest.skip("this JAX has no way to name a TPU generation for lowering on a CPU")
+    kind = jax.devices()[0].device_kind
+    tpu_info.registry[kind] = lambda: tpu_info.get_tpu_info_for_chip(tpu_info.ChipVersion.TPU_V5E, 1)
+    yield
+    tpu_info.registry.pop(kind)
+
+
+def test_splash_lowers_for_tpu(tpu_chip):
+    """T = 1023 (padded to 1024, 512-tiles), GQA, segment ids: one Mosaic kernel forward, two
+    with the gradient (the forward keeping its residuals, the fused backward). Lowered for cpu,
+    the same function refuses in one line."""
+    q = jax.ShapeDtypeStruct((2, 1023, 4, 128), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((2, 1023, 2, 128), jnp.bfloat16)
+    seg = jax.ShapeDtypeStruct((2, 1023), jnp.int32)
+    f = lambda q, k, v, seg: vendor.splash_attention(q, k, v, segment_ids=seg)  # noqa: E731
+    for fn, kernels in ((f, 1), (grad_of(f), 2)):
+        assert lowered(fn, q, k, k, seg, platforms=["tpu"]).count(MOSAIC) == kernels
+        with pytest.raises(ValueError, match=r"^impl='splash' runs on TPU .* not on platform 'cpu'; use impl"):
+            lowered(fn, q, k, k, seg, platforms=["cpu"])
+
+
+# ---- refusals ------------------------------------------------------------------------------
+
+def shapes(b=1, t=256, s=None, h=4, kh=2, d=128, dtype=jnp.bfloat16, k_dtype=None):
+    s = s or t
+    return (jax.ShapeDtypeStruct((b, t, h, d), dtype), jax.ShapeDtypeStruct((b, s, kh, d), k_dtype or dtype),
+            jax.ShapeDtypeStruct((b, s, kh, d), k_dtype or dtype))
+
+
+def some_bias(qi, kj):
+    return jnp.zeros((1, 1, qi.shape[0], kj.shape[0]))
+
+
+def some_score(qb, kb, qi, kj):
+    return jnp.einsum("btkgd,bskd->bkgts", qb, kb)
+
+
+CUDNN_REFUSALS = [
+    ({"bias_fn": some_bias}, {}, "bias_fn"),
+    ({"score_fn": some_score}, {}, "score_fn"),
+    ({"platform": "cpu"}, {}, "platform 'cpu'"),
+    ({"platform": "tpu"}, {}, "platform 'tpu'"),
+    ({}, {"dtype": jnp.float32}, "q dtype float32"),
+    ({}, {"k_dtype": jnp.float16}, "k float16"),
+    ({}, {"d": 100}, "head_dim=100"),
+    ({}, {"d": 512}, "head_dim=512"),
+]
+SPLASH_REFUSALS = [
+    ({"bias_fn": some_bias}, {}, "bias_fn"),
+    ({"score_fn": some_score}, {}, "score_fn"),
+    ({"platform": "cpu"}, {}, "platform 'cpu'"),
+    ({"platform": "cuda"}, {}, "platform 'cuda'"),
+    ({"q_offset": 3}, {"t": 1}, "q_offset=3"),
+    ({}, {"t": 128, "s": 256}, "q length 128 with key length 256"),
+    ({}, {"dtype": jnp.float16}, "q dtype float16"),
+    ({}, {"k_dtype": jnp.float32}, "k float32"),
+    ({}, {"d": 32}, "head_dim=32"),
+]
+
+
+def check_line(message, impl, field):
+    assert message is not None and "\n" not in message, message
+    assert message.startswith(f"impl={impl!r}") and field in message, message
+    assert message.endswith("use impl='blockwise' or 'auto'") or "or use impl='blockwise' or 'auto'" in message
+
+
+@pytest.mark.parametrize("options,shape,field", CUDNN_REFUSALS)
+def test_cudnn_refusals(options, shape, field):
+    q, k, v = shapes(**shape)
+    call = {"platform": "cuda"} | options
+    check_line(vendor.cudnn_refusal(q, k, v, **call), "cudnn", field)
+    if "platform" not in options:  # the implementation raises the same line (before it traces)
+        with pytest.raises(ValueError) as error:
+            jax.eval_shape(functools.partial(vendor.cudnn_attention, **options), q, k, v)
+        assert str(error.value) == vendor.cudnn_refusal(q, k, v, **call)
+
+
+@pytest.mark.parametrize("options,shape,field", SPLASH_REFUSALS)
+def test_splash_refusals(options, shape, field):
+    q, k, v = shapes(**shape)
+    call = {"platform": "tpu"} | options
+    check_line(vendor.splash_refusal(q, k, v, **call), "splash", field)
+    if "platform" not in options:
+        with pytest.raises(ValueError) as error:
+            jax.eval_shape(functools.partial(vendor.splash_attention, **options), q, k, v)
+        assert str(error.value) == vendor.splash_refusal(q, k, v, **call)
+
+
+def test_splash_refuses_a_traced_offset():
+    q, k, v = shapes(t=1)
+    with pytest.raises(ValueError, match=r"^impl='splash' cannot take q_offset=a traced value"):
+        jax.jit(lambda q, k, v, i: vendor.splash_attention(q, k, v, q_offset=i))(
+            *(jnp.zeros(x.shape, x.dtype) for x in (q, k, v)), jnp.int32(0))
+
+
+def test_what_each_takes():
+    """No refusal for what the module doc says each takes; segment ids and decoding for cuDNN."""
+    q, k, v = shapes(d=64)
+    assert vendor.cudnn_refusal(q, k, v, segment_ids=jnp.ones((1, 256), jnp.int32), platform="cuda") is None
+    assert vendor.cudnn_refusal(*shapes(t=1, s=256, dtype=jnp.float16), q_offset=200, platform="gpu") is None
+    assert vendor.cudnn_head_dim_limit() == 128  # no CUDA device here
+    assert vendor.splash_refusal(q, k, v, segment_ids=jnp.ones((1, 256), jnp.int32), platform="tpu") is None
+    assert vendor.splash_refusal(*shapes(t=100, d=192, dtype=jnp.float32), platform="tpu") is None
+    # The interpreter takes any platform and head dim; not decoding.
+    assert vendor.splash_refusal(*shapes(d=16), platform="cpu", interpret=True) is None
+    check_line(vendor.splash_refusal(*shapes(t=1, s=9, d=16), q_offset=8, platform="cpu", interpret=True),
+               "splash", "q_offset=8")
+
+
+def test_the_dispatcher_names_them():
+    """attention(impl=...) reaches both, block_size passed on (splash: its tile cap; cudnn: ignored)."""
+    from positional.attention import IMPLEMENTATIONS, attention
+    assert IMPLEMENTATIONS["cudnn"] is vendor.cudnn_attention
+    assert IMPLEMENTATIONS["splash"] is vendor.splash_attention
+    q, k, v = inputs(4, t=12, dtype=jnp.float32)
+    out = jax.jit(functools.partial(attention, impl="splash", block_size=128, interpret=True))(q, k, v)
+    assert_close(out, reference_attention(q, k, v), 1e-5)
+    with pytest.raises(ValueError, match=r"^impl='cudnn' cannot take q dtype float32"):
+        attention(q, k, v, impl="cudnn", block_size=512)
