@@ -27,7 +27,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         scheme=scheme,
         scheme_options=ml_collections.ConfigDict({}),  # e.g. {'base': 5e5, 'scaling': 'yarn'}
         tie_embeddings=True,
-        attention_impl="reference",  # 'reference' | 'blockwise' (| 'pallas' where a scheme has one)
+        attention_impl="auto",  # the fastest valid per platform (positional/attention.py), or by name:
+        # 'reference' | 'blockwise' | 'ring' | 'pallas' | 'cudnn' | 'splash
         block_size=512,
         dtype="float32",  # compute dtype ("bfloat16": bf16 matmuls, fp32 parameters and optimizer)
         remat="none",  # "none" | "block" | "dots": what each block keeps for the backward pass

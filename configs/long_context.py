@@ -13,9 +13,9 @@ CPU devices (XLA_FLAGS=--xla_force_host_platform_device_count=8, or 16 for tpu16
 
 after the slash, any registered scheme (default rope). The model: d_model 1024, 16 layers,
 16 heads of 64 (about 200M parameters), bf16 compute with fp32 parameters and optimizer
-state, each block rematerialised, ring attention in 1,024-token blocks (positional/ring.py;
-PaTH and espr_rf, which bring their own attention: their chunked forms, the keys and values
-gathered by the partitioner). Memory per device from the dry run is in benchmarks/RESULTS.md.
+state, each block rematerialised, attention "auto": ring attention in 1,024-token blocks on
+the sequence mesh (positional/ring.py; PaTH and espr_rf, which bring their own attention:
+their chunked forms, the keys and values gathered by the partitioner). Memory per device from the dry run is in benchmarks/RESULTS.md.
 """
 
 from configs import SCHEME, default, parse_arg
@@ -29,11 +29,11 @@ def get_config(arg: str | None = None):
     hardware, scheme = parse_arg(__file__, arg, FIELDS).values()
     c = default.get_config(scheme)
     c.model.update(d_model=1024, num_layers=16, num_heads=16, dtype="bfloat16", remat="block")
-    scheme_impls = make_scheme(c.model.scheme, num_heads=16, head_dim=64).impls
-    if "ring" in scheme_impls:  # keys and values round the ring, 1,024-token blocks
-        c.model.update(attention_impl="ring", block_size=1024)
-    else:  # PaTH, espr_rf: their own chunked algorithms, chunk sizes as configs/default.py sets
-        c.model.update(attention_impl="blockwise")
+    # "auto": on the sequence mesh the ring, keys and values passed round in 1,024-token blocks;
+    # PaTH and espr_rf: their own chunked algorithms, chunk sizes as configs/default.py sets.
+    c.model.attention_impl = "auto"
+    if "ring" in make_scheme(c.model.scheme, num_heads=16, head_dim=64).impls:
+        c.model.block_size = 1024
     c.seq_len = 131072
     c.mesh.update(data=1, tensor=1, **HARDWARE[hardware])
     c.batch_size = HARDWARE[hardware]["fsdp"]  # rows are split over data x fsdp

@@ -81,8 +81,10 @@ def perplexity(model: DecoderLM, stream: np.ndarray, length: int, n_tokens: int,
 
 def eval_impl(impl: str, length: int, blockwise_from: int) -> str:
     """The run's attention impl, except that the materialising reference gives way to blockwise
-    from `blockwise_from` tokens on (a fused kernel such as TAPA's "pallas" is kept)."""
-    return "blockwise" if impl == "reference" and length >= blockwise_from else impl
+    from `blockwise_from` tokens on: "reference", and "auto" where it runs on a CPU (elsewhere
+    auto's fused kernels are linear in memory already; "pallas" and the others are kept)."""
+    materialises = impl == "reference" or impl == "auto" and jax.default_backend() == "cpu"
+    return "blockwise" if materialises and length >= blockwise_from else impl
 
 
 def perplexity_at(config, model, length, n_tokens) -> float:

@@ -33,7 +33,7 @@ class ModelConfig:
     scheme: str = "rope"
     scheme_options: tuple = ()  # (name, value) pairs, hashable; see `from_dict`
     tie_embeddings: bool = True
-    attention_impl: str = "reference"  # or "blockwise", "ring" (sequence over the mesh), "pallas"
+    attention_impl: str = "auto"  # or by name: "reference", "blockwise", "ring", "pallas", "cudnn", "splash"
     block_size: int = 512
     dtype: str = "float32"  # compute dtype; parameters stay float32
     # "attention": the blocks above; "sessa", "sessa_nofb", "transformer", "mamba2": the Sessa

@@ -103,8 +103,8 @@ def test_long_context_configs():
     c = long_context.get_config("tpu16/path_fox")
     assert (c.seq_len, c.batch_size, c.model.scheme) == (131072, 2, "path_fox")
     assert dict(c.mesh) == {"data": 1, "fsdp": 2, "tensor": 1, "sequence": 8}
-    assert c.model.attention_impl == "blockwise" and c.model.block_size == 64  # PaTH keeps its chunks
+    assert c.model.attention_impl == "auto" and c.model.block_size == 64  # PaTH keeps its chunks
     c = long_context.get_config("gpu8")
-    assert (c.model.attention_impl, c.model.block_size) == ("ring", 1024)
+    assert (c.model.attention_impl, c.model.block_size) == ("auto", 1024)  # auto: the ring on the mesh
     with pytest.raises(ValueError, match="valid: gpu8, tpu16"):
         long_context.get_config("gpu4/rope")
