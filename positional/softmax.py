@@ -61,8 +61,17 @@ def _low_matmul_fwd(spec, dtype, a, b):
 def _low_matmul_bwd(spec, dtype, res, g):
     (a, b), (ins, out) = res, spec.split("->")
     sa, sb = ins.split(",")
-    return (_dot(f"{out},{sb}->{sa}", g, b, dtype).astype(a.dtype),
-            _dot(f"{sa},{out}->{sb}", a, g, dtype).astype(b.dtype))
+    to_a, to_b, g_low = f"{out},{sb}->{sa}", f"{sa},{out}->{sb}", g.astype(dtype)
+    da = _dot(to_a, g_low, b, dtype)
+    if a.dtype != dtype:
+        # A gradient kept in fp32 (P.V's dP): add g's rounding error times b's mean over the
+        # summed axes (V's over the keys), so dP's part common to every key is fp32-exact and
+        # cancels in the softmax backward's dP - rowsum(P dP) however large V's mean is
+        # (blockwise_lse's autodiff takes that rowsum from the fp32 cotangent). A dot of size D.
+        summed = tuple(i for i, c in enumerate(sb) if c not in out)
+        da = da + _dot(to_a, g - g_low.astype(g.dtype), jnp.mean(b.astype(jnp.float32), summed, keepdims=True),
+                       dtype)
+    return da.astype(a.dtype), _dot(to_b, a, g_low, dtype).astype(b.dtype)
 
 
 _low_matmul.defvjp(_low_matmul_fwd, _low_matmul_bwd)
@@ -73,11 +82,19 @@ def matmul(spec, a, b, dtype) -> jax.Array:
     (bf16), a `dtype` x `dtype` matmul accumulated in fp32, and so are the two of its backward:
     the fp32 cotangent is cast to `dtype` for them and each operand's gradient is returned in
     that operand's own dtype. So q.k (bf16 q, k) gives bf16 dq, dk, and P.V (fp32 P, bf16 V)
-    an fp32 dP, never rounded to bf16 before the softmax backward's dP - rowsum(dO O). For a
+    an fp32 dP, never rounded to bf16 before the softmax backward's dP - rowsum(P dP). For a
     dtype of fp32 or wider, the plain einsum (and autodiff's backward)."""
     if jnp.finfo(dtype).bits >= 32:
         return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
     return _low_matmul(spec, jnp.dtype(dtype), a, b)
+
+
+def rounded(x, dtype):
+    """fp32 x with its values rounded to `dtype` (the type stays fp32); the gradient passes
+    through unrounded. x itself for a dtype of fp32 or wider."""
+    if jnp.finfo(dtype).bits >= 32:
+        return x
+    return x + jax.lax.stop_gradient(x.astype(dtype).astype(x.dtype) - x)
 
 
 def causal_mask(qi, kj, seg_q, seg_k):
@@ -199,7 +216,8 @@ def blockwise_lse(q, k, v, *, bias_fn: BiasFn | None = None, segment_ids=None, k
                 s = block_scores(qb, kb, qi, kj, bias_fn, scale, score_fn)
                 s = jnp.where(causal_mask(qi, kj, sq, sk)[:, :, None], s, MASKED)
                 m_new = jnp.maximum(m, s.max(-1))
-                p = jnp.exp(s - m_new[..., None])
+                # The weights as P.V takes them, so that row_sum normalises exactly those.
+                p = rounded(jnp.exp(s - m_new[..., None]), vb.dtype)
                 corr = jnp.exp(m - m_new)
                 row_sum_new = row_sum * corr + p.sum(-1)
                 o_new = o * corr[..., None] + matmul("bkgts,bskd->bkgtd", p, vb, vb.dtype)
