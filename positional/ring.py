@@ -38,6 +38,10 @@ back at their owner. Memory per device is O(T K D / n), one block of scores and 
 features in both passes; the score's own gradient (bias parameters, TAPA's, FoX's gates) comes
 from jax.vjp of one block's scores. (Autodiff through the forward ring would keep every visiting shard: O(T)
 per device, which is what the gather costs.) The shard_maps run with check_vma=False.
+Precision as in positional/softmax.py: with bf16 inputs the shards travel in bf16 and every
+matmul of both passes takes bf16 operands, accumulating in fp32 (`matmul`); p, dp, ds, delta
+and the dq, dk, dv sums are fp32, a block pair's dq, dk (from the vjp) are rounded to bf16
+before they are added.
 """
 
 from __future__ import annotations
@@ -52,7 +56,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from positional.softmax import (MASKED, BiasFn, ScoreFn, block_scores, blockwise_attention, blockwise_lse,
-                                causal_mask, check_shapes)
+                                causal_mask, check_shapes, matmul)
 
 Hooks = Callable[[Any], tuple[BiasFn | None, ScoreFn | None]]
 
@@ -171,9 +175,9 @@ def ring_attention(q, k, v, *, mesh, axis: str = "sequence", bias_fn: BiasFn | N
         def blocks(x):  # [B, L, ...] -> [B, nb, blk, ...]
             return x.reshape(x.shape[0], nb, blk, *x.shape[2:])
 
-        qg, dog = (blocks(x.astype(f32).reshape(*x.shape[:2], kl, g, d)) for x in (q, do))  # [B,nb,blk,K,G,D]
+        qg, dog = (blocks(x.reshape(*x.shape[:2], kl, g, d)) for x in (q, do))  # [B,nb,blk,K,G,D]
         lse_g = blocks(lse.reshape(*lse.shape[:2], kl, g))
-        delta = jnp.sum(dog * blocks(o.astype(f32).reshape(*o.shape[:2], kl, g, d)), -1)  # [B,nb,blk,K,G]
+        delta = jnp.sum(dog.astype(f32) * blocks(o.reshape(*o.shape[:2], kl, g, d)), -1)  # [B,nb,blk,K,G]
         seg_q = blocks(seg)
         leaves, tree = jax.tree.flatten(features)
         floats = [jnp.issubdtype(x.dtype, jnp.floating) for x in leaves]
@@ -195,12 +199,12 @@ def ring_attention(q, k, v, *, mesh, axis: str = "sequence", bias_fn: BiasFn | N
             keep = causal_mask(qi, kj, seg_q[:, i], sk[:, j])[:, :, None]
             lse_b, do_b = jnp.moveaxis(lse_g[:, i], 1, -1)[..., None], dog[:, i]
             p = jnp.where(keep, jnp.exp(s - lse_b), 0.0)  # [B, K, G, tq, tk]
-            dp = jnp.einsum("btkgd,bskd->bkgts", do_b, vv[:, j])
+            dp = matmul("btkgd,bskd->bkgts", do_b, vv[:, j], v.dtype)  # fp32, as p and delta
             dq, dk, dfeat = vjp(p * (dp - jnp.moveaxis(delta[:, i], 1, -1)[..., None]))
-            return dq, dk, jnp.einsum("bkgts,btkgd->bskd", p, do_b), dfeat
+            return dq, dk, matmul("bkgts,btkgd->bskd", p, do_b, v.dtype), dfeat
 
         def visit(dq, dfeat, kk, vv, sk, dk, dv, src):
-            kk, vv, dk, dv = (blocks(x.astype(f32)) for x in (kk, vv, dk, dv))
+            kk, vv, dk, dv = (blocks(x) for x in (kk, vv, dk, dv))  # dk, dv: fp32
             sk = blocks(sk)
 
             def all_pairs(state):

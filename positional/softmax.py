@@ -13,11 +13,15 @@ additive logit bias evaluated on index vectors, so the blockwise version only ev
 block of it. Schemes whose logit is not a dot product (TAPA) pass `score_fn(qb, kb, qi, kj)`,
 which replaces `scale * q.k` for one block: qb [B, tq, K, G, D], kb [B, tk, K, D] ->
 [B, K, G, tq, tk] fp32. Scores, softmax statistics and the output accumulation are fp32 whatever the
-input dtype; the output has q's dtype.
+input dtype; the output has q's dtype. With bf16 (or fp16) inputs the matmuls take operands of that
+dtype and accumulate in fp32, in the forward and the backward (`matmul`): the flash-attention
+convention, at the accelerators' low-precision matmul rate; with fp32 inputs they are plain fp32
+einsums.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import jax
@@ -41,6 +45,58 @@ def check_shapes(q, k, v, segment_ids):
                          f"(q{q.shape}, k{k.shape})")
 
 
+def _dot(spec, a, b, dtype):
+    return jnp.einsum(spec, a.astype(dtype), b.astype(dtype), preferred_element_type=jnp.float32)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _low_matmul(spec, dtype, a, b):
+    return _dot(spec, a, b, dtype)
+
+
+def _low_matmul_fwd(spec, dtype, a, b):
+    return _dot(spec, a, b, dtype), (a, b)
+
+
+def _low_matmul_bwd(spec, dtype, res, g):
+    (a, b), (ins, out) = res, spec.split("->")
+    sa, sb = ins.split(",")
+    to_a, to_b, g_low = f"{out},{sb}->{sa}", f"{sa},{out}->{sb}", g.astype(dtype)
+    da = _dot(to_a, g_low, b, dtype)
+    if a.dtype != dtype:
+        # A gradient kept in fp32 (P.V's dP): add g's rounding error times b's mean over the
+        # summed axes (V's over the keys), so dP's part common to every key is fp32-exact and
+        # cancels in the softmax backward's dP - rowsum(P dP) however large V's mean is
+        # (blockwise_lse's autodiff takes that rowsum from the fp32 cotangent). A dot of size D.
+        summed = tuple(i for i, c in enumerate(sb) if c not in out)
+        da = da + _dot(to_a, g - g_low.astype(g.dtype), jnp.mean(b.astype(jnp.float32), summed, keepdims=True),
+                       dtype)
+    return da.astype(a.dtype), _dot(to_b, a, g_low, dtype).astype(b.dtype)
+
+
+_low_matmul.defvjp(_low_matmul_fwd, _low_matmul_bwd)
+
+
+def matmul(spec, a, b, dtype) -> jax.Array:
+    """einsum(spec, a, b) in fp32, its operands cast to `dtype`. For a dtype narrower than fp32
+    (bf16), a `dtype` x `dtype` matmul accumulated in fp32, and so are the two of its backward:
+    the fp32 cotangent is cast to `dtype` for them and each operand's gradient is returned in
+    that operand's own dtype. So q.k (bf16 q, k) gives bf16 dq, dk, and P.V (fp32 P, bf16 V)
+    an fp32 dP, never rounded to bf16 before the softmax backward's dP - rowsum(P dP). For a
+    dtype of fp32 or wider, the plain einsum (and autodiff's backward)."""
+    if jnp.finfo(dtype).bits >= 32:
+        return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
+    return _low_matmul(spec, jnp.dtype(dtype), a, b)
+
+
+def rounded(x, dtype):
+    """fp32 x with its values rounded to `dtype` (the type stays fp32); the gradient passes
+    through unrounded. x itself for a dtype of fp32 or wider."""
+    if jnp.finfo(dtype).bits >= 32:
+        return x
+    return x + jax.lax.stop_gradient(x.astype(dtype).astype(x.dtype) - x)
+
+
 def causal_mask(qi, kj, seg_q, seg_k):
     """Boolean [B or 1, 1, tq, tk]: causal and same-segment."""
     m = (kj[None, :] <= qi[:, None])[None, None]
@@ -53,7 +109,7 @@ def block_scores(qb, kb, qi, kj, bias_fn, scale, score_fn):
     """Scores of one query block against one key block: [B, K, G, tq, tk] in fp32."""
     b, tq, kh, g, _ = qb.shape
     if score_fn is None:
-        s = jnp.einsum("btkgd,bskd->bkgts", qb, kb, preferred_element_type=jnp.float32) * scale
+        s = matmul("btkgd,bskd->bkgts", qb, kb, jnp.promote_types(qb.dtype, kb.dtype)) * scale
     else:
         s = score_fn(qb, kb, qi, kj)
     if bias_fn is not None:
@@ -94,7 +150,7 @@ def reference_attention(q, k, v, *, bias_fn: BiasFn | None = None, segment_ids=N
     check_shapes(q, k, v, segment_ids)
     p = attention_weights(q, k, bias_fn=bias_fn, segment_ids=segment_ids, q_offset=q_offset, scale=scale,
                           score_fn=score_fn)
-    o = jnp.einsum("bkgts,bskd->btkgd", p, v.astype(jnp.float32))
+    o = matmul("bkgts,bskd->btkgd", p, v, v.dtype)
     return o.reshape(q.shape).astype(q.dtype)
 
 
@@ -160,10 +216,11 @@ def blockwise_lse(q, k, v, *, bias_fn: BiasFn | None = None, segment_ids=None, k
                 s = block_scores(qb, kb, qi, kj, bias_fn, scale, score_fn)
                 s = jnp.where(causal_mask(qi, kj, sq, sk)[:, :, None], s, MASKED)
                 m_new = jnp.maximum(m, s.max(-1))
-                p = jnp.exp(s - m_new[..., None])
+                # The weights as P.V takes them, so that row_sum normalises exactly those.
+                p = rounded(jnp.exp(s - m_new[..., None]), vb.dtype)
                 corr = jnp.exp(m - m_new)
                 row_sum_new = row_sum * corr + p.sum(-1)
-                o_new = o * corr[..., None] + jnp.einsum("bkgts,bskd->bkgtd", p, vb.astype(jnp.float32))
+                o_new = o * corr[..., None] + matmul("bkgts,bskd->bkgtd", p, vb, vb.dtype)
                 return o_new, m_new, row_sum_new
 
             # A key block strictly after the last query of this block contributes nothing.

@@ -29,8 +29,9 @@ def check_ring(result, sizes):
     for case, d in result.items():
         bf16 = d["dtype"] == "bfloat16"
         assert d["out"] <= (1e-2 if bf16 else 1e-5), (case, d)
-        for what in ("dq", "dk", "dv", "dbias"):  # bf16 gradients: one rounding of bf16 (2^-8 relative)
-            assert d.get(what, 0) <= (2e-2 if bf16 and what != "dbias" else 1e-5), (case, what, d)
+        for what in ("dq", "dk", "dv", "dbias"):  # bf16 gradients: one rounding of bf16 (2^-8 relative);
+            # the bias's, fp32, from bf16 matmuls rounded in other places (ring: its own backward)
+            assert d.get(what, 0) <= ((5e-3 if what == "dbias" else 2e-2) if bf16 else 1e-5), (case, what, d)
         if "held" in d:
             assert tuple(d["held"]) == held, (case, d)
 
