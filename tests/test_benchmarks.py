@@ -95,3 +95,11 @@ def test_grid2d_runs(capsys):
     assert [r["method"] for r in rows] == ["rope_1d_flattened", "espr_2d"]
     assert all(0 <= r["eval_accuracy"] <= 1 for r in rows)
     assert "| espr_2d |" in capsys.readouterr().out
+
+
+def test_attention_runs(capsys):
+    rows = run("attention", ["--schemes", "rope,alibi", "--lengths", "64", "--impls", "auto,pallas", "--repeats", "1",
+                             "--heads", "2", "--head_dim", "16"])
+    assert {r["impl"] for r in rows} == {"softmax/xla", "rope/auto", "rope/pallas", "alibi/auto", "alibi/pallas"}
+    assert all(r["ms"] > 0 for r in rows)
+    assert "| 64 | alibi/pallas |" in capsys.readouterr().out
