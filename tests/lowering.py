@@ -5,6 +5,8 @@ import contextlib
 
 import jax
 import pytest
+from jax._src.interpreters import mlir as jax_mlir
+from jax._src.lib.mlir import ir, passmanager
 
 TRITON = "__gpu$xla.gpu.triton"  # the custom call a Pallas kernel lowers to on GPU (Triton)
 MOSAIC = "tpu_custom_call"  # ... and on TPU (Mosaic)
@@ -34,3 +36,13 @@ def tpu_chip():
         yield
     finally:
         tpu_info.registry.pop(kind)
+
+
+def simplified(text: str) -> str:
+    """The module after MLIR's canonicalize, symbol-dce and cse: what a platform_dependent
+    leaves for other platforms (their branches' residuals, zeros here) is gone, as XLA's own
+    dead-code elimination removes it before anything is allocated."""
+    with jax_mlir.make_ir_context():
+        module = ir.Module.parse(text)
+        passmanager.PassManager.parse("builtin.module(canonicalize,symbol-dce,cse)").run(module.operation)
+        return str(module)

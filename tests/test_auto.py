@@ -1,0 +1,110 @@
+"""impl="auto": what it picks per platform, that on this CPU it is the reference's result, that
+each choice is logged once, and that lowering for cuda / tpu reaches the fused kernels."""
+
+import contextlib
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax._src.cudnn import fused_attention_stablehlo
+
+from draws import normal
+from lowering import MOSAIC, TRITON, simplified, tpu_chip
+from models.registry import make_scheme
+from positional import attention as dispatch
+from positional.attention import REFERENCE_MAX, attention, choose
+
+BF16 = jax.ShapeDtypeStruct((1, 256, 4, 128), jnp.bfloat16)
+F32 = jax.ShapeDtypeStruct((1, 256, 4, 128), jnp.float32)
+ALIBI = make_scheme("alibi", num_heads=4, head_dim=128).bias_fn(None, None)
+
+
+@pytest.fixture
+def cudnn(monkeypatch):
+    """This CPU jaxlib has no cuDNN; jax asks for its version when it traces a cuDNN call."""
+    monkeypatch.setattr(fused_attention_stablehlo, "check_cudnn_version", lambda: 91000)
+
+
+@pytest.mark.parametrize("platform,x,kw,impl,why", [
+    ("cpu", BF16, {}, "reference", "256 keys <= 2048"),
+    ("cpu", jax.ShapeDtypeStruct((1, REFERENCE_MAX + 1, 4, 128), jnp.float32), {}, "blockwise", "> 2048"),
+    ("cuda", BF16, {}, "cudnn", "plain softmax"),
+    ("cuda", BF16, {"segment_ids": True}, "pallas", "packed rows"),
+    ("cuda", F32, {}, "pallas", "float32"),
+    ("cuda", BF16, {"bias_fn": ALIBI}, "pallas", "cannot take bias_fn"),
+    ("cuda", BF16, {"bias_fn": lambda qi, kj: 0.0}, "blockwise", "bias_fn must be a positional.logits.Bias"),
+    ("tpu", BF16, {}, "splash", "plain softmax"),
+    ("tpu", BF16, {"segment_ids": True}, "splash", "plain softmax"),
+    ("tpu", BF16, {"bias_fn": ALIBI}, "pallas", "the fused kernel"),
+    ("tpu", BF16, {"q_offset": jnp.int32(3)}, "blockwise", "q_offset must be a Python int"),
+])
+def test_choices(cudnn, platform, x, kw, impl, why):
+    if kw.get("segment_ids"):
+        kw = {**kw, "segment_ids": jnp.zeros(x.shape[:2], jnp.int32)}
+    got, reason = choose(x, x, x, platform=platform, **kw)
+    assert (got, why in reason) == (impl, True), reason
+
+
+def test_without_cudnn_the_gpu_gets_the_fused_kernel():
+    assert choose(BF16, BF16, BF16, platform="cuda") == ("pallas", "the fused kernel; not cudnn: this JAX has no cuDNN")
+
+
+@pytest.mark.parametrize("name", ["rope", "alibi", "tapa+alibi", "path_fox"])
+def test_auto_on_cpu_is_the_reference(name, caplog):
+    """On this CPU auto runs the reference (short rows): the same numbers, and one log line per
+    platform for a call site however often it is traced."""
+    scheme = make_scheme(name, num_heads=4, head_dim=16)
+    q, k, v = (normal(jax.random.key(i), (2, 24, 4, 16)) for i in range(3))
+    pos = jnp.broadcast_to(jnp.arange(24), (2, 24))
+    dispatch._LOGGED.clear()
+    with caplog.at_level(logging.INFO, logger="positional.attention"):
+        got = [jax.jit(lambda q, s=s: scheme.attend(q, k, v, positions=pos, impl="auto", key=jax.random.key(0)))(q)
+               for s in range(2)]  # two traces of one call site
+    want = jax.jit(lambda q: scheme.attend(q, k, v, positions=pos, impl="reference", key=jax.random.key(0)))(q)
+    for out in got:
+        np.testing.assert_array_equal(out, want)
+    lines = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
+    if "auto" in scheme.impls:
+        assert len(lines) == 3 and {line.split(" on ")[1].split(":")[0] for line in lines} == {"cpu", "cuda", "tpu"}
+    else:  # PaTH brings its own attention: auto is its reference at this length, nothing logged
+        assert lines == []
+
+
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+def test_auto_lowers_to_the_fused_kernels(platform, cudnn):
+    """Exported for a platform on this CPU, auto reaches cuDNN / splash for plain softmax and the
+    project's kernel for a bias, forward and backward; no T x T buffer on the way. (The module
+    as exported holds zeros standing for the other platforms' residuals, the CPU reference's
+    T x T among them: differentiating a platform_dependent keeps every branch's; dead code,
+    which XLA removes: `test_other_platforms_residuals_cost_no_memory`.)"""
+    def lowered(bias):
+        def loss(q):
+            return attention(q, q, q, impl="auto", bias_fn=bias).astype(jnp.float32).sum()
+        checks = [jax.export.DisabledSafetyCheck.custom_call(c) for c in
+                  (TRITON, "__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward")]
+        exported = jax.export.export(jax.jit(jax.value_and_grad(loss)), platforms=[platform], disabled_checks=checks)
+        return exported(BF16).mlir_module()
+
+    with tpu_chip() if platform == "tpu" else contextlib.nullcontext():
+        plain, biased = lowered(None), lowered(ALIBI)
+    if platform == "cuda":
+        assert "__cudnn$fmhaSoftmax" in plain and TRITON not in plain
+        assert biased.count(TRITON) == 3  # forward, dK/dV, dQ
+    else:
+        assert plain.count(MOSAIC) >= 2 and biased.count(MOSAIC) == 3
+    for text in (plain, biased):  # no [., ., T, T] tensor is left once dead code is gone
+        assert "x256x256x" not in simplified(text)
+
+
+def test_other_platforms_residuals_cost_no_memory():
+    """Compiled for this CPU, auto's forward + backward needs the temporary memory of the
+    reference alone: the zeros standing for the cuda and tpu branches' residuals are dropped."""
+    x = normal(jax.random.key(0), (1, 512, 4, 64))
+
+    def temp(impl):
+        grad = jax.jit(jax.grad(lambda q: attention(q, q, q, impl=impl, bias_fn=ALIBI).sum()))
+        return grad.lower(x).compile().memory_analysis().temp_size_in_bytes
+
+    assert temp("auto") <= temp("reference")
