@@ -148,7 +148,7 @@ for _steps in ("random", "learned", "hidden"):
                  Entry(SO2, fixed={"steps": _steps, "rotate_values": _qkv}, features=StepAngles,
                        doc=f"accumulated SO(2) transport of {'q/k/v' if _qkv else 'q/k'}, {STEP_DOCS[_steps]}"))
 register("tapa", Entry(Tapa, doc="token-aware phase attention: (q_A.k_A) cos(2 pi |i-j|^alpha q_P.k_P), no "
-                                 "rotation; `impl=\"pallas\"` runs the fused kernel"))
+                                 "rotation"))
 register("tapa_linear", Entry(Tapa, fixed={"phase": "linear"}, doc="TAPA with the paper's linear-phase ablation"))
 register("espr", Entry(Espr, features=EsprFeatures,
                        doc="ESPR / STRING: learned commuting generators (shared orthogonal basis, per-plane "

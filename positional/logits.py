@@ -53,7 +53,8 @@ class Bias:
         """The bias of query slots qi [tq] against key slots kj [tk]: [B|1, H|1, tq, tk] fp32."""
         q = {n: slot_values(x, qi)[..., None] for n, x in self.values.items()}
         k = {n: slot_values(x, kj)[..., None, :] for n, x in self.values.items()}
-        return jnp.asarray(self.fn(q, k, qi[:, None], kj[None, :]), jnp.float32)
+        out = jnp.asarray(self.fn(q, k, qi[:, None], kj[None, :]), jnp.float32)
+        return out.reshape((1,) * (4 - out.ndim) + out.shape)
 
 
 def sum_of(biases: list[Bias]) -> Bias:
