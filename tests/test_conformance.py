@@ -125,9 +125,11 @@ def test_packing_equals_separate_runs(scheme):
 
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_implementations_agree_values_and_gradients(scheme):
+    """Every impl against the reference (the fused kernel in the interpreter), GQA, two
+    segments in one row, and a length that is not a multiple of the block (4)."""
     params, apply = forward(scheme)
-    x, pos = example()
-    seg = jnp.asarray([[1] * 6 + [2] * 6, [1] * T])
+    x, pos = example(t=T + 1)
+    seg = jnp.asarray([[1] * 6 + [2] * 7, [1] * (T + 1)])
     results = {impl: apply.value_and_grads(params, x, pos, seg, impl=impl) for impl in apply.impls}
     (_, ref_out), ref_grads = results.pop("reference")
     for (_, out), grads in results.values():
