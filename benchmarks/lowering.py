@@ -16,25 +16,35 @@ for this host's device kind, as Mosaic asks the device for one.
 It prints
   - each attention call site: the scheme's class, the impl "auto" chose for the platform and
     why (the DEBUG records of logger "positional.attention", identical lines counted once,
-    with the layers they came from); schemes with their own attention (path, path_fox,
-    espr_rf) resolve "auto" themselves, by length, and say so;
-  - the fused-kernel custom calls in the lowered module: Triton (Pallas on GPU), Mosaic
-    (tpu_custom_call: Pallas and splash on TPU) and cuDNN flash attention, counted apart;
-  - the largest tensor in the StableHLO (shape, dtype, bytes), and whether any tensor has two
-    axes of at least seq_len: a T x T buffer. Tensors shaped like a parameter (weights, their
-    gradients and moments) are not counted as T x T, nor is the vocabulary axis of a tensor of
-    rank <= 3 (the logits [B, T, vocab] when vocab >= T), so a model wider than its sequence
-    does not trip it; attention scores are rank 4 or 5.
+    with the layers they came from; a trace JAX reuses, as remat's for the blocks after the
+    first, is one call site); schemes with their own attention (path, path_fox, espr_rf)
+    resolve "auto" themselves, by length, and say so;
+  - the fused-kernel custom calls of one step: Triton (Pallas on GPU), Mosaic (tpu_custom_call:
+    Pallas and splash on TPU) and cuDNN flash attention, counted apart, a call inside a
+    function counted once per call of that function (and the count in the text, where other);
+  - the largest tensor type in the StableHLO (shape, dtype, bytes), and whether any tensor has
+    two axes of at least seq_len: a T x T buffer. Not counted as T x T: tensors shaped like a
+    parameter (weights, their gradients and moments), the vocabulary axis of a tensor of rank
+    <= 3 (the logits [B, T, vocab] when vocab >= T), so a model wider than its sequence does not
+    trip it (attention scores are rank 4 or 5); and placeholders, types that no op computes,
+    only splats of a scalar or values passed along (returns, calls, control flow). Those arise
+    from `jax.lax.platform_dependent` under autodiff: the branches' residuals are joined, so the
+    branch lowered returns zeros in the slots of another platform's residuals (the CPU
+    reference's [B, K, G, T, T] scores up to 2,048 keys). They are listed apart and do not fail
+    the check; nothing computes on them, but whether XLA drops them is not checked here.
 
 Exit status 1, with one line on stderr ("error: ..."), when the scheme has a fused path (its
 `impls` include "pallas") and a call site ran "reference" or "blockwise" for the platform, or a
-T x T tensor is present. Schemes without a fused path report what they use and pass.
+computed T x T tensor is present. Schemes without a fused path report what they use and pass.
 
 `--force_auto` (default on) sets model.attention_impl="auto", saying so in a note line when
 the config named another impl (configs/default.py names "reference"): that is what the check
 is for. With --noforce_auto the config's impl is lowered as it is, with a warning line; no
 call site is logged then, and "reference" or "blockwise" for a scheme with a fused path fails.
-A bad flag or config value is one line and exit 1.
+`--config` is required. A bad flag or config value is one line and exit 1. The step is built
+over this host's devices as the config's mesh asks (one CPU device: every axis 1); a config
+whose mesh names more devices needs them simulated,
+XLA_FLAGS=--xla_force_host_platform_device_count=N (on a sequence mesh "auto" is "ring").
 """
 
 from __future__ import annotations
@@ -64,8 +74,10 @@ FLAGS = flags.FLAGS if __name__ == "__main__" else flags.FlagValues()
 flags.DEFINE_enum("platform", "tpu", ["tpu", "cuda"], "the platform lowered for", flag_values=FLAGS)
 flags.DEFINE_bool("force_auto", True, "set model.attention_impl='auto' (a note line when the config "
                   "named another); --noforce_auto lowers the config's impl, with a warning line", flag_values=FLAGS)
-config_flags.DEFINE_config_file("config", None, "experiment config: configs/<file>.py[:arg] (required)", flag_values=FLAGS,
-                                lock_config=False, accept_new_attributes=True)
+# No default: ml_collections would apply --config.x overrides to a default while defining the
+# flag, where a bad one is a traceback rather than parse_flags's one line.
+config_flags.DEFINE_config_file("config", None, "experiment config: configs/<file>.py[:arg] (required)",
+                                flag_values=FLAGS, lock_config=False, accept_new_attributes=True)
 
 TRITON = "__gpu$xla.gpu.triton"  # a Pallas kernel on GPU
 MOSAIC = "tpu_custom_call"  # a Pallas kernel (ours or splash) on TPU
