@@ -48,6 +48,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax._src.cudnn import fused_attention_stablehlo
+from jax.experimental.pallas.ops.tpu import splash_attention as splash
 
 from positional.kernels import per_platform
 from positional.softmax import BiasFn, ScoreFn, check_shapes
@@ -250,20 +251,19 @@ def splash_refusal(q, k, v, *, segment_ids=None, q_offset=0, bias_fn: BiasFn | N
 
 def _splash_kernel(heads: int, length: int, tile: int, interpret: bool):
     # Built per call: it holds its mask tables as jax arrays (traced under jit); the tables'
-    # numpy computation is cached by jax.
-    from jax.experimental.pallas.ops.tpu import splash_attention as splash
-
+    # numpy computation is cached by jax. The backward is splash's two kernels (dq; dk, dv):
+    # its fused one writes a partial dq per key tile, [T / tile] x the size of dq, which grows
+    # as T^2.
     mask = splash.MultiHeadMask([splash.CausalMask((length, length))] * heads)
     tiles = splash.BlockSizes(block_q=tile, block_kv=tile, block_kv_compute=tile, block_q_dkv=tile,
-                              block_kv_dkv=tile, block_kv_dkv_compute=tile, use_fused_bwd_kernel=True)
+                              block_kv_dkv=tile, block_kv_dkv_compute=tile, block_q_dq=tile, block_kv_dq=tile,
+                              use_fused_bwd_kernel=False)
     return splash.make_splash_mha(mask, block_sizes=tiles, head_shards=1, q_seq_shards=1, interpret=interpret)
 
 
 def splash_call(q, k, v, *, segment_ids=None, scale: float | None = None, block_size: int | None = 512,
                 interpret: bool = False) -> jax.Array:
     """The splash kernel on q [B, T, H, D], k, v [B, T, K, D] (the module doc: padding, tiles)."""
-    from jax.experimental.pallas.ops.tpu.splash_attention import SegmentIds
-
     b, t, h, d = q.shape
     length, tile = splash_tiling(t, block_size)
     scale = d ** -0.5 if scale is None else scale
@@ -278,7 +278,7 @@ def splash_call(q, k, v, *, segment_ids=None, scale: float | None = None, block_
         out = jax.vmap(kernel)(qh, kh, vh)
     else:
         seg = jnp.pad(segment_ids.astype(jnp.int32), ((0, 0), (0, length - t)))
-        out = jax.vmap(lambda q, k, v, s: kernel(q, k, v, segment_ids=SegmentIds(s, s)))(qh, kh, vh, seg)
+        out = jax.vmap(lambda q, k, v, s: kernel(q, k, v, segment_ids=splash.SegmentIds(s, s)))(qh, kh, vh, seg)
     return out.transpose(0, 2, 1, 3)[:, :t].astype(q.dtype)
 
 

@@ -1,6 +1,7 @@
 """Smoke tests: each benchmark runs end to end on a tiny setting, so the scripts cannot rot."""
 
 import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
@@ -103,3 +104,42 @@ def test_attention_runs(capsys):
     assert {r["impl"] for r in rows} == {"softmax/xla", "rope/auto", "rope/pallas", "alibi/auto", "alibi/pallas"}
     assert all(r["ms"] > 0 for r in rows)
     assert "| 64 | alibi/pallas |" in capsys.readouterr().out
+
+
+def lowering_check(argv: list[str], monkeypatch) -> int:
+    """benchmarks/lowering.py's exit status with these flags, in this process (ml_collections
+    reads a config file's --config.x overrides from sys.argv, so they are the process's here)."""
+    monkeypatch.setattr(sys, "argv", ["lowering", *argv])
+    module = load("lowering")
+    module.FLAGS(sys.argv)
+    try:
+        module.main(["lowering"])
+    except SystemExit as e:
+        return e.code
+    return 0
+
+
+TINY_LOWERING = ["--config", "configs/default.py:alibi", "--config.seq_len=256", "--config.batch_size=2",
+                 "--config.model.d_model=64", "--config.model.num_layers=2", "--config.model.dtype=bfloat16"]
+
+
+def test_lowering_check_picks_the_fused_kernel(capsys, monkeypatch):
+    """ALiBi (a bias: the fused kernel on both accelerators), lowered on this CPU for each: auto
+    chose pallas at both call sites, the kernels are in the module, no T x T buffer."""
+    for platform, kernels in (("tpu", "mosaic (tpu_custom_call) 6"), ("cuda", "triton 6")):
+        assert lowering_check([*TINY_LOWERING, "--platform", platform], monkeypatch) == 0
+        out = capsys.readouterr().out
+        assert "2 x Alibi (layers 0-1): pallas -- the fused kernel" in out, out
+        assert kernels in out and "T x T tensor (two axes >= 256): none" in out and out.rstrip().endswith("result: ok"), out
+
+
+def test_lowering_check_fails_on_a_t_by_t_path(capsys, monkeypatch):
+    """The config's reference impl, kept (--noforce_auto): a warning, a T x T tensor, and
+    exit 1 with one line naming the scheme."""
+    argv = [*TINY_LOWERING, "--platform", "tpu", "--config.model.attention_impl=reference", "--noforce_auto"]
+    assert lowering_check(argv, monkeypatch) == 1
+    captured = capsys.readouterr()
+    assert "warning: model.attention_impl='reference'" in captured.out
+    assert "T x T tensor (two axes >= 256): yes" in captured.out
+    error = captured.err.strip()
+    assert "\n" not in error and error.startswith("error: alibi (Alibi) runs 'reference' on tpu"), error

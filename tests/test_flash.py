@@ -2,7 +2,6 @@
 both loop structures (GPU's loop over whole-sequence refs, TPU's streamed grid), and lowered
 for cuda and tpu. The conformance suite runs it for every registered scheme at the layer."""
 
-import contextlib
 import dataclasses
 import functools
 
@@ -12,7 +11,7 @@ import numpy as np
 import pytest
 
 from draws import normal
-from lowering import MOSAIC, TRITON, lowered, tpu_chip
+from lowering import MOSAIC, TRITON, lowered
 from models.registry import REGISTRY, Entry, make_scheme
 from positional import kernels
 from positional.kernels.flash import fused_attention
@@ -144,14 +143,13 @@ def test_kernels_lower_for_gpu_and_tpu(platform, call, monkeypatch):
         return pallas_call(*args, in_specs=in_specs, **kw)
 
     monkeypatch.setattr(kernels.flash.pl, "pallas_call", recording)
-    with tpu_chip() if platform == "tpu" else contextlib.nullcontext():
-        for name, make in LOWERED.items():
-            def f(q, k, v):
-                bias, score = make(t)
-                return fused_attention(q, k, v, bias_fn=bias, score_fn=score)
-            grad = jax.grad(lambda q, k, v: f(q, k, v).astype(jnp.float32).sum(), (0, 1, 2))
-            assert lowered(f, q, k, k, platforms=[platform]).count(call) == 1, name
-            assert lowered(grad, q, k, k, platforms=[platform]).count(call) == 3, name
+    for name, make in LOWERED.items():
+        def f(q, k, v):
+            bias, score = make(t)
+            return fused_attention(q, k, v, bias_fn=bias, score_fn=score)
+        grad = jax.grad(lambda q, k, v: f(q, k, v).astype(jnp.float32).sum(), (0, 1, 2))
+        assert lowered(f, q, k, k, platforms=[platform]).count(call) == 1, name
+        assert lowered(grad, q, k, k, platforms=[platform]).count(call) == 3, name
     longest = max(max(s for s in shape if s is not None) for shape in blocks)
     assert longest == (t if platform == "cuda" else 128)
 

@@ -15,12 +15,11 @@ import numpy as np
 import pytest
 
 from draws import normal
-from lowering import MOSAIC
+from lab.lowering import cudnn_stand_in
+from lowering import MOSAIC, lowered
 from positional import vendor
 from positional.softmax import reference_attention
 
-CUDNN_CALLS = ("__cudnn$fmhaSoftmax", "__cudnn$fmhaScaleBiasSoftmax", "__cudnn$fmhaSoftmaxBackward",
-               "__cudnn$fmhaScaleBiasSoftmaxBackward")
 
 
 def inputs(seed, b=2, t=12, s=None, h=4, kh=2, d=16, dtype=jnp.bfloat16):
@@ -124,19 +123,11 @@ def test_splash_interpreted_equals_reference(t, with_segments, dtype):
 
 # ---- lowering for the accelerators, on this CPU --------------------------------------------
 
-def lowered(fn, *args, platforms):
-    """StableHLO text of jit(fn) exported for `platforms` (cuDNN's calls carry no
-    serialization guarantee, so that check is waived: the text is for inspection)."""
-    checks = [jax.export.DisabledSafetyCheck.custom_call(c) for c in CUDNN_CALLS]
-    return jax.export.export(jax.jit(fn), platforms=list(platforms), disabled_checks=checks)(*args).mlir_module()
-
-
 @pytest.fixture
-def cudnn_version(monkeypatch):
-    """jax asks the cuDNN library for its version when it traces the call; this CPU jaxlib has
-    none, so the query answers 9.10 (what lowering needs; compiling needs the GPU)."""
-    from jax._src.cudnn import fused_attention_stablehlo
-    monkeypatch.setattr(fused_attention_stablehlo, "check_cudnn_version", lambda: 91000)
+def cudnn_version():
+    """For the whole test (lowering for cpu traces the cuda branch too): lab.lowering's stand-in."""
+    with cudnn_stand_in():
+        yield
 
 
 def grad_of(fn):
@@ -186,28 +177,18 @@ def test_cudnn_without_cudnn_refuses_at_trace_time():
     assert "\n" not in message and message.startswith("impl='cudnn' needs cuDNN") and "impl='blockwise'" in message
 
 
-@pytest.fixture
-def tpu_chip():
-    """A TPU generation for lowering on this CPU (as tests/test_tapa.py)."""
-    tpu_info = pytest.importorskip("jax._src.pallas.mosaic.tpu_info")
-    if not all(hasattr(tpu_info, n) for n in ("registry", "get_tpu_info_for_chip", "ChipVersion")):
-        pytest.skip("this JAX has no way to name a TPU generation for lowering on a CPU")
-    kind = jax.devices()[0].device_kind
-    tpu_info.registry[kind] = lambda: tpu_info.get_tpu_info_for_chip(tpu_info.ChipVersion.TPU_V5E, 1)
-    yield
-    tpu_info.registry.pop(kind)
-
-
-def test_splash_lowers_for_tpu(tpu_chip):
-    """T = 1023 (padded to 1024, 512-tiles), GQA, segment ids: one Mosaic kernel forward, two
-    with the gradient (the forward keeping its residuals, the fused backward). Lowered for cpu,
-    the same function refuses in one line."""
+def test_splash_lowers_for_tpu():
+    """T = 1023 (padded to 1024, 512-tiles), GQA, segment ids: one Mosaic kernel forward, three
+    with the gradient (the forward keeping its residuals; dq; dk and dv), and no tensor of
+    [T / tile] partial dq's (the fused backward's). Lowered for cpu, the same function refuses
+    in one line."""
     q = jax.ShapeDtypeStruct((2, 1023, 4, 128), jnp.bfloat16)
     k = jax.ShapeDtypeStruct((2, 1023, 2, 128), jnp.bfloat16)
     seg = jax.ShapeDtypeStruct((2, 1023), jnp.int32)
     f = lambda q, k, v, seg: vendor.splash_attention(q, k, v, segment_ids=seg)  # noqa: E731
-    for fn, kernels in ((f, 1), (grad_of(f), 2)):
-        assert lowered(fn, q, k, k, seg, platforms=["tpu"]).count(MOSAIC) == kernels
+    for fn, kernels in ((f, 1), (grad_of(f), 3)):
+        text = lowered(fn, q, k, k, seg, platforms=["tpu"])
+        assert text.count(MOSAIC) == kernels and "x2x4x1024x128x" not in text
         with pytest.raises(ValueError, match=r"^impl='splash' runs on TPU .* not on platform 'cpu'; use impl"):
             lowered(fn, q, k, k, seg, platforms=["cpu"])
 
