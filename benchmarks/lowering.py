@@ -170,7 +170,8 @@ def custom_calls(text: str) -> tuple[dict[str, int], dict[str, int]]:
         for target in re.findall(r'custom_call\s*@"?([\w$.\-]+)', line):
             if _kind(target):
                 functions[name][0][_kind(target)] += 1
-        for callee in re.findall(r'func\.call\s+@"?([\w$.\-]+)', line):
+        # `func.call`, printed `call` inside a function once the module has been through MLIR.
+        for callee in re.findall(r'(?<![\w.])(?:func\.)?call\s+@"?([\w$.\-]+)', line):
             functions[name][1][callee] += 1
 
     totals: dict[str, Counter] = {}

@@ -265,7 +265,13 @@ def _log_features(q, k, w):
     return lq, lk - half_w2
 
 
-_TINY = 1e-30  # a denominator floor: only a row whose every key underflowed reaches it
+_TINY = 1e-30  # below it a denominator counts as 0: a row whose every key underflowed, a padded row
+
+
+def _ratio(num, den):
+    """num / den; num itself (about 0 too) where den < _TINY (a floor of 1, not of _TINY: the gradient
+    divides by den^2, which would underflow to 0 and give NaN even where the cotangent is 0)."""
+    return num / jnp.where(den < _TINY, 1.0, den)
 
 
 def rf_reference(q, k, v, w, *, segment_ids=None, q_offset: int = 0) -> jax.Array:
@@ -285,7 +291,7 @@ def rf_reference(q, k, v, w, *, segment_ids=None, q_offset: int = 0) -> jax.Arra
     a = jnp.where(mask, a, 0.0)
     out = jnp.einsum("bkgts,bskd->btkgd", a, v.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
     den = jnp.moveaxis(a.sum(-1), -1, 1)[..., None]  # [B, T, K, G, 1]
-    return (out / jnp.maximum(den, _TINY)).reshape(b, t, h, -1).astype(v.dtype)
+    return _ratio(out, den).reshape(b, t, h, -1).astype(v.dtype)
 
 
 def _rf_chunk(state, fq, fk, v, seg):
@@ -338,7 +344,7 @@ def rf_blockwise(q, k, v, w, *, segment_ids=None, chunk_size: int = 512) -> jax.
 
     def step(state, xs):
         num, den, state = _rf_chunk(state, *xs)
-        return state, num / jnp.maximum(den, _TINY)[..., None]
+        return state, _ratio(num, den[..., None])
 
     n = w.shape[0]
     init = (jnp.zeros((b, kh, n, dv), jnp.float32), jnp.zeros((b, kh, n), jnp.float32), seg[:, 0])
@@ -474,5 +480,5 @@ class EsprRF(Espr):
         zeros = jnp.zeros((b, n), jnp.int32)  # one segment: decoding continues one sequence
         num, den, (kv, norm, _) = _rf_chunk((cache["kv"], cache["norm"], zeros[:, 0]), jnp.exp(lq),
                                             jnp.exp(lk), v.astype(jnp.float32), zeros)
-        out = (num / jnp.maximum(den, _TINY)[..., None]).reshape(b, n, h, -1).astype(v.dtype)
+        out = _ratio(num, den[..., None]).reshape(b, n, h, -1).astype(v.dtype)
         return out, {"kv": kv, "norm": norm, "index": cache["index"] + n}

@@ -15,6 +15,8 @@ from flax import nnx
 from draws import normal
 from models.layers import Attention, ModelConfig
 from models.registry import REGISTRY, Entry, make_scheme
+from positional import attention as dispatch
+from positional import vendor
 from positional.logits import Bias
 from positional.scheme import Scheme, position_values
 
@@ -75,6 +77,8 @@ def forward(scheme, dtype="float32"):
     # the others; cuDNN and splash cannot run here (tests/test_vendor.py runs their semantics).
     apply.impls = tuple(i for i in scheme_.impls if i not in ("ring", "auto", "cudnn", "splash"))
     apply.relative = scheme_.relative
+    # Plain softmax after the scheme's transform: cuDNN's call can take it (run here by XLA).
+    apply.plain = "cudnn" in scheme_.impls and not (scheme_.adds_bias or scheme_.has_score)
     return params, apply
 
 
@@ -123,14 +127,24 @@ def test_packing_equals_separate_runs(scheme):
         start += n
 
 
+def cudnn_by_xla(q, k, v, *, segment_ids=None, q_offset=0, scale=None, bias_fn=None, score_fn=None,
+                 block_size=None):
+    """The jax.nn.dot_product_attention call of impl "cudnn", with jax's XLA implementation."""
+    assert bias_fn is None and score_fn is None
+    return vendor.cudnn_call(q, k, v, segment_ids=segment_ids, q_offset=q_offset, scale=scale, implementation="xla")
+
+
 @pytest.mark.parametrize("scheme", SCHEMES)
-def test_implementations_agree_values_and_gradients(scheme):
-    """Every impl against the reference (the fused kernel in the interpreter), GQA, two
-    segments in one row, and a length that is not a multiple of the block (4)."""
+def test_implementations_agree_values_and_gradients(scheme, monkeypatch):
+    """Every impl against the reference (the fused kernel in the interpreter; for plain softmax
+    cuDNN's call, by XLA), GQA, two segments in one row, and a length that is not a multiple
+    of the block (4)."""
     params, apply = forward(scheme)
     x, pos = example(t=T + 1)
     seg = jnp.asarray([[1] * 6 + [2] * 7, [1] * (T + 1)])
-    results = {impl: apply.value_and_grads(params, x, pos, seg, impl=impl) for impl in apply.impls}
+    monkeypatch.setitem(dispatch.IMPLEMENTATIONS, "cudnn", cudnn_by_xla)
+    impls = apply.impls + (("cudnn",) if apply.plain else ())
+    results = {impl: apply.value_and_grads(params, x, pos, seg, impl=impl) for impl in impls}
     (_, ref_out), ref_grads = results.pop("reference")
     for (_, out), grads in results.values():
         np.testing.assert_allclose(out, ref_out, atol=2e-5, rtol=RTOL)

@@ -105,9 +105,10 @@ def _cols(start, size):
 
 
 # ---- one tile, as each kernel's step: (q side, k side) blocks -> updated carry ---------------
-# q side: dict qs (parts [tq, d_i]), qv (values {name: [tq, 1]}), seg [tq, 1], and for the
-# backward do [tq, dv], lse, delta [tq, 1]; k side: ks (parts [tk, d_i]), v [tk, dv], kv
-# ({name: [1, tk]}), seg [1, tk]. i, j: the query and key block numbers.
+# The q side's block qb: "parts" (tuple of [tq, d_i]), "values" ({name: [tq, 1]}), "seg"
+# [tq, 1], and in the backward "do" [tq, dv], "lse", "delta" [tq, 1]; the k side's kb:
+# "parts" ([tk, d_i]), "v" [tk, dv], "values" ({name: [1, tk]}), "seg" [1, tk]. i, j: the
+# query and key block numbers.
 
 def _fwd_step(st, carry, qb, kb, i, j):
     o, m, row_sum = carry
