@@ -21,13 +21,12 @@ from __future__ import annotations
 
 import functools
 import json
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 from absl import app, flags
 
+from attention import timed  # beside this file
 from positional.attention import blockwise_attention, reference_attention
 from positional.tapa import tapa_attention, tapa_score_fn
 
@@ -88,18 +87,6 @@ def check(phase: str = "quadratic") -> list[dict]:
         rows.append(row)
         print("check", row, flush=True)
     return rows
-
-
-def timed(fn, args, repeats):
-    compiled = jax.jit(fn).lower(*args).compile()
-    temp = compiled.memory_analysis().temp_size_in_bytes
-    jax.block_until_ready(compiled(*args))
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(compiled(*args))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times), temp
 
 
 def contenders(tiles, head_dim):
