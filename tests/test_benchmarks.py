@@ -49,6 +49,7 @@ def test_blockwise_forward_at_65536_tokens_fits_in_4_gib():
     assert rows[0]["peak"] < 4 * 2 ** 30, rows[0]
 
 
+@pytest.mark.slow
 def test_random_position_schemes_train_in_the_benchmark(capsys):
     results = run("train_throughput", ["--schemes", "rope,so2_random_qkv", "--batch", "2", "--seq-len", "32",
                                        "--steps", "1", "--rounds", "1", "--warmup", "0"])
@@ -76,6 +77,7 @@ def test_sequence_parallel_runs(capsys):
     assert "| rope | 2 |" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_ring_attention_runs(capsys):
     rows = run("ring_attention", ["--seq-len", "256", "--devices", "2", "--steps", "0", "--heads", "2",
                                         "--block-size", "64"])
@@ -91,6 +93,7 @@ def test_rotation_benchmark_runs(capsys):
     assert "| fwd + bwd (x, angles) |" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_grid2d_runs(capsys):
     rows = run("grid2d", ["--steps", "2", "--batch", "2", "--methods", "rope_1d_flattened,espr_2d"])
     assert [r["method"] for r in rows] == ["rope_1d_flattened", "espr_2d"]

@@ -170,7 +170,7 @@ def test_bf16_is_finite_and_close(scheme):
     # phases reach tens of radians, where bf16 rounding of q (0.4%) moves a cosine by O(1).
     x = 0.25 * x
     ref = np.asarray(apply(params, x, pos))
-    for impl in apply.impls:
+    for impl in ("reference", "pallas") if "pallas" in apply.impls else apply.impls:  # blockwise: test_precision.py
         out16 = apply16(params16, x.astype(jnp.bfloat16), pos, impl=impl, tokens=tokens_of(x))
         assert out16.dtype == jnp.bfloat16
         assert np.isfinite(np.asarray(out16, np.float32)).all()

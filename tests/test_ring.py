@@ -51,6 +51,7 @@ def test_ring_equals_reference_on_sequence_and_tensor_meshes():
         check_ring({c: d for c, d in result.items() if c.startswith(key + " ")}, sizes)
 
 
+@pytest.mark.slow
 def test_ring_train_step_equals_one_device():
     """The FoX scheme's train step (a bias built from per-token gates, packed rows) with impl
     "ring" on data=2 x sequence=4: loss, gradients and parameters as on one device."""

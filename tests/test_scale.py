@@ -82,6 +82,7 @@ def check_sharded(result):
             assert d["loss"] < 1e-5 and d["grads"] < 1e-4 and d["params"] < 1.5e-3, (scheme, mesh, d)
 
 
+@pytest.mark.slow
 def test_sequence_and_tensor_parallel_steps_equal_one_device():
     """Gradients and train steps of packed rows (two documents each) on all four axes at once
     equal the one-device ones: the partitioner keeps every cross-shard carry (PaTH's transport,

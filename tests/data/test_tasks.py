@@ -255,6 +255,7 @@ def get_config(name):
 """
 
 
+@pytest.mark.slow
 def test_train_and_eval_on_each_task_from_the_command_line(tmp_path):
     (tmp_path / "task_config.py").write_text(TASK_CONFIG)
     workdirs = []
