@@ -21,8 +21,9 @@ demo-fast: $(STAMP)
 lint: $(STAMP)
 	$(PY) -m ruff check .
 
+# Two workers (pytest-xdist): compiling dominates, and one process leaves a core idle.
 test: lint
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow
