@@ -45,6 +45,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         weight_decay=0.1, b1=0.9, b2=0.95, grad_clip=1.0,
         log_every=20, checkpoint_every=500, keep_checkpoints=2,
         eval_every=0, eval_tokens=65536,  # validation loss at the training length; 0 = off
+        # The NaN guard also stops a loss above this many times the median of the last 50
+        # logged, so no checkpoint of a blown-up state is kept; 0 turns that part off.
+        explode_factor=10.0,
         param_dtype="float32",  # parameters' storage: "bfloat16" halves them (optimizer state stays fp32)
     ))
     # Continue from another run's parameters (fresh optimizer and step counter): the

@@ -43,6 +43,9 @@ def check_config(config) -> None:
             raise ValueError(f"{field}={value!r}; valid: an integer >= {low}{zero_shot}")
     if not config.train.lr > 0:
         raise ValueError(f"train.lr={config.train.lr!r}; valid: a number > 0")
+    if not (config.train.explode_factor == 0 or config.train.explode_factor > 1):
+        raise ValueError(f"train.explode_factor={config.train.explode_factor!r}; valid: a number > 1, or 0 "
+                         "for no loss-explosion check")
     for axis, size in config.mesh.items():
         if size < 1 and size != -1:
             raise ValueError(f"mesh.{axis}={size!r}; valid: an integer >= 1, or -1 for the devices "

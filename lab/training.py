@@ -19,6 +19,7 @@ import math
 import os
 import signal
 import socket
+import statistics
 import sys
 import time
 
@@ -156,6 +157,7 @@ def _train(config, workdir, evaluators) -> dict:
     graphdef, rest, tx, schedule, state = init_state(config, tokenizer.vocab_size, mesh)
     state_shardings = jax.tree.map(lambda x: x.sharding, state)
     train_step = make_train_step(graphdef, rest, tx, config, state_shardings, batch_sharding)
+    loss_after = jax.jit(make_loss(graphdef, rest, config))  # of the parameters a checkpoint keeps
 
     loader = pipeline.train_loader(config.data, seed=config.seed, batch_size=config.batch_size,
                                    seq_len=config.seq_len + 1)
@@ -194,12 +196,9 @@ def _train(config, workdir, evaluators) -> dict:
         `params` after the step are given where validation is due."""
         nonlocal t_log, n_log
         loss = float(metrics["loss"])
-        if not (math.isfinite(loss) and bool(metrics["params_finite"])):
-            what = f"loss became {loss}" if not math.isfinite(loss) else "parameters became nan/inf"
-            raise TrainingError(
-                f"{what} at step {step}; nothing was saved after it. Last good "
-                f"checkpoint: step {last_good} in {manager.directory}. Lower train.lr or "
-                "raise train.warmup_steps and rerun (it resumes from that checkpoint).")
+        what = blow_up(loss, bool(metrics["params_finite"]), history, config.train.explode_factor)
+        if what:
+            raise TrainingError(f"{what} at step {step}; nothing was saved after it. " + _advice(last_good, manager))
         history.append(loss)
         n_log += 1
         progress(step, loss)
@@ -234,6 +233,14 @@ def _train(config, workdir, evaluators) -> dict:
                 finish(step, metrics, state["params"] if validate else None)
                 pending = None
             if checkpoint:
+                # The step's loss is that of the parameters before its update; those the
+                # checkpoint keeps are after it, so they are scored too (on the same batch).
+                rng = jax.random.fold_in(jax.random.key(config.seed), step)
+                after = float(loss_after(state["params"], batch, rng))
+                what = blow_up(after, True, history, config.train.explode_factor)
+                if what:
+                    raise TrainingError(f"{what} with the parameters of step {step} (on its batch); nothing "
+                                        f"was saved after step {last_good}. " + _advice(last_good, manager))
                 save(manager, state, loader.get_state(), {"step": step, "loss": history[-1]})
                 last_good = step
             if stop.signal:
@@ -247,6 +254,32 @@ def _train(config, workdir, evaluators) -> dict:
     step = int(state["step"])
     return {"workdir": workdir, "step": step, "losses": history,
             "interrupted": stop.signal if step < steps else None}
+
+
+def _advice(last_good, manager) -> str:
+    if last_good is None:
+        return ("No checkpoint was saved before it. Lower train.lr or raise train.warmup_steps and rerun (it "
+                "starts again from step 0).")
+    return (f"Last good checkpoint: step {last_good} in {manager.directory}. Lower train.lr or raise "
+            "train.warmup_steps and rerun (it resumes from that checkpoint).")
+
+
+EXPLODE_WINDOW = 50  # losses the explosion check takes the median of
+
+
+def blow_up(loss: float, params_finite: bool, history: list, factor: float) -> str | None:
+    """Why a step's state must not be kept (None: it may): a non-finite loss or parameter, or a
+    loss above `factor` times the median of the last EXPLODE_WINDOW (factor 0: not checked)."""
+    if not math.isfinite(loss):
+        return f"loss became {loss}"
+    if not params_finite:
+        return "parameters became nan/inf"
+    if factor and history:
+        median = statistics.median(history[-EXPLODE_WINDOW:])
+        if loss > factor * median:
+            return (f"loss exploded to {loss:.6g}, more than train.explode_factor={factor:g} x the median "
+                    f"{median:.6g} of the last {min(len(history), EXPLODE_WINDOW)} steps")
+    return None
 
 
 class _Stop:

@@ -56,6 +56,7 @@ BAD_VALUES = [
     ("train.log_every", 0, "train.log_every=0; valid: an integer >= 1", False),
     ("train.keep_checkpoints", 0, "train.keep_checkpoints=0; valid: an integer >= 1", True),
     ("train.lr", 0.0, "train.lr=0.0; valid: a number > 0", False),
+    ("train.explode_factor", 0.5, "train.explode_factor=0.5; valid: a number > 1, or 0", False),
     ("mesh.fsdp", 0, "mesh.fsdp=0; valid: an integer >= 1, or -1", True),
     ("mesh.data", -2, "mesh.data=-2; valid: an integer >= 1, or -1", False),
     ("model.d_model", 0, "model.d_model=0; valid: an integer >= 1", False),

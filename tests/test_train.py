@@ -16,7 +16,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 from lab.checkpoints import checkpoint_manager, load_params
-from lab.training import TrainingError, dry_run, train, workdir_lock
+from lab.training import TrainingError, blow_up, dry_run, train, workdir_lock
 from tiny_setup import ROOT, cli, overrides, tiny_config
 
 
@@ -109,18 +109,38 @@ def test_partial_checkpoint_is_skipped_with_a_warning(tiny_run, tmp_path, capsys
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(params))
 
 
-def test_nan_guard_stops_and_keeps_the_last_good_checkpoint(tmp_path):
-    config = tiny_config(tmp_path, steps=30, lr=1e30, warmup_steps=1, grad_clip=1e30, checkpoint_every=1,
-                         weight_decay=0.0)
-    pattern = r"(loss|parameters) became (nan|inf).*Last good checkpoint: step (\d+)"
+@pytest.mark.parametrize("lr,warmup", [(1e3, 1), (1e30, 4)])
+def test_nan_guard_stops_and_keeps_the_last_good_checkpoint(tmp_path, lr, warmup):
+    """lr 1e3: the loss explodes (x 10^5 in a step, finite); lr 1e30 with warmup: nan / inf. The
+    guard stops the run, and the checkpoint it names holds finite parameters whose loss was
+    sane: a checkpoint's own parameters (after its step's update) are scored before it is kept
+    (before, lr 1e3 kept step 2's, whose loss is 3e6)."""
+    config = tiny_config(tmp_path, steps=30, lr=lr, warmup_steps=warmup, checkpoint_every=1, weight_decay=0.0)
+    pattern = r"(loss|parameters) (became (nan|inf)|exploded to).*Last good checkpoint: step (\d+)"
     with pytest.raises(TrainingError, match=pattern) as e:
         train(config)
+    assert "\n" not in str(e.value)
     last_good = int(str(e.value).split("Last good checkpoint: step ")[1].split()[0])
     manager = checkpoint_manager(tmp_path / "checkpoints", create=False)
     assert manager.latest_step() == last_good
     step, params = load_params(str(tmp_path), _abstract(config))
     assert step == last_good
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(params))
+
+
+def test_blow_up_names_what_and_the_scale():
+    assert blow_up(5.0, True, [], 10.0) is None and blow_up(40.0, True, [5.0, 4.0], 10.0) is None
+    assert blow_up(float("nan"), True, [5.0], 10.0) == "loss became nan"
+    assert blow_up(5.0, False, [5.0], 10.0) == "parameters became nan/inf"
+    assert blow_up(46.0, True, [5.0, 4.0, 4.5], 10.0).startswith("loss exploded to 46, more than "
+                                                                  "train.explode_factor=10 x the median 4.5")
+    assert blow_up(1e9, True, [5.0], 0.0) is None  # the explosion check off
+
+
+def test_no_checkpoint_yet_says_so(tmp_path):
+    config = tiny_config(tmp_path, steps=30, lr=1e3, warmup_steps=1, checkpoint_every=10, weight_decay=0.0)
+    with pytest.raises(TrainingError, match=r"No checkpoint was saved before it\. Lower train\.lr .* starts again"):
+        train(config)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL])
