@@ -44,10 +44,10 @@ From those the base class derives the parallel form `attend` and an exact decode
 whose transport of a key changes as the sequence grows (PaTH) or that need state of the past
 (accumulated angles) override the decode pair; schemes that change the whole path override
 `attend` too. `impls` lists the attention implementations a scheme runs on. Impls "ring"
-(positional/ring.py: the sequence split over the devices of a mesh) and "pallas" (the fused
-kernel, positional/kernels/flash.py, with the scheme's Bias and Score in its tiles) are the
-generic `attention`'s, so a scheme that overrides `attention` loses them unless its `impls`
-lists them.
+(positional/ring.py: the sequence split over the devices of a mesh), "pallas" (the fused
+kernel, positional/kernels/flash.py, with the scheme's Bias and Score in its tiles), "cudnn",
+"splash" and "auto" (positional/attention.py) are the generic `attention`'s (GENERIC_ONLY),
+so a scheme that overrides `attention` loses them unless its `impls` lists them.
 
 Shapes: q [B, T, H, D]; k, v [B, T, K, D]; positions, segment_ids [B, T] int32 (multi-axis
 schemes, ESPR, also take positions [B, T, d_c]).
