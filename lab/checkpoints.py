@@ -1,12 +1,24 @@
-"""Checkpoint I/O of training runs (orbax): save, restore the newest complete checkpoint, and
-read a run's parameters for evaluation or `init_from`."""
+"""Checkpoint I/O of training runs (orbax): save, restore the newest complete checkpoint
+(setting unreadable ones aside), read a run's parameters for evaluation or `init_from`, and a
+run's identity, the config fields that shaped its checkpoints."""
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import sys
+import time
 
+import ml_collections
 import orbax.checkpoint as ocp
+
+PARTIAL = ".orbax-checkpoint-tmp"  # in the name of a save orbax did not finish
+# What a run's checkpoints are of: the model and its data. Changing one of these fields on a
+# workdir's rerun would resume a different model, so it is refused (`check_identity`). Not:
+# how attention is computed or tiled, the compute dtype, rematerialisation, or where data caches.
+IDENTITY = ("model.", "data.", "train.param_dtype")
+NOT_IDENTITY = ("model.attention_impl", "model.block_size", "model.dtype", "model.remat", "data.data_dir")
 
 
 def checkpoint_manager(directory: str, keep: int = 2, create: bool = True) -> ocp.CheckpointManager:
@@ -24,13 +36,14 @@ def save(manager, state, loader_state: dict, meta: dict) -> None:
         meta=ocp.args.JsonSave(meta)), force=True)
 
 
-def restore_latest(manager, abstract_state, partial: bool = False):
+def restore_latest(manager, abstract_state, partial: bool = False, aside: str | None = None):
     """Restore the newest checkpoint that reads back completely, or None if there is none.
 
     Returns (step, {'state', 'loader', 'meta'}). With `partial`, only the subtree given in
     `abstract_state` is read (e.g. {'params': ...}) and only 'state' is returned. A checkpoint
     that fails to restore (partially written, corrupted) is skipped with a warning and the
-    one before it is used.
+    one before it is used; with `aside` (a directory), it is also moved there, out of the way
+    of the run that resumes and saves that step again.
     """
     if partial:
         restore_args = ocp.checkpoint_utils.construct_restore_args(abstract_state)
@@ -39,14 +52,42 @@ def restore_latest(manager, abstract_state, partial: bool = False):
     else:
         args = {"state": ocp.args.StandardRestore(abstract_state), "loader": ocp.args.JsonRestore(),
                 "meta": ocp.args.JsonRestore()}
-    for step in sorted(manager.all_steps(), reverse=True):
-        try:
-            return step, manager.restore(step, args=ocp.args.Composite(**args))
-        except Exception as e:  # noqa: BLE001 - any unreadable checkpoint is skipped, loudly
-            reason = str(e).splitlines()[0] if str(e) else type(e).__name__
-            print(f"warning: skipping unreadable checkpoint at step {step} in {manager.directory}: "
-                  f"{reason[:200]}", file=sys.stderr)
-    return None
+    try:
+        for step in sorted(manager.all_steps(), reverse=True):
+            try:
+                return step, manager.restore(step, args=ocp.args.Composite(**args))
+            except Exception as e:  # noqa: BLE001 - any unreadable checkpoint is skipped, loudly
+                reason = (str(e).splitlines() or [type(e).__name__])[0][:200]
+                where = f"; moved to {set_aside(os.path.join(manager.directory, str(step)), aside)}" if aside else ""
+                print(f"warning: skipping unreadable checkpoint at step {step} in {manager.directory}{where}: "
+                      f"{reason}", file=sys.stderr)
+        return None
+    finally:
+        if aside:
+            manager.reload()  # forget what was moved
+
+
+def set_aside(path: str, aside: str) -> str:
+    """Move `path` into the directory `aside` (made if missing) under a name not taken yet;
+    returns the new path. Nothing is deleted."""
+    os.makedirs(aside, exist_ok=True)
+    target = os.path.join(aside, f"{os.path.basename(path)}-{time.strftime('%Y%m%d-%H%M%S')}")
+    while os.path.exists(target):
+        target += "+"
+    shutil.move(str(path), target)
+    return target
+
+
+def set_aside_partial_saves(directory: str, aside: str) -> list[str]:
+    """Move the unfinished saves a killed run left in a checkpoint `directory` aside, each
+    reported in one warning line; returns their new paths."""
+    moved = []
+    for name in sorted(os.listdir(directory)) if os.path.isdir(directory) else []:
+        if PARTIAL in name:
+            moved.append(set_aside(os.path.join(directory, name), aside))
+            print(f"warning: {os.path.join(directory, name)} is a save a stopped run did not finish; "
+                  f"moved to {moved[-1]}", file=sys.stderr)
+    return moved
 
 
 def load_params(directory: str, abstract_params):
@@ -64,3 +105,47 @@ def load_params(directory: str, abstract_params):
         raise FileNotFoundError(f"no complete checkpoint in {ckpt_dir!r}")
     step, restored = found
     return step, restored["state"]["params"]
+
+
+def identity(config: ml_collections.ConfigDict) -> dict:
+    """The IDENTITY fields of a config, flat {'model.d_model': 64, ...}, JSON values."""
+    flat = {}
+
+    def walk(node, prefix):
+        for key, value in node.items():
+            if isinstance(value, (dict, ml_collections.ConfigDict)):
+                walk(value, f"{prefix}{key}.")
+            else:
+                flat[f"{prefix}{key}"] = value
+
+    walk(json.loads(config.to_json_best_effort()), "")
+    return {k: v for k, v in sorted(flat.items())
+            if k.startswith(IDENTITY) and not k.startswith(NOT_IDENTITY)}
+
+
+def stored_identity(manager, workdir: str) -> dict | None:
+    """The identity of the run whose checkpoints `manager` holds: from the newest checkpoint
+    whose metadata reads back, else (checkpoints written before identities were stored) from
+    the workdir's config.json; None when there are no checkpoints."""
+    steps = sorted(manager.all_steps(), reverse=True)
+    for step in steps:
+        try:
+            meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        except Exception:  # noqa: BLE001 - an unreadable checkpoint is restore_latest's to report
+            continue
+        if "identity" in meta:
+            return meta["identity"]
+    path = os.path.join(workdir, "config.json")
+    if steps and os.path.isfile(path):
+        with open(path) as f:
+            return identity(ml_collections.ConfigDict(json.load(f)))
+    return None
+
+
+def identity_change(stored: dict, config: ml_collections.ConfigDict) -> str | None:
+    """'model.d_model 64 -> 96, ...' for the identity fields `config` changes, None if none."""
+    new = identity(config)
+    shown = lambda d, k: repr(d[k]) if k in d else "(unset)"  # noqa: E731
+    changed = [f"{k} {shown(stored, k)} -> {shown(new, k)}" for k in sorted(set(stored) | set(new))
+               if k not in stored or k not in new or stored[k] != new[k]]
+    return ", ".join(changed) or None

@@ -78,7 +78,7 @@ def run_cli(fn):
     """Run fn(); expected failures print one readable line and exit non-zero."""
     try:
         return fn()
-    except (TrainingError, DataError, ValueError, FileNotFoundError) as e:
+    except (TrainingError, DataError, ValueError, OSError) as e:  # OSError: a path, and why it failed
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
 

@@ -21,6 +21,7 @@ import signal
 import socket
 import statistics
 import sys
+import tempfile
 import time
 
 import jax
@@ -33,7 +34,8 @@ from tensorboardX import SummaryWriter
 from tqdm import tqdm
 
 from data import pipeline, tasks
-from lab.checkpoints import checkpoint_manager, load_params, restore_latest, save
+from lab.checkpoints import (checkpoint_manager, identity, identity_change, load_params, restore_latest, save,
+                             set_aside_partial_saves, stored_identity)
 from lab.evaluators import configured, in_training
 from lab.lengths import perplexity_at, task_accuracy_at
 from lab.runs import Run
@@ -152,6 +154,14 @@ def train(config: ml_collections.ConfigDict) -> dict:
 
 
 def _train(config, workdir, evaluators) -> dict:
+    ckpt_dir, aside = (os.path.join(workdir, name) for name in ("checkpoints", "checkpoints.unreadable"))
+    manager = checkpoint_manager(ckpt_dir, config.train.keep_checkpoints)
+    stored = stored_identity(manager, workdir)
+    if stored is not None and (change := identity_change(stored, config)):
+        raise TrainingError(
+            f"{workdir} holds the checkpoints of a different model ({change}); nothing was changed. Give this "
+            f"run another --config.workdir, or start it from that run's parameters with --config.init_from={workdir}")
+    set_aside_partial_saves(ckpt_dir, aside)
     mesh, batch_sharding = mesh_and_batch(config)  # before data: a mesh that does not fit fails at once
     tokenizer = pipeline.tokenizer(config.data)
     graphdef, rest, tx, schedule, state = init_state(config, tokenizer.vocab_size, mesh)
@@ -161,9 +171,8 @@ def _train(config, workdir, evaluators) -> dict:
 
     loader = pipeline.train_loader(config.data, seed=config.seed, batch_size=config.batch_size,
                                    seq_len=config.seq_len + 1)
-    manager = checkpoint_manager(os.path.join(workdir, "checkpoints"), config.train.keep_checkpoints)
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
-    found = restore_latest(manager, abstract)
+    found = restore_latest(manager, abstract, aside=aside)
     if found is not None:
         step0, restored = found
         state = restored["state"]
@@ -175,15 +184,16 @@ def _train(config, workdir, evaluators) -> dict:
         state = {**state, "params": params}
         print(f"initialised parameters from {config.init_from} (step {src_step})")
         if config.train.steps == 0:  # zero-shot: the loaded parameters under this run's config
-            save(manager, state, loader.get_state(), {"step": 0, "loss": float("nan")})
+            save(manager, state, loader.get_state(), {"step": 0, "loss": float("nan"), "identity": identity(config)})
     else:
         step0 = 0
+    metrics_path = os.path.join(workdir, "metrics.jsonl")
+    cut_metrics(metrics_path, step0)
     with open(os.path.join(workdir, "config.json"), "w") as f:
         f.write(config.to_json_best_effort(indent=2))
 
     stop = _Stop()
     previous = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGINT)}
-    metrics_path = os.path.join(workdir, "metrics.jsonl")
     writer = SummaryWriter(os.path.join(workdir, "tensorboard"))
     steps = config.train.steps
     tokens_per_step = config.batch_size * config.seq_len
@@ -214,7 +224,10 @@ def _train(config, workdir, evaluators) -> dict:
                 record.update(in_training(evaluators, Run(workdir, config, model, step),
                                           os.path.join(workdir, "evals", str(step)),
                                           write=jax.process_index() == 0))
-            _log(metrics_path, writer, record)
+            try:
+                _log(metrics_path, writer, record)
+            except OSError as e:
+                raise _WriteFailed(metrics_path) from e
             progress.tokens_per_s = record["tokens_per_s"]
             progress.log(record)
             t_log, n_log = time.perf_counter(), 0
@@ -241,10 +254,16 @@ def _train(config, workdir, evaluators) -> dict:
                 if what:
                     raise TrainingError(f"{what} with the parameters of step {step} (on its batch); nothing "
                                         f"was saved after step {last_good}. " + _advice(last_good, manager))
-                save(manager, state, loader.get_state(), {"step": step, "loss": history[-1]})
+                try:
+                    save(manager, state, loader.get_state(),
+                         {"step": step, "loss": history[-1], "identity": identity(config)})
+                except Exception as e:  # noqa: BLE001 - orbax reports a full disk as a ValueError
+                    raise _WriteFailed(f"checkpoint {step} in {manager.directory}") from e
                 last_good = step
             if stop.signal:
                 break
+    except _WriteFailed as e:
+        raise TrainingError(_write_failure(e, state, loader, last_good, manager)) from e
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
@@ -254,6 +273,58 @@ def _train(config, workdir, evaluators) -> dict:
     step = int(state["step"])
     return {"workdir": workdir, "step": step, "losses": history,
             "interrupted": stop.signal if step < steps else None}
+
+
+class _WriteFailed(Exception):
+    """Writing the file named in the message failed; the cause says why."""
+
+
+def _write_failure(e: _WriteFailed, state, loader, last_good, manager) -> str:
+    """The one line for a failed write, after an emergency save of the live state into a fresh
+    temporary directory (not the run's checkpoints: the NaN guard has not seen this state)."""
+    cause = e.__cause__
+    why = f"{type(cause).__name__}: {(str(cause).splitlines() or [''])[0][:300]}"
+    step = int(state["step"])
+    resume = (f"rerun to continue from step {last_good}" if last_good is not None
+              else "rerun to start again from step 0")
+    try:
+        where = tempfile.mkdtemp(prefix=f"emergency-checkpoint-{step}-")
+        emergency = checkpoint_manager(where, keep=1)
+        save(emergency, state, loader.get_state(), {"step": step, "loss": float("nan"), "emergency": True})
+        emergency.close()
+        saved = (f"the state of step {step} was saved to {where}/{step} (not checked by the NaN guard): move "
+                 f"it into {manager.directory} to continue from it, or {resume}")
+    except Exception as e2:  # noqa: BLE001 - nowhere to write: the last checkpoint is what is left
+        saved = f"no emergency save was possible either ({type(e2).__name__}); {resume}"
+    return f"cannot write {e} ({why}). Free space or fix permissions; {saved}"
+
+
+def cut_metrics(path: str, step: int) -> None:
+    """Move the lines of a metrics file past `step` (from a run that stopped after its last
+    checkpoint, which the resumed run logs again) or unreadable (cut off mid-write) to
+    <name>.dropped.jsonl beside it, so each step is logged once; nothing is deleted."""
+    if not os.path.isfile(path):
+        return
+    with open(path) as f:
+        lines = f.readlines()
+
+    def kept(line):
+        try:
+            return json.loads(line)["step"] <= step
+        except (ValueError, KeyError, TypeError):
+            return False
+
+    keep = [line for line in lines if kept(line)]
+    if len(keep) == len(lines):
+        return
+    dropped = path.removesuffix(".jsonl") + ".dropped.jsonl"
+    with open(dropped, "a") as f:
+        f.writelines(line if line.endswith("\n") else line + "\n" for line in lines if not kept(line))
+    with open(path + ".tmp", "w") as f:
+        f.writelines(keep)
+    os.replace(path + ".tmp", path)
+    print(f"note: {len(lines) - len(keep)} lines of {path} after step {step}, where this run resumes, moved "
+          f"to {dropped}", file=sys.stderr)
 
 
 def _advice(last_good, manager) -> str:

@@ -1,7 +1,12 @@
 """Runs that cannot be lost: one trainer per workdir (a lock naming its holder, taken over
-when its holder died), and config values checked before any work, one line each."""
+when its holder died), a rerun with another model refused, a corrupt newest checkpoint set aside
+with the metrics cut back to the resumed step, write failures as one line after an emergency
+save, and config values checked before any work, one line each."""
 
+import glob
+import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -9,8 +14,26 @@ import sys
 import pytest
 
 from data import DataError
-from lab.training import dry_run, train, workdir_lock
+from lab import training
+from lab.checkpoints import load_params
+from lab.training import TrainingError, dry_run, train, workdir_lock
+from test_train import _abstract
 from tiny_setup import ROOT, cli, overrides, tiny_config
+
+
+def tree_bytes(root):
+    """{relative path: bytes} of every file under root."""
+    out = {}
+    for path in glob.glob(os.path.join(root, "**"), recursive=True):
+        if os.path.isfile(path):
+            with open(path, "rb") as f:
+                out[os.path.relpath(path, root)] = f.read()
+    return out
+
+
+def metric_lines(workdir, name="metrics.jsonl"):
+    with open(os.path.join(workdir, name)) as f:
+        return [json.loads(line) for line in f]
 
 
 def test_a_second_trainer_on_a_held_workdir_stops_at_once_naming_the_holder(tmp_path):
@@ -92,3 +115,120 @@ def test_steps_zero_is_valid_only_with_init_from(tmp_path):
     config = tiny_config(tmp_path / "run", steps=0)
     with pytest.raises(ValueError, match=r"train.steps=0; valid: an integer >= 1 \(0 with init_from"):
         train(config)
+
+
+def test_a_rerun_with_another_model_is_refused_and_changes_nothing(tiny_run, tmp_path):
+    config, _ = tiny_run
+    workdir = tmp_path / "run"
+    shutil.copytree(config.workdir, workdir)
+    os.remove(workdir / "lock")
+    before = tree_bytes(workdir)
+    changed = tiny_config(workdir, steps=20)
+    changed.model.d_model, changed.model.scheme = 48, "alibi"
+    with pytest.raises(TrainingError) as e:
+        train(changed)
+    assert "\n" not in str(e.value)
+    assert str(e.value) == (
+        f"{workdir} holds the checkpoints of a different model (model.d_model 32 -> 48, model.scheme 'rope' -> "
+        f"'alibi'); nothing was changed. Give this run another --config.workdir, or start it from that run's "
+        f"parameters with --config.init_from={workdir}")
+    after = tree_bytes(workdir)
+    assert after.pop("lock") == b"" and after == {k: v for k, v in before.items()}
+    # How attention is computed is not the model: the same run goes on with another impl.
+    same = tiny_config(workdir, steps=13)
+    same.model.attention_impl = "blockwise"
+    assert train(same)["step"] == 13
+
+
+def corrupt_arrays(d):
+    for f in glob.glob(os.path.join(d, "state", "ocdbt.process_0", "d", "*")):
+        with open(f, "r+b") as fh:
+            fh.truncate(os.path.getsize(f) // 2)
+
+
+def corrupt_manifest(d):
+    os.remove(os.path.join(d, "state", "manifest.ocdbt"))
+
+
+def corrupt_meta(d):
+    with open(os.path.join(d, "meta", "metadata"), "w") as f:
+        f.write("{garbage")
+
+
+def corrupt_loader(d):
+    open(os.path.join(d, "loader", "metadata"), "w").close()
+
+
+# Ways a checkpoint breaks that orbax notices on restore. Flipped bits inside array data are not
+# among them: orbax keeps no checksums, so such a checkpoint restores wrong values silently.
+CORRUPTIONS = [corrupt_arrays, corrupt_manifest, corrupt_meta, corrupt_loader]
+
+
+@pytest.mark.parametrize("corrupt", CORRUPTIONS, ids=lambda f: f.__name__)
+def test_a_corrupt_newest_checkpoint_is_set_aside_and_the_run_goes_on(tiny_run, tmp_path, capsys, corrupt):
+    config, summary = tiny_run
+    workdir = tmp_path / "run"
+    shutil.copytree(config.workdir, workdir)
+    corrupt(str(workdir / "checkpoints" / "12"))
+    (workdir / "checkpoints" / "16.orbax-checkpoint-tmp-3").mkdir()  # a save a SIGKILL cut short
+    rerun = config.copy_and_resolve_references()
+    rerun.workdir = str(workdir)
+    resumed = train(rerun)
+    err = capsys.readouterr().err
+    assert resumed["step"] == 12 and resumed["losses"] == summary["losses"][8:]  # bitwise
+    assert sorted(os.listdir(workdir / "checkpoints")) == ["12", "4", "8"]
+    aside = sorted(os.listdir(workdir / "checkpoints.unreadable"))
+    assert [name.split("-")[0] for name in aside] == ["12", "16.orbax"]
+    assert f"skipping unreadable checkpoint at step 12 in {workdir / 'checkpoints'}; moved to " in err
+    assert f"{workdir / 'checkpoints' / '16.orbax-checkpoint-tmp-3'} is a save a stopped run did not finish" in err
+    # Each step is logged once: the lines of steps 9-12 from before the rerun are kept aside.
+    assert [r["step"] for r in metric_lines(workdir)] == list(range(1, 13))
+    assert [r["loss"] for r in metric_lines(workdir)] == summary["losses"]
+    assert [r["step"] for r in metric_lines(workdir, "metrics.dropped.jsonl")] == [9, 10, 11, 12]
+    # A second rerun finds nothing to repair (before: 'Checkpoint for step 12 already exists').
+    assert train(rerun)["step"] == 12 and "warning" not in capsys.readouterr().err
+
+
+def test_a_line_cut_off_mid_write_is_moved_aside(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.5}\n{"step": 3, "lo')
+    training.cut_metrics(str(path), 2)
+    assert path.read_text() == '{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.5}\n'
+    assert (tmp_path / "metrics.dropped.jsonl").read_text() == '{"step": 3, "lo\n'
+
+
+def test_a_failed_metrics_write_is_one_line_after_an_emergency_save(tmp_path, capsys):
+    config = tiny_config(tmp_path, steps=12)
+    (tmp_path / "metrics.jsonl").mkdir()  # unwritable as a file, even for root
+    with pytest.raises(TrainingError) as e:
+        train(config)
+    message = str(e.value)
+    assert "\n" not in message
+    assert message.startswith(f"cannot write {tmp_path / 'metrics.jsonl'} (IsADirectoryError: ")
+    assert "Free space or fix permissions; the state of step 2 was saved to " in message
+    assert message.endswith("or rerun to start again from step 0")
+    where = message.split("was saved to ")[1].split(" ")[0]
+    step, params = load_params(os.path.dirname(where), _abstract(config))
+    assert step == 2
+
+
+def test_a_failed_save_is_one_line_naming_the_last_checkpoint(tmp_path, monkeypatch):
+    config = tiny_config(tmp_path, steps=12)
+    real = training.save
+
+    def full_disk(manager, state, *args):
+        if int(state["step"]) == 8 and str(tmp_path) in str(manager.directory):
+            raise ValueError("RESOURCE_EXHAUSTED: Failed to write 156816 bytes: No space left on device")
+        return real(manager, state, *args)
+
+    monkeypatch.setattr(training, "save", full_disk)
+    with pytest.raises(TrainingError) as e:
+        train(config)
+    message = str(e.value)
+    assert message.startswith(f"cannot write checkpoint 8 in {tmp_path / 'checkpoints'} (ValueError: "
+                              "RESOURCE_EXHAUSTED")
+    assert message.endswith("or rerun to continue from step 4")
+    assert "the state of step 8 was saved to " in message
+    monkeypatch.setattr(training, "save", real)
+    assert train(config)["step"] == 12  # from step 4, once there is room again
+
