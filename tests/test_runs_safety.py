@@ -6,10 +6,13 @@ save, and config values checked before any work, one line each."""
 import glob
 import json
 import os
+import random
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -232,3 +235,57 @@ def test_a_failed_save_is_one_line_naming_the_last_checkpoint(tmp_path, monkeypa
     monkeypatch.setattr(training, "save", real)
     assert train(config)["step"] == 12  # from step 4, once there is room again
 
+
+
+def _max_step(path):
+    try:
+        with open(path) as f:
+            return max((json.loads(line)["step"] for line in f if line.endswith("\n")), default=0)
+    except (OSError, ValueError):
+        return 0
+
+
+@pytest.mark.parametrize("seed", [0, pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow)])
+def test_random_kills_and_corruptions_lose_nothing(tmp_path, seed):
+    """train.py in a subprocess, killed (SIGKILL or SIGTERM) at random points of a run that saves
+    every step and keeps 2 checkpoints (so kills land in saves and in deletions of old ones),
+    its newest checkpoint sometimes corrupted after the kill; rerun until it finishes. Then every
+    step is logged once with the loss of an uninterrupted run, and nothing else was touched."""
+    rng = random.Random(seed)
+    steps, kw = 20, dict(checkpoint_every=1, keep_checkpoints=2)
+    reference = train(tiny_config(tmp_path / "reference", steps=steps, **kw))["losses"]
+    workdir, other = tmp_path / "run", tmp_path / "other"
+    for d in (workdir, other / "checkpoints" / "7"):
+        d.mkdir(parents=True)
+        (d / "notes.txt").write_text(str(d))
+    untouched = {d: tree_bytes(d) for d in (other, )}
+    config = tiny_config(workdir)
+    cmd = [sys.executable, "train.py", "--config", "configs/default.py", *overrides(config),
+           f"--config.train.steps={steps}", "--config.train.checkpoint_every=1", "--config.train.keep_checkpoints=2"]
+    aside, kills = set(), 0
+    while True:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        if kills < 5:
+            target, deadline = _max_step(workdir / "metrics.jsonl") + rng.randint(1, 5), time.time() + 120
+            while proc.poll() is None and _max_step(workdir / "metrics.jsonl") < target and time.time() < deadline:
+                time.sleep(0.02)
+            time.sleep(rng.uniform(0, 0.3))
+            sig = rng.choice([signal.SIGKILL, signal.SIGTERM])
+            proc.send_signal(sig)
+            kills += 1
+        err = proc.communicate(timeout=300)[1]
+        if proc.returncode == 0:
+            break
+        assert proc.returncode in (-signal.SIGKILL, 128 + signal.SIGTERM), err
+        steps_now = sorted(int(s) for s in os.listdir(workdir / "checkpoints") if s.isdigit())
+        if steps_now and rng.random() < 0.4:
+            rng.choice(CORRUPTIONS)(str(workdir / "checkpoints" / str(steps_now[-1])))
+        now = set(os.listdir(workdir / "checkpoints.unreadable")) if (workdir / "checkpoints.unreadable").exists() else set()
+        assert aside <= now  # what was set aside stays
+        aside = now
+    records = metric_lines(workdir)
+    assert [r["step"] for r in records] == list(range(1, steps + 1))
+    assert [r["loss"] for r in records] == reference
+    assert (workdir / "notes.txt").read_text() == str(workdir)
+    assert {d: tree_bytes(d) for d in (other, )} == untouched
+    assert sorted(os.listdir(workdir / "checkpoints")) == [str(steps - 1), str(steps)]
