@@ -13,8 +13,13 @@ rebuild (delete its folder) after editing the files.
 
 TFDS writes a data set into `incomplete.XXXXXX_<version>` and renames the folder only once
 every split and `dataset_info.json` are written, so a crash mid-prepare leaves no folder
-that reads as prepared; the next call prepares again. Two processes preparing at once each
+that reads as prepared; the next call prepares again. A preparation that fails with an error
+also removes the folders it created (they are empty by then: TFDS deletes its temporary
+folder), so no empty data set folder is left behind. Two processes preparing at once each
 write their own temporary folder; the loser of the final rename reuses the winner's data.
+
+Before preparing, `check_text` looks at the first 8 KiB of every file: a directory that is
+mostly binary (or not UTF-8) gets a warning on stderr, and one with no text at all is refused.
 
 Named public TFDS data sets (pg19, lm1b, c4) are read where the user has prepared them in
 ArrayRecord format; they are never downloaded from here.
@@ -27,6 +32,7 @@ import glob
 import hashlib
 import os
 import re
+import sys
 import sysconfig
 from typing import Any, Iterator, Mapping, NamedTuple, Sequence
 
@@ -34,13 +40,17 @@ import ml_collections
 from etils import epath
 import tensorflow_datasets as tfds
 
-from data import DataError
+from data import DataError, absent_dirs, remove_empty_dirs
 
 SPLITS = ("train", "validation", "test")
 DEFAULT_SUFFIXES = (".py", ".txt", ".md", ".rst")
 _EXCLUDED_DIRS = ("site-packages", "dist-packages")
 # Cumulative split boundaries on a uniform [0, 1) hash: 90% train, 5% validation, 5% test.
 _SPLIT_BOUNDS = ((0.90, "train"), (0.95, "validation"), (1.0, "test"))
+# `check_text`: how much of a file's start it reads, and the share of those bytes that may be
+# invalid UTF-8 (each becomes one U+FFFD when decoded with errors="replace") in a text file.
+SNIFF_BYTES = 8192
+MAX_INVALID_UTF8 = 0.05
 
 
 def stdlib_dir() -> str:
@@ -60,9 +70,15 @@ def find_documents(source_dir: str, suffixes: Sequence[str]) -> list[str]:
     `suffixes`, skipping installed packages (site-packages, dist-packages) and symlinked dirs.
     """
     if not os.path.isdir(source_dir):
+        problem = "is not a directory" if os.path.exists(source_dir) else "does not exist"
         raise DataError(
-            f"Text source directory {source_dir!r} does not exist. Set config.data.source_dir to a "
+            f"Text source directory {source_dir!r} {problem}. Set config.data.source_dir to a "
             "directory of text files, or to '' for the Python standard library."
+        )
+    if not suffixes:
+        raise DataError(
+            f"No file suffixes given for {source_dir!r}: set config.data.suffixes to comma-separated "
+            "suffixes, e.g. '.py,.txt'."
         )
     paths = []
     for root, dirs, files in os.walk(source_dir):
@@ -78,6 +94,52 @@ def find_documents(source_dir: str, suffixes: Sequence[str]) -> list[str]:
             "Put text files there, or change config.data.suffixes / config.data.source_dir."
         )
     return sorted(paths)
+
+
+def looks_binary(head: bytes) -> bool:
+    """Whether a file whose first SNIFF_BYTES bytes are `head` is not text: `head` holds a NUL
+    byte, or more than MAX_INVALID_UTF8 (5%) of its bytes are not valid UTF-8. (Latin-1 prose
+    with a few accents passes; UTF-16, compressed or random bytes do not.)
+    """
+    if b"\0" in head:
+        return True
+    return head.decode("utf-8", errors="replace").count("\ufffd") > MAX_INVALID_UTF8 * len(head)
+
+
+def check_text(source_dir: str, paths: Sequence[str]) -> None:
+    """Checks that the files `paths` (relative to `source_dir`) are mostly text (`looks_binary`
+    on the first SNIFF_BYTES bytes of each; an empty file counts as text).
+
+    Prints one warning line on stderr if more than half of the files, or of their bytes, look
+    binary; raises DataError if no byte of the corpus is text (every file binary or empty), or
+    if a file cannot be read.
+    """
+    binary_files = binary_bytes = total_bytes = text_bytes = 0
+    for path in paths:
+        full = os.path.join(source_dir, path)
+        try:
+            with open(full, "rb") as f:
+                head = f.read(SNIFF_BYTES)
+            size = os.path.getsize(full)
+        except OSError as e:
+            raise DataError(f"Cannot read {full!r} ({e.strerror or e}); fix its permissions or remove it.") from e
+        total_bytes += size
+        if looks_binary(head):
+            binary_files, binary_bytes = binary_files + 1, binary_bytes + size
+        else:
+            text_bytes += size
+    share = (
+        f"{binary_files} of its {len(paths)} files ({binary_bytes:,} of {total_bytes:,} bytes) look binary or "
+        f"are not UTF-8 (a NUL byte, or over {MAX_INVALID_UTF8:.0%} invalid UTF-8, in their first 8 KiB)"
+    )
+    advice = "point config.data.source_dir at text files, or narrow config.data.suffixes"
+    if text_bytes == 0:
+        what = f"all its {len(paths)} files are empty" if not binary_files else share + (
+            ", the rest are empty" if binary_files < len(paths) else "")
+        raise DataError(f"Text source directory {source_dir!r} has no text: {what}; {advice}.")
+    if binary_files > len(paths) / 2 or binary_bytes > total_bytes / 2:
+        print(f"warning: text source directory {source_dir!r} is mostly not text: {share}; {advice}.",
+              file=sys.stderr)
 
 
 @dataclasses.dataclass(eq=False)
@@ -132,7 +194,9 @@ class LocalText(tfds.core.GeneratorBasedBuilder):
     def _split_generators(self, dl_manager: tfds.download.DownloadManager) -> dict[str, Iterator]:
         config = self.builder_config
         by_split = {split: [] for split in SPLITS}
-        for path in find_documents(config.source_dir, config.suffixes):
+        paths = find_documents(config.source_dir, config.suffixes)
+        check_text(config.source_dir, paths)
+        for path in paths:
             by_split[split_of(path)].append(path)
         empty = [split for split, paths in by_split.items() if not paths]
         if empty:
@@ -151,18 +215,28 @@ class LocalText(tfds.core.GeneratorBasedBuilder):
 
 
 def prepare(data_dir: str, source_dir: str = "", suffixes: Sequence[str] = DEFAULT_SUFFIXES) -> LocalText:
-    """Prepares (once; later calls only read metadata) and returns the builder of a directory."""
+    """Prepares (once; later calls only read metadata) and returns the builder of a directory.
+
+    If preparing fails, the folders this call created (data_dir and the ones TFDS makes in it)
+    are removed again where they are empty; nothing that existed before is touched.
+    """
     config = local_text_config(source_dir, suffixes)
     builder = LocalText(config=config, data_dir=data_dir, file_format="array_record")
     if builder.is_prepared():
         return builder
+    # What TFDS may create: data_dir/local_text/<config>/<version> and data_dir/downloads/extracted.
+    new_dirs = absent_dirs(builder.data_dir) + absent_dirs(os.path.join(data_dir, "downloads", "extracted"))
     try:
         builder.download_and_prepare()
     except OSError:
         # Another process finished first and its rename took the folder; use its data.
         builder = LocalText(config=config, data_dir=data_dir, file_format="array_record")
         if not builder.is_prepared():
+            remove_empty_dirs(new_dirs)
             raise
+    except BaseException:
+        remove_empty_dirs(new_dirs)
+        raise
     return builder
 
 

@@ -25,7 +25,7 @@ import grain
 import ml_collections
 import numpy as np
 
-from data import local_text, tasks, tokenizers
+from data import DataError, local_text, tasks, tokenizers
 
 # Sentencepiece trains on at most this many characters of the train split (taken in the
 # split's stored order): more costs minutes and changes little.
@@ -151,9 +151,28 @@ def train_loader(
     if tasks.is_task(config):
         return tasks.train_loader(config, seed=seed, batch_size=batch_size, seq_len=seq_len,
                                   shard_index=shard_index, num_shards=num_shards)
-    docs = documents(config, "train")[shard_index::num_shards].shuffle(seed).repeat()
-    rows = PackIterDataset(docs.to_iter_dataset(READ_OPTIONS), seq_len)
+    docs = documents(config, "train")[shard_index::num_shards]
+    _check_fills_a_row(docs, seq_len, config, shard_index, num_shards)
+    rows = PackIterDataset(docs.shuffle(seed).repeat().to_iter_dataset(READ_OPTIONS), seq_len)
     return iter(rows.batch(batch_size, drop_remainder=True))
+
+
+def _check_fills_a_row(docs: grain.MapDataset, seq_len: int, config: ml_collections.ConfigDict,
+                       shard_index: int, num_shards: int) -> None:
+    """Raises DataError if the documents `docs` hold fewer than `seq_len` tokens in all (the
+    endless loader would then repeat them within every row, or, with none, stop at once).
+    Reads documents only until one row is filled: the first one or two for a real corpus."""
+    tokens = 0
+    for i in range(len(docs)):
+        tokens += len(docs[i])
+        if tokens >= seq_len:
+            return
+    shard = f" (shard {shard_index} of {num_shards})" if num_shards > 1 else ""
+    where = (config.source_dir or "the standard library") if config.name == "local_text" else config.name
+    raise DataError(
+        f"The train split{shard} of {where} has {len(docs)} documents and {tokens} tokens, fewer "
+        f"than one training row of {seq_len}: use a larger corpus or a smaller seq_len."
+    )
 
 
 def eval_stream(

@@ -7,6 +7,7 @@ Both share one interface: `encode(text) -> int32[n]` (no EOS added), `decode(ids
 from __future__ import annotations
 
 import io
+import itertools
 import os
 import re
 import tempfile
@@ -15,7 +16,7 @@ from typing import Callable, Iterable, Sequence
 import numpy as np
 import sentencepiece as spm
 
-from data import DataError
+from data import DataError, absent_dirs, remove_empty_dirs
 
 PAD_ID = 0
 EOS_ID = 1
@@ -69,9 +70,16 @@ class SentencePieceTokenizer:
         Documents are fed line by line: sentencepiece drops "sentences" longer than
         `max_sentence_length`, and whole files usually are.
         """
+        sentences = (line for text in texts for line in _as_str(text).splitlines() if line.strip())
+        first = next(sentences, None)
+        if first is None:  # sentencepiece would fail with "INTERNAL: ... [!sentences_.empty()]"
+            raise DataError(
+                "No text to train the sentencepiece tokenizer on: its train texts have no non-blank line. "
+                "Use a corpus with text in it, or data.tokenizer='byte'."
+            )
         model = io.BytesIO()
         spm.SentencePieceTrainer.train(
-            sentence_iterator=(line for text in texts for line in _as_str(text).splitlines() if line.strip()),
+            sentence_iterator=itertools.chain([first], sentences),
             model_writer=model,
             vocab_size=vocab_size,
             model_type="unigram",
@@ -110,15 +118,21 @@ TOKENIZERS = ("byte", "sentencepiece")
 
 
 def _write_atomically(path: str, content: bytes) -> None:
-    """Writes via a temporary file and a rename, so readers never see a half-written file."""
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".", suffix=".tmp")
+    """Writes via a temporary file and a rename, so readers never see a half-written file; on
+    failure, the temporary file and the folders this call created are removed."""
+    folder = os.path.dirname(path) or "."
+    new_dirs = absent_dirs(folder)
+    os.makedirs(folder, exist_ok=True)
+    tmp = None
     try:
+        fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
         with os.fdopen(fd, "wb") as f:
             f.write(content)
         os.replace(tmp, path)
     except BaseException:
-        os.unlink(tmp)
+        if tmp is not None:
+            os.unlink(tmp)
+        remove_empty_dirs(new_dirs)
         raise
 
 
