@@ -48,7 +48,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         # The NaN guard also stops a loss above this many times the median of the last 50
         # logged, so no checkpoint of a blown-up state is kept; 0 turns that part off.
         explode_factor=10.0,
-        param_dtype="float32",  # parameters' storage: "bfloat16" halves them (optimizer state stays fp32)
+        param_dtype="float32",
+        async_checkpoints=True,  # a save is written while training goes on  # parameters' storage: "bfloat16" halves them (optimizer state stays fp32)
     ))
     # Continue from another run's parameters (fresh optimizer and step counter): the
     # pretrain-then-extend workflow. A directory of checkpoints; its latest complete one is used.
@@ -58,6 +59,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # them: batch over data x fsdp, parameters and optimizer state over fsdp (embed) and tensor
     # (heads, mlp, vocab), activations' sequence dimension over sequence.
     c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1, sequence=1))
+    # Several processes (TPU pod slices, multi-node GPU; lab/distributed.py): a cluster launcher JAX
+    # detects, or coordinator (host:port of process 0) with num_processes and process_id given here.
+    c.distributed = ml_collections.ConfigDict(dict(
+        coordinator="", num_processes=0, process_id=-1,  # '', 0, -1: detected (one process if no cluster)
+        timeout_s=300))  # how long start-up waits for every process to connect
 
     c.eval = ml_collections.ConfigDict(dict(
         multipliers=(0.5, 1, 2, 4, 8, 16),  # evaluation lengths as multiples of seq_len

@@ -21,6 +21,9 @@ def default_data_config() -> ml_collections.ConfigDict:
         ~/.cache/positional.
       tokenizer: 'byte' or 'sentencepiece' (trained on the train split, cached in data_dir).
       spm_vocab_size: vocabulary size of the sentencepiece model.
+      streams: independent document streams the training batch is made of (`pipeline.Streams`):
+        a multiple of the number of processes, each of which loads only its streams' documents.
+        The batch depends on it, not on how many processes load it.
       task: a synthetic task's options (`data.tasks.default_options(name)` lists them all;
         missing ones take their defaults).
     """
@@ -34,6 +37,7 @@ def default_data_config() -> ml_collections.ConfigDict:
             ),
             tokenizer="byte",
             spm_vocab_size=8192,
+            streams=1,
             task=ml_collections.ConfigDict({}),
         )
     )

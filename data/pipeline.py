@@ -175,6 +175,43 @@ def _check_fills_a_row(docs: grain.MapDataset, seq_len: int, config: ml_collecti
     )
 
 
+class Streams:
+    """Training batches made of independent streams: stream s of S packs every S-th document
+    (`train_loader` with shard s of S) into batch_size / S rows, and a batch is the streams' rows
+    one after the other. A process loads only the streams of its rows, so the processes of a job
+    read disjoint documents and their rows together are the batch one process would load with
+    the same S. With S = 1 it is `train_loader` itself. State: {stream: its loader's state}.
+    """
+
+    def __init__(self, config, *, seed: int, batch_size: int, seq_len: int, streams: int = 1,
+                 rows: range | None = None):
+        rows = range(batch_size) if rows is None else rows
+        per = batch_size // streams if streams >= 1 else 0
+        if per < 1 or batch_size % streams or rows.start % per or rows.stop % per:
+            raise DataError(f"data.streams={streams} must divide batch_size={batch_size} into whole streams, "
+                            f"and this process's rows {rows.start}..{rows.stop - 1} into whole streams of "
+                            f"{max(per, 1)} rows; valid: a divisor of batch_size that the number of processes "
+                            "divides")
+        self.loaders = {s: train_loader(config, seed=seed, batch_size=per, seq_len=seq_len, shard_index=s,
+                                        num_shards=streams) for s in range(rows.start // per, rows.stop // per)}
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        parts = [next(loader) for loader in self.loaders.values()]
+        return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+
+    def get_state(self) -> dict[str, Any]:
+        return {str(s): loader.get_state() for s, loader in self.loaders.items()}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        if "0" not in state and list(self.loaders) == [0]:  # saved before streams: one loader's state
+            state = {"0": state}
+        for s, loader in self.loaders.items():
+            loader.set_state(state[str(s)])
+
+
 def eval_stream(
     config: ml_collections.ConfigDict, split: str = "validation", max_tokens: int | None = None
 ) -> np.ndarray:

@@ -21,11 +21,13 @@ IDENTITY = ("model.", "data.", "train.param_dtype")
 NOT_IDENTITY = ("model.attention_impl", "model.block_size", "model.dtype", "model.remat", "data.data_dir")
 
 
-def checkpoint_manager(directory: str, keep: int = 2, create: bool = True) -> ocp.CheckpointManager:
-    # Synchronous saves: a save has finished (and was renamed into place atomically by orbax)
-    # before training continues, so a crash can only ever lose the save in progress.
+def checkpoint_manager(directory: str, keep: int = 2, create: bool = True,
+                       asynchronous: bool = False) -> ocp.CheckpointManager:
+    """Orbax's manager of a checkpoint directory. A save is written into a temporary folder and
+    renamed into place once complete, so a crash can only lose the save in progress; an
+    `asynchronous` save copies the state to host memory, then writes while training goes on."""
     options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=create,
-                                           enable_async_checkpointing=False)
+                                           enable_async_checkpointing=asynchronous)
     return ocp.CheckpointManager(os.path.abspath(directory), options=options)
 
 

@@ -36,6 +36,7 @@ from tqdm import tqdm
 from data import pipeline, tasks
 from lab.checkpoints import (checkpoint_manager, identity, identity_change, load_params, restore_latest, save,
                              set_aside_partial_saves, stored_identity)
+from lab import distributed
 from lab.evaluators import configured, in_training
 from lab.lengths import perplexity_at, task_accuracy_at
 from lab.runs import Run
@@ -147,21 +148,27 @@ def train(config: ml_collections.ConfigDict) -> dict:
     config value and TrainingError on divergence or when another trainer holds the workdir."""
     check_config(config)
     evaluators = configured(config)  # a bad name fails here, before any work
+    distributed.initialize(config)
+    distributed.check_same_config(config)
     workdir = workdir_of(config)
     os.makedirs(workdir, exist_ok=True)
-    with workdir_lock(workdir):
+    # One writer: process 0 holds the lock and writes the run's files; every process reads.
+    with workdir_lock(workdir) if jax.process_index() == 0 else contextlib.nullcontext():
         return _train(config, workdir, evaluators)
 
 
 def _train(config, workdir, evaluators) -> dict:
+    primary, multi = jax.process_index() == 0, jax.process_count() > 1
     ckpt_dir, aside = (os.path.join(workdir, name) for name in ("checkpoints", "checkpoints.unreadable"))
-    manager = checkpoint_manager(ckpt_dir, config.train.keep_checkpoints)
+    manager = checkpoint_manager(ckpt_dir, config.train.keep_checkpoints, asynchronous=config.train.async_checkpoints)
     stored = stored_identity(manager, workdir)
     if stored is not None and (change := identity_change(stored, config)):
         raise TrainingError(
             f"{workdir} holds the checkpoints of a different model ({change}); nothing was changed. Give this "
             f"run another --config.workdir, or start it from that run's parameters with --config.init_from={workdir}")
-    set_aside_partial_saves(ckpt_dir, aside)
+    if primary:
+        set_aside_partial_saves(ckpt_dir, aside)
+    distributed.barrier("partial saves set aside")
     mesh, batch_sharding = mesh_and_batch(config)  # before data: a mesh that does not fit fails at once
     tokenizer = pipeline.tokenizer(config.data)
     graphdef, rest, tx, schedule, state = init_state(config, tokenizer.vocab_size, mesh)
@@ -169,10 +176,12 @@ def _train(config, workdir, evaluators) -> dict:
     train_step = make_train_step(graphdef, rest, tx, config, state_shardings, batch_sharding)
     loss_after = jax.jit(make_loss(graphdef, rest, config))  # of the parameters a checkpoint keeps
 
-    loader = pipeline.train_loader(config.data, seed=config.seed, batch_size=config.batch_size,
-                                   seq_len=config.seq_len + 1)
+    loader = pipeline.Streams(config.data, seed=config.seed, batch_size=config.batch_size,
+                              seq_len=config.seq_len + 1, streams=config.data.streams,
+                              rows=distributed.local_rows(batch_sharding, config.batch_size))
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
-    found = restore_latest(manager, abstract, aside=aside)
+    found = restore_latest(manager, abstract, aside=aside if primary else None)
+    distributed.barrier("restored")
     if found is not None:
         step0, restored = found
         state = restored["state"]
@@ -184,17 +193,20 @@ def _train(config, workdir, evaluators) -> dict:
         state = {**state, "params": params}
         print(f"initialised parameters from {config.init_from} (step {src_step})")
         if config.train.steps == 0:  # zero-shot: the loaded parameters under this run's config
-            save(manager, state, loader.get_state(), {"step": 0, "loss": float("nan"), "identity": identity(config)})
+            save(manager, state, loader_state(loader), {"step": 0, "loss": float("nan"), "identity": identity(config)})
     else:
         step0 = 0
     metrics_path = os.path.join(workdir, "metrics.jsonl")
-    cut_metrics(metrics_path, step0)
-    with open(os.path.join(workdir, "config.json"), "w") as f:
-        f.write(config.to_json_best_effort(indent=2))
+    if primary:
+        cut_metrics(metrics_path, step0)
+        with open(os.path.join(workdir, "config.json"), "w") as f:
+            f.write(config.to_json_best_effort(indent=2))
 
+    # A signal stops the run at the next step boundary with a checkpoint. Several processes
+    # agree on that step through JAX's preemption sync (it hears SIGTERM; SIGINT kills).
     stop = _Stop()
-    previous = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGINT)}
-    writer = SummaryWriter(os.path.join(workdir, "tensorboard"))
+    previous = {s: signal.signal(s, stop) for s in ((signal.SIGTERM, signal.SIGINT) if not multi else ())}
+    writer = SummaryWriter(os.path.join(workdir, "tensorboard")) if primary else None
     steps = config.train.steps
     tokens_per_step = config.batch_size * config.seq_len
     progress = _progress(step0, steps)
@@ -224,22 +236,26 @@ def _train(config, workdir, evaluators) -> dict:
                 record.update(in_training(evaluators, Run(workdir, config, model, step),
                                           os.path.join(workdir, "evals", str(step)),
                                           write=jax.process_index() == 0))
-            try:
-                _log(metrics_path, writer, record)
-            except OSError as e:
-                raise _WriteFailed(metrics_path) from e
-            progress.tokens_per_s = record["tokens_per_s"]
-            progress.log(record)
+            if primary:
+                try:
+                    _log(metrics_path, writer, record)
+                except OSError as e:
+                    raise _WriteFailed(metrics_path) from e
+                progress.tokens_per_s = record["tokens_per_s"]
+                progress.log(record)
             t_log, n_log = time.perf_counter(), 0
 
     pending = None  # (step, metrics) of the step dispatched last, metrics not read yet
     try:
         for step in range(step0 + 1, steps + 1):
-            batch = {k: jax.device_put(np.asarray(v), batch_sharding) for k, v in next(loader).items()}
+            batch = {k: jax.make_array_from_process_local_data(batch_sharding, np.asarray(v))
+                     for k, v in next(loader).items()}
             state, metrics = train_step(state, batch)  # donates the previous state
             if pending is not None:
                 finish(*pending)
             pending = (step, metrics)
+            if multi and manager.reached_preemption(step):
+                stop.signal = "SIGTERM"
             checkpoint = step % config.train.checkpoint_every == 0 or step == steps or stop.signal
             validate = config.train.eval_every and step % config.train.eval_every == 0
             if checkpoint or validate:  # both need this step's state, so wait for it now
@@ -255,20 +271,25 @@ def _train(config, workdir, evaluators) -> dict:
                     raise TrainingError(f"{what} with the parameters of step {step} (on its batch); nothing "
                                         f"was saved after step {last_good}. " + _advice(last_good, manager))
                 try:
-                    save(manager, state, loader.get_state(),
+                    save(manager, state, loader_state(loader),
                          {"step": step, "loss": history[-1], "identity": identity(config)})
                 except Exception as e:  # noqa: BLE001 - orbax reports a full disk as a ValueError
                     raise _WriteFailed(f"checkpoint {step} in {manager.directory}") from e
                 last_good = step
             if stop.signal:
                 break
+        try:
+            manager.wait_until_finished()  # the last asynchronous save
+        except Exception as e:  # noqa: BLE001 - as a failed save
+            raise _WriteFailed(f"checkpoint {manager.latest_step()} in {manager.directory}") from e
     except _WriteFailed as e:
         raise TrainingError(_write_failure(e, state, loader, last_good, manager)) from e
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
         progress.close()
-        writer.close()
+        if writer:
+            writer.close()
         manager.close()
     step = int(state["step"])
     return {"workdir": workdir, "step": step, "losses": history,
@@ -287,16 +308,23 @@ def _write_failure(e: _WriteFailed, state, loader, last_good, manager) -> str:
     step = int(state["step"])
     resume = (f"rerun to continue from step {last_good}" if last_good is not None
               else "rerun to start again from step 0")
+    if jax.process_count() > 1:  # the state is spread over the processes: no one place to save it
+        return f"cannot write {e} ({why}). Free space or fix permissions; {resume}"
     try:
         where = tempfile.mkdtemp(prefix=f"emergency-checkpoint-{step}-")
         emergency = checkpoint_manager(where, keep=1)
-        save(emergency, state, loader.get_state(), {"step": step, "loss": float("nan"), "emergency": True})
+        save(emergency, state, loader_state(loader), {"step": step, "loss": float("nan"), "emergency": True})
         emergency.close()
         saved = (f"the state of step {step} was saved to {where}/{step} (not checked by the NaN guard): move "
                  f"it into {manager.directory} to continue from it, or {resume}")
     except Exception as e2:  # noqa: BLE001 - nowhere to write: the last checkpoint is what is left
         saved = f"no emergency save was possible either ({type(e2).__name__}); {resume}"
     return f"cannot write {e} ({why}). Free space or fix permissions; {saved}"
+
+
+def loader_state(loader) -> dict:
+    """The state of every stream of the batch, gathered from the processes that load them."""
+    return {k: v for states in distributed.gather_json(loader.get_state()) for k, v in states.items()}
 
 
 def cut_metrics(path: str, step: int) -> None:

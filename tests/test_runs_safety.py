@@ -16,7 +16,6 @@ import time
 
 import pytest
 
-from data import DataError
 from lab import training
 from lab.checkpoints import load_params
 from lab.training import TrainingError, dry_run, train, workdir_lock
@@ -67,7 +66,7 @@ def test_a_dead_holders_lock_is_taken_over_with_a_warning_and_every_exit_release
     assert released_cleanly()  # after a normal end
     failing = tiny_config(tmp_path, steps=4)
     failing.data.source_dir = str(tmp_path / "no_such_dir")
-    with pytest.raises(DataError):
+    with pytest.raises(TrainingError, match="different model"):  # another data source on this workdir
         train(failing)
     assert released_cleanly()  # after an error
 

@@ -1,0 +1,107 @@
+"""Several processes, one run: the start-up of a multi-process job, the check that every process
+runs the same config, and which rows of the global batch this process loads.
+
+A job has several processes when JAX detects a cluster that launched it (a Cloud TPU pod slice,
+SLURM, Open MPI, Kubernetes: `jax.distributed.initialize` with no arguments), or when the
+config says so: `distributed.coordinator` (host:port of process 0), `distributed.num_processes`
+and `distributed.process_id`. One process is the default and needs nothing.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import ml_collections
+import numpy as np
+
+
+class StartupError(Exception):
+    """The processes of a job could not start together; the message says why."""
+
+
+def _cluster_detected() -> bool:
+    """Whether JAX recognises a cluster launcher in the environment (its own auto-detection)."""
+    try:
+        from jax._src.clusters import ClusterEnv
+        return any(not env.opt_in_only_method and env.is_env_present() for env in ClusterEnv._cluster_types)
+    except (ImportError, AttributeError):  # the private API moved: explicit fields still work
+        return False
+
+
+def initialize(config: ml_collections.ConfigDict) -> None:
+    """`jax.distributed.initialize` for a multi-process job (a no-op for one process, or when done
+    already). Must run before anything touches a device. CPU processes talk through gloo."""
+    d = config.get("distributed")  # configs/default.py has the fields
+    if d is None or jax.distributed.is_initialized() or not (d.coordinator or d.num_processes > 1
+                                                            or _cluster_detected()):
+        return
+    if d.num_processes < 0 or (d.num_processes and not -1 <= d.process_id < d.num_processes):
+        raise ValueError(f"distributed.process_id={d.process_id} with distributed.num_processes={d.num_processes}; "
+                         "valid: 0 <= process_id < num_processes (-1: detected)")
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    try:
+        jax.distributed.initialize(coordinator_address=d.coordinator or None, num_processes=d.num_processes or None,
+                                   process_id=None if d.process_id < 0 else d.process_id,
+                                   initialization_timeout=int(d.timeout_s))
+    except Exception as e:  # noqa: BLE001 - JAX raises several kinds; all mean the job did not start
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+        raise StartupError(
+            f"the job's processes did not start together within distributed.timeout_s={d.timeout_s} s "
+            f"(coordinator {d.coordinator or 'detected'}): {first}. Check that the coordinator's host:port is "
+            "reachable from every process and that every process was launched") from None
+
+
+def check_same_config(config: ml_collections.ConfigDict) -> None:
+    """Raise ValueError in every process, naming the fields, if the processes were given
+    different configs (distributed.process_id aside)."""
+    mine = json.loads(config.to_json_best_effort())
+    mine.get("distributed", {}).pop("process_id", None)
+    configs = gather_json(mine)
+    differ = [f"process {p}: {d}" for p, c in enumerate(configs) if (d := _diff(configs[0], c))]
+    if differ:
+        raise ValueError(f"the processes were launched with different configs ({'; '.join(differ)}); "
+                         "launch every process with the same flags")
+
+
+def gather_json(obj) -> list:
+    """`obj` (anything JSON can hold) from every process, in process order."""
+    if jax.process_count() == 1:
+        return [obj]
+    from jax.experimental import multihost_utils
+    data = np.frombuffer(json.dumps(obj).encode(), np.uint8)
+    sizes = multihost_utils.process_allgather(np.int32(len(data)))
+    padded = np.zeros(int(sizes.max()), np.uint8)
+    padded[:len(data)] = data
+    rows = multihost_utils.process_allgather(padded)
+    return [json.loads(bytes(row[:n])) for row, n in zip(rows, sizes)]
+
+
+def barrier(name: str) -> None:
+    """Wait until every process gets here (nothing to wait for with one)."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+        multihost_utils.sync_global_devices(name)
+
+
+def _diff(a: dict, b: dict, prefix: str = "") -> str:
+    out = []
+    for k in sorted(set(a) | set(b)):
+        x, y = a.get(k), b.get(k)
+        if isinstance(x, dict) and isinstance(y, dict):
+            out.append(_diff(x, y, f"{prefix}{k}."))
+        elif x != y:
+            out.append(f"{prefix}{k} {x!r} vs {y!r} on process 0")
+    return ", ".join(filter(None, out))
+
+
+def local_rows(batch_sharding, batch_size: int) -> range:
+    """The rows of the global batch that this process's devices hold (contiguous)."""
+    spans = sorted({(s[0].start or 0, batch_size if s[0].stop is None else s[0].stop)
+                    for s in batch_sharding.addressable_devices_indices_map((batch_size, 1)).values()})
+    stop = spans[0][0]
+    for a, b in spans:
+        if a > stop:
+            raise ValueError(f"this process's devices hold rows {spans} of the batch, which are not contiguous")
+        stop = max(stop, b)
+    return range(spans[0][0], stop)
