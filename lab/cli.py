@@ -13,6 +13,7 @@ from absl import flags, logging
 from ml_collections import config_flags
 
 from data import DataError
+from lab.distributed import StartupError
 from lab.training import TrainingError
 
 
@@ -78,7 +79,7 @@ def run_cli(fn):
     """Run fn(); expected failures print one readable line and exit non-zero."""
     try:
         return fn()
-    except (TrainingError, DataError, ValueError, OSError) as e:  # OSError: a path, and why it failed
+    except (TrainingError, DataError, StartupError, ValueError, OSError) as e:  # OSError: a path, and why it failed
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
 

@@ -10,6 +10,9 @@ and `distributed.process_id`. One process is the default and needs nothing.
 from __future__ import annotations
 
 import json
+import os
+import sys
+import threading
 
 import jax
 import ml_collections
@@ -40,16 +43,22 @@ def initialize(config: ml_collections.ConfigDict) -> None:
         raise ValueError(f"distributed.process_id={d.process_id} with distributed.num_processes={d.num_processes}; "
                          "valid: 0 <= process_id < num_processes (-1: detected)")
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    why = (f"the job's processes did not start together within distributed.timeout_s={d.timeout_s} s (coordinator "
+           f"{d.coordinator or 'detected'})")
+    advice = "Check that the coordinator's host:port is reachable from every process and that every process was launched"
+    # JAX aborts the process when its own deadline passes; this watchdog ends it first, in one line.
+    watchdog = threading.Timer(d.timeout_s, lambda: (print(f"error: {why}. {advice}", file=sys.stderr, flush=True),
+                                                     os._exit(1)))
+    watchdog.daemon = True
+    watchdog.start()
     try:
         jax.distributed.initialize(coordinator_address=d.coordinator or None, num_processes=d.num_processes or None,
                                    process_id=None if d.process_id < 0 else d.process_id,
-                                   initialization_timeout=int(d.timeout_s))
+                                   initialization_timeout=int(d.timeout_s) + 60)
     except Exception as e:  # noqa: BLE001 - JAX raises several kinds; all mean the job did not start
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
-        raise StartupError(
-            f"the job's processes did not start together within distributed.timeout_s={d.timeout_s} s "
-            f"(coordinator {d.coordinator or 'detected'}): {first}. Check that the coordinator's host:port is "
-            "reachable from every process and that every process was launched") from None
+        raise StartupError(f"{why}: {(str(e).strip().splitlines() or [type(e).__name__])[0][:300]}. {advice}") from None
+    finally:
+        watchdog.cancel()
 
 
 def check_same_config(config: ml_collections.ConfigDict) -> None:
@@ -91,7 +100,7 @@ def _diff(a: dict, b: dict, prefix: str = "") -> str:
         if isinstance(x, dict) and isinstance(y, dict):
             out.append(_diff(x, y, f"{prefix}{k}."))
         elif x != y:
-            out.append(f"{prefix}{k} {x!r} vs {y!r} on process 0")
+            out.append(f"{prefix}{k} {y!r} vs {x!r} on process 0")
     return ", ".join(filter(None, out))
 
 

@@ -154,3 +154,27 @@ def test_sentencepiece_pipeline(corpus, corpus_config):
     assert doc[-1] == tok.eos_id and tok.decode(doc) == files[path].decode("utf-8")
     batch = next(pipeline.train_loader(config, seed=0, batch_size=2, seq_len=32))
     assert batch["tokens"].max() < tok.vocab_size
+
+
+def test_each_process_loads_its_own_streams_and_together_the_batch(corpus_config):
+    """Two processes' loaders (rows 0-3 and 4-7 of a batch of 8 in 4 streams) read disjoint
+    documents, and their rows stacked are the rows one loader of the whole batch gives."""
+    kw = dict(seed=3, batch_size=8, seq_len=64, streams=4)
+    whole = pipeline.Streams(corpus_config, **kw)
+    halves = [pipeline.Streams(corpus_config, rows=rows, **kw) for rows in (range(0, 4), range(4, 8))]
+    assert [sorted(h.loaders) for h in halves] == [[0, 1], [2, 3]]
+    for _ in range(4):
+        batch = next(whole)
+        parts = [next(h) for h in halves]
+        for k in batch:
+            np.testing.assert_array_equal(np.concatenate([p[k] for p in parts]), batch[k])
+    # Disjoint documents: stream s reads documents s, s + 4, ... of the train split.
+    n = len(pipeline.documents(corpus_config, "train"))
+    streams = [set(range(n)[s::4]) for s in range(4)]
+    assert all(not (a & b) for i, a in enumerate(streams) for b in streams[i + 1:])
+    # The state of the whole is the union of the halves' states, and resumes each of them.
+    state = {**halves[0].get_state(), **halves[1].get_state()}
+    assert state == whole.get_state()
+    again = pipeline.Streams(corpus_config, rows=range(4, 8), **kw)
+    again.set_state(state)
+    np.testing.assert_array_equal(next(again)["tokens"], next(halves[1])["tokens"])
