@@ -37,6 +37,7 @@ def get_config(arg: str | None = None):
     c.seq_len = 131072
     c.mesh.update(data=1, tensor=1, **HARDWARE[hardware])
     c.batch_size = HARDWARE[hardware]["fsdp"]  # rows are split over data x fsdp
+    c.data.streams = c.batch_size  # a stream per row: each host loads only the rows it holds
     c.train.update(steps=10000, warmup_steps=500, lr=3e-4, checkpoint_every=250, eval_every=0)
     c.workdir = f"runs/long_context/{hardware}-{scheme}"
     return c

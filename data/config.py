@@ -21,9 +21,9 @@ def default_data_config() -> ml_collections.ConfigDict:
         ~/.cache/positional.
       tokenizer: 'byte' or 'sentencepiece' (trained on the train split, cached in data_dir).
       spm_vocab_size: vocabulary size of the sentencepiece model.
-      streams: independent document streams the training batch is made of (`pipeline.Streams`):
-        a multiple of the number of processes, each of which loads only its streams' documents.
-        The batch depends on it, not on how many processes load it.
+      streams: independent document streams the training batch is made of (`pipeline.Streams`);
+        each process loads only the streams of its rows, so its rows must be whole streams (one
+        per row always works). The batch depends on it, not on how many processes load it.
       task: a synthetic task's options (`data.tasks.default_options(name)` lists them all;
         missing ones take their defaults).
     """

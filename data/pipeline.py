@@ -190,8 +190,8 @@ class Streams:
         if per < 1 or batch_size % streams or rows.start % per or rows.stop % per:
             raise DataError(f"data.streams={streams} must divide batch_size={batch_size} into whole streams, "
                             f"and this process's rows {rows.start}..{rows.stop - 1} into whole streams of "
-                            f"{max(per, 1)} rows; valid: a divisor of batch_size that the number of processes "
-                            "divides")
+                            f"{max(per, 1)} rows; valid: a divisor of batch_size that splits every process's "
+                            f"rows into whole streams (one per row always does: data.streams={batch_size})")
         self.loaders = {s: train_loader(config, seed=seed, batch_size=per, seq_len=seq_len, shard_index=s,
                                         num_shards=streams) for s in range(rows.start // per, rows.stop // per)}
 
