@@ -10,6 +10,8 @@ import shutil
 import sys
 import time
 
+import jax
+import jax.numpy as jnp
 import ml_collections
 import orbax.checkpoint as ocp
 
@@ -32,10 +34,37 @@ def checkpoint_manager(directory: str, keep: int = 2, create: bool = True,
 
 
 def save(manager, state, loader_state: dict, meta: dict) -> None:
+    """Save `state` at its step, with the loader's state and `meta` (plus the arrays' checksums)."""
     step = int(state["step"])
+    meta = {**meta, "checksums": checksums(state)}
     manager.save(step, args=ocp.args.Composite(
         state=ocp.args.StandardSave(state), loader=ocp.args.JsonSave(loader_state),
         meta=ocp.args.JsonSave(meta)), force=True)
+
+
+@jax.jit
+def _sums(tree):
+    def one(x):  # the bits as unsigned integers, summed mod 2^32: exact whatever the order or sharding
+        bits = jax.lax.bitcast_convert_type(x, {4: jnp.uint32, 2: jnp.uint16, 1: jnp.uint8}[x.dtype.itemsize])
+        return jnp.sum(bits.astype(jnp.uint32), dtype=jnp.uint32)
+    return jax.tree.map(one, tree)
+
+
+def checksums(tree) -> dict:
+    """{array path: sum of its bits}, which orbax does not keep: a restore compares them, so a
+    flipped bit in a checkpoint's array data is found instead of read as a wrong value."""
+    return {jax.tree_util.keystr(path): int(v) for path, v in jax.tree_util.tree_leaves_with_path(_sums(tree))}
+
+
+def _verify(restored_state, meta: dict | None) -> None:
+    expected = (meta or {}).get("checksums")
+    if expected is None:  # saved before checksums were kept
+        return
+    found = checksums(restored_state)
+    bad = [k for k, v in found.items() if k in expected and expected[k] != v]
+    if bad:
+        raise ValueError(f"checksums differ in {len(bad)} of {len(found)} arrays (first: {bad[0]}): the data "
+                         "changed after it was written")
 
 
 def restore_latest(manager, abstract_state, partial: bool = False, aside: str | None = None):
@@ -57,7 +86,11 @@ def restore_latest(manager, abstract_state, partial: bool = False, aside: str | 
     try:
         for step in sorted(manager.all_steps(), reverse=True):
             try:
-                return step, manager.restore(step, args=ocp.args.Composite(**args))
+                restored = manager.restore(step, args=ocp.args.Composite(**args))
+                meta = restored["meta"] if "meta" in restored else manager.restore(
+                    step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+                _verify(restored["state"], meta)
+                return step, restored
             except Exception as e:  # noqa: BLE001 - any unreadable checkpoint is skipped, loudly
                 reason = (str(e).splitlines() or [type(e).__name__])[0][:200]
                 where = f"; moved to {set_aside(os.path.join(manager.directory, str(step)), aside)}" if aside else ""

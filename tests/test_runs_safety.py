@@ -161,9 +161,19 @@ def corrupt_loader(d):
     open(os.path.join(d, "loader", "metadata"), "w").close()
 
 
-# Ways a checkpoint breaks that orbax notices on restore. Flipped bits inside array data are not
-# among them: orbax keeps no checksums, so such a checkpoint restores wrong values silently.
-CORRUPTIONS = [corrupt_arrays, corrupt_manifest, corrupt_meta, corrupt_loader]
+def corrupt_bits(d):
+    """Flip 16 bytes in the middle of the largest array file: orbax restores it without a word
+    (it keeps no checksums); the checksums stored in meta find it."""
+    f = max(glob.glob(os.path.join(d, "state", "ocdbt.process_0", "d", "*")), key=os.path.getsize)
+    with open(f, "r+b") as fh:
+        data = bytearray(fh.read())
+        middle = len(data) // 2
+        data[middle:middle + 16] = bytes(b ^ 0xFF for b in data[middle:middle + 16])
+        fh.seek(0)
+        fh.write(data)
+
+
+CORRUPTIONS = [corrupt_arrays, corrupt_manifest, corrupt_meta, corrupt_loader, corrupt_bits]
 
 
 @pytest.mark.parametrize("corrupt", CORRUPTIONS, ids=lambda f: f.__name__)
