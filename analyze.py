@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from absl import app, flags
 
-from lab import cli
+from lab import analysis, cli
 from lab.evaluators import evaluate
 
 flags.DEFINE_list("workdirs", [], "training run directories to analyse")
@@ -30,20 +30,16 @@ flags.DEFINE_integer("shift_windows", 8, "windows for the feature shift")
 FLAGS = flags.FLAGS
 
 
-def check_shift_multiplier(m: int) -> None:
-    if m < 2 or m & (m - 1):
-        raise ValueError(f"--shift_multiplier={m} must be a power of two >= 2")
-
-
 def main(argv):
     del argv
     cli.quiet()
-    cli.run_cli(lambda: (cli.require_workdirs(FLAGS.workdirs), check_shift_multiplier(FLAGS.shift_multiplier)))
-    print(cli.run_cli(lambda: evaluate(
-        "analysis", FLAGS.workdirs, FLAGS.out, untrained=FLAGS.untrained, length=FLAGS.length,
-        windows=FLAGS.windows, gammas=[float(g) for g in FLAGS.gammas], l_maxes=[int(x) for x in FLAGS.l_max],
+    cli.run_cli(lambda: cli.require_workdirs(FLAGS.workdirs))
+    options = cli.run_cli(lambda: analysis.flag_options(
+        length=FLAGS.length, windows=FLAGS.windows, gammas=FLAGS.gammas, l_max=FLAGS.l_max,
         perturb_windows=FLAGS.perturb_windows, shift_multiplier=FLAGS.shift_multiplier,
-        shift_windows=FLAGS.shift_windows)))
+        shift_windows=FLAGS.shift_windows))
+    print(cli.run_cli(lambda: evaluate("analysis", FLAGS.workdirs, FLAGS.out, untrained=FLAGS.untrained,
+                                       **options)))
     print(f"wrote {FLAGS.out}/analysis.json, analysis.md and the plots")
 
 

@@ -14,7 +14,9 @@ from __future__ import annotations
 from absl import app, flags
 
 from lab import cli
-from lab.evaluators import EVALUATORS, evaluate
+from lab.evaluators import EVALUATORS, evaluate, get_evaluator
+from lab.lengths import checked
+from lab.probes import near_far_ranges
 
 flags.DEFINE_list("workdirs", [], "training run directories to evaluate and compare")
 flags.DEFINE_string("out", "runs/eval", "where the evaluators' reports go")
@@ -30,17 +32,13 @@ flags.DEFINE_list("near_far", [], "near_far: histogram logit(lam) - logit(Lam) f
 FLAGS = flags.FLAGS
 
 
-def _ranges() -> dict:
-    if len(FLAGS.near_far) != 2 or not all(r.count(":") == 1 for r in FLAGS.near_far):
-        raise ValueError("--near_far takes two ranges lo:hi,lo:hi (near, then far)")
-    near, far = (tuple(int(x) for x in r.split(":")) for r in FLAGS.near_far)
-    return {"near": near, "far": far}
-
-
 def _probe_length() -> dict:
-    if FLAGS.probe_length <= 0:
-        raise ValueError("the transport and near_far evaluators need --probe_length (the window length)")
-    return {"length": FLAGS.probe_length}
+    return {"length": checked("--probe_length", FLAGS.probe_length, 1,
+                              meaning="the window length that the transport and near_far evaluators need")}
+
+
+def _ranges() -> dict:
+    return near_far_ranges("--near_far", FLAGS.near_far, FLAGS.probe_length)
 
 
 OPTIONS = {  # evaluator -> its options from the flags
@@ -60,12 +58,20 @@ def chosen() -> list[str]:
     return ["transport"] if FLAGS.probe_length else ["lengths"]
 
 
+def checked_options() -> dict:
+    """{evaluator: its options from the flags}, every name and flag checked before any evaluator runs."""
+    for name in chosen():
+        get_evaluator(name, "evaluator in --evals")
+    return {name: OPTIONS.get(name, dict)() for name in chosen()}
+
+
 def main(argv):
     del argv
     cli.quiet()
     cli.run_cli(lambda: cli.require_workdirs(FLAGS.workdirs))
-    for name in chosen():
-        print(cli.run_cli(lambda: evaluate(name, FLAGS.workdirs, FLAGS.out, **OPTIONS.get(name, dict)())))
+    options = cli.run_cli(checked_options)
+    for name, option in options.items():
+        print(cli.run_cli(lambda: evaluate(name, FLAGS.workdirs, FLAGS.out, **option)))
     print(f"wrote {', '.join(chosen())} reports into {FLAGS.out}")
 
 

@@ -46,7 +46,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from lab.lengths import eval_impl
+from lab.lengths import checked, checked_list, eval_impl
+from lab.probes import check_memory
 from lab.runs import held_out_windows, named_runs, pyplot
 from models.lm import attention_internals, token_nll
 from positional.probes import logits as lp
@@ -200,6 +201,10 @@ def analyze_runs(runs, *, parts=PARTS, untrained=False, length=0, windows=4, gam
         rec = {"workdir": run.workdir, "step": run.step, "scheme": config.model.scheme, "train_len": train_len}
         if "decompositions" in parts:
             rec.update(length=length or train_len, windows=windows)
+            # Every layer's logits and weights, and the fits' temporaries (peak RSS on CPU, in maps:
+            # 17.8 with 2 layers, 22.4 with 4).
+            check_memory(config, "the logit decompositions", rec["length"], windows,
+                         2 * config.model.num_layers + 15, "analyze.py --length or --windows")
             rec["layers"], maps[name] = decompose(model, held_out_windows(config, windows, rec["length"]),
                                                   train_len)
         if "perturbations" in parts:
@@ -212,6 +217,23 @@ def analyze_runs(runs, *, parts=PARTS, untrained=False, length=0, windows=4, gam
         results["runs"][name] = rec
         log(f"analysed {name} in {rec['seconds']:.0f} s")
     return results, maps
+
+
+def flag_options(*, length, windows, gammas, l_max, perturb_windows, shift_multiplier, shift_windows) -> dict:
+    """analyze.py's flags as `analyze_runs` options; a bad one is a ValueError, one line naming
+    the flag, why, and the valid range."""
+    if shift_multiplier < 2 or shift_multiplier & (shift_multiplier - 1):
+        raise ValueError(f"--shift_multiplier={shift_multiplier} must be a power of two >= 2; valid: 2, 4, 8, ... "
+                         "(feature-shift windows in training lengths)")
+    return dict(
+        length=checked("--length", length, 0, meaning="window length of the decompositions; 0: the training length"),
+        windows=checked("--windows", windows, 1, meaning="held-out windows for the decompositions"),
+        gammas=checked_list("--gammas", gammas, 0, 1, kind=float, meaning="perturbation ratios"),
+        l_maxes=checked_list("--l_max", l_max, 1, meaning="perturbation ranges in tokens"),
+        perturb_windows=checked("--perturb_windows", perturb_windows, 1, meaning="windows for the perturbations"),
+        shift_multiplier=shift_multiplier,
+        shift_windows=checked("--shift_windows", shift_windows, 2,
+                              meaning="windows for the feature shift, split into reference and compared halves"))
 
 
 def _spread(values) -> str:

@@ -1,9 +1,10 @@
 """How a run does at many lengths: perplexity of held-out text by evaluation length, and, for a
 run trained on a synthetic task (`data.tasks`), exact-match accuracy on its answers.
 
-For every length L (multiples of each run's training length) the same N target tokens of the
-held-out stream are scored, in windows of L tokens (non-overlapping, or sliding with a stride,
-where each window scores only the tokens the previous one did not). `evaluate_runs` and
+For every length L (multiples of each run's training length) the same targets 1..N of the
+held-out stream are scored, N = max(eval.tokens, the longest length), in windows of exactly L
+tokens (non-overlapping, or sliding with a stride, the last one shifted back to end at N; each
+window scores only the targets no earlier one did; `scoring_plan`). `evaluate_runs` and
 `write_report` are the "lengths" evaluator (lab/evaluators.py); `perplexity_at` and
 `task_accuracy_at` are what training validates with.
 """
@@ -27,24 +28,56 @@ from lab.runs import held_out_stream, named_runs, pyplot
 from models.lm import DecoderLM, token_nll
 
 
+def checked(field: str, value, lo, hi=None, *, kind=int, meaning: str = ""):
+    """`value` (a number, or its text from a flag) as `kind` within [lo, hi] (hi None: no upper
+    bound); else ValueError, one line: the field, why, and the valid range."""
+    what = "an integer" if kind is int else "a number"
+    valid = f"valid: {what} >= {lo}" if hi is None else f"valid: {what} in [{lo}, {hi}]"
+    try:
+        x = kind(value)
+        if not isinstance(value, str) and x != value:  # 2.5 for an integer
+            raise ValueError
+    except (TypeError, ValueError):
+        why = f"is not {what}"
+    else:
+        if lo <= x and (hi is None or x <= hi):
+            return x
+        why = f"is below {lo}" if x < lo else f"is above {hi}" if hi is not None and x > hi else "is not in range"
+    raise ValueError(f"{field}={value} {why}; {valid}" + (f" ({meaning})" if meaning else ""))
+
+
+def checked_list(field: str, texts, lo, hi=None, *, kind=int, meaning: str = "") -> list:
+    """`checked` for every item of a list flag, which must not be empty."""
+    if not texts:
+        raise ValueError(f"{field} is empty; valid: one or more comma-separated values ({meaning})")
+    return [checked(field, text, lo, hi, kind=kind, meaning=meaning) for text in texts]
+
+
 def eval_lengths(train_len: int, multipliers) -> list[int]:
     return sorted({max(1, int(round(m * train_len))) for m in multipliers})
 
 
+def window_step(length: int, stride: int) -> int:
+    """How far consecutive windows of `length` tokens advance: the stride where it is below the
+    length, else the length (non-overlapping windows: stride 0, or one too long to slide)."""
+    return stride if 0 < stride < length else length
+
+
 def scoring_plan(n_tokens: int, length: int, stride: int):
-    """Windows that together score targets 1..N of the stream exactly once.
+    """Windows of exactly `length` tokens that together score targets 1..N of the stream once
+    each, N = max(n_tokens, length): the same targets at every length.
 
     Returns (starts [W], first_scored [W]): window w reads stream[start : start + length + 1]
-    and scores its targets from index first_scored on. N = n_tokens rounded up to a whole
-    number of windows (non-overlapping) or strides (sliding).
+    (targets start + 1 .. start + length) and scores its targets from index first_scored on.
+    The windows end at targets length, length + step, ... (`window_step`) and, where that grid
+    misses N, one more shifted back to end exactly at N; each scores only the targets after the
+    previous window's end.
     """
-    if stride <= 0 or stride >= length:
-        n_windows = max(1, -(-n_tokens // length))
-        return np.arange(n_windows) * length, np.zeros(n_windows, np.int64)
-    n_extra = max(0, -(-(n_tokens - length) // stride))
-    starts = np.arange(n_extra + 1) * stride
-    first = np.where(starts == 0, 0, length - stride)
-    return starts, first
+    n = max(n_tokens, length)
+    ends = np.arange(length, n + 1, window_step(length, stride))
+    if ends[-1] != n:
+        ends = np.append(ends, n)
+    return ends - length, np.concatenate([[0], length - np.diff(ends)])
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "impl"))
@@ -57,7 +90,9 @@ def _window_nll(graphdef, state, tokens, first_scored, rng, impl):
 
 def perplexity(model: DecoderLM, stream: np.ndarray, length: int, n_tokens: int, *,
                stride: int = 0, batch_size: int = 4, impl: str = "reference", seed: int = 0) -> dict:
-    """Perplexity of `model` on the first ~n_tokens targets of `stream`, windows of `length`.
+    """Perplexity of `model` on targets 1..N of `stream`, N = max(n_tokens, length), in windows
+    of `length` (`scoring_plan`); 'tokens' is N and 'stride' how far the windows slide (0: they
+    do not overlap, also where `stride` >= length).
 
     Schemes with random features get a fresh draw for every batch of windows, from `seed`:
     the same draws for every model evaluated with the same seed.
@@ -65,7 +100,7 @@ def perplexity(model: DecoderLM, stream: np.ndarray, length: int, n_tokens: int,
     starts, first = scoring_plan(n_tokens, length, stride)
     if starts[-1] + length + 1 > len(stream):
         raise ValueError(f"the held-out stream has {len(stream)} tokens; length {length} with "
-                         f"{n_tokens} scored tokens needs {starts[-1] + length + 1}. Lower eval.tokens "
+                         f"{max(n_tokens, length)} scored tokens needs {starts[-1] + length + 1}. Lower eval.tokens "
                          "or the largest length, or use a larger corpus")
     graphdef, state = nnx.split(model)
     total, count, t0 = 0.0, 0, time.perf_counter()
@@ -75,8 +110,9 @@ def perplexity(model: DecoderLM, stream: np.ndarray, length: int, n_tokens: int,
         nll, n = _window_nll(graphdef, state, jnp.asarray(rows), jnp.asarray(first[i:i + batch_size]), rng,
                              impl)
         total, count = total + float(nll), count + int(n)
+    step = window_step(length, stride)
     return {"length": length, "ppl": math.exp(total / count), "nll": total / count, "tokens": count,
-            "seconds": time.perf_counter() - t0, "impl": impl}
+            "stride": step if step < length else 0, "seconds": time.perf_counter() - t0, "impl": impl}
 
 
 def eval_impl(impl: str, length: int, blockwise_from: int) -> str:
@@ -138,7 +174,12 @@ def task_accuracy_at(config, model, split: str = "test", n_examples: int = 0) ->
 def evaluate_runs(runs, *, multipliers=None, max_multiplier=None, tokens=None, stride=None,
                   log=print) -> dict:
     """Evaluate every run at the same lengths (multiples of the first LM run's training length);
-    a run trained on a synthetic task gets its task accuracy on the test split instead."""
+    a run trained on a synthetic task gets its task accuracy on the test split instead.
+
+    Every length scores targets 1..N, N = max(tokens, longest length) ('tokens'; the value asked
+    is 'tokens_asked'). A stride >= a length cannot slide there: those windows do not overlap,
+    and the length's row records stride 0 (refusing it would refuse configs/tapa.py, whose
+    stride 64 slides from length 128 on and tiles 16 ... 64)."""
     runs = list(named_runs(runs))
     lm_runs = [run for _, run in runs if not tasks.is_task(run.config.data)]
     base = (lm_runs or [run for _, run in runs])[0].config
@@ -154,15 +195,15 @@ def evaluate_runs(runs, *, multipliers=None, max_multiplier=None, tokens=None, s
             multipliers.append(m)
             m *= 2
     lengths = eval_lengths(base.seq_len, multipliers)
-    tokens = tokens or ev.tokens
-    stride = ev.stride if stride is None else stride
-    if tokens < 1:
-        raise ValueError(f"lengths option tokens={tokens}; valid: an integer >= 1 (scored tokens per length)")
-    if stride < 0:
-        raise ValueError(f"lengths option stride={stride}; valid: 0 (non-overlapping windows) or a positive "
-                         "sliding-window stride")
-    held_out = held_out_stream(base, tokens + max(lengths) + 1 + max(lengths)) if lm_runs else None
-    results = {"lengths": lengths, "tokens": tokens, "stride": stride, "runs": {}}
+    # The same validation for an option passed and for the run's config value.
+    tokens = checked("lengths option tokens" if tokens else "eval.tokens", tokens or ev.tokens, 1,
+                     meaning="scored tokens per length")
+    stride = checked("eval.stride" if stride is None else "lengths option stride", ev.stride if stride is None
+                     else stride, 0, meaning="0: non-overlapping windows; else the sliding-window stride")
+    # Targets 1..N at every length: N is raised to the longest length where it is below it.
+    n_scored = max(tokens, max(lengths))
+    held_out = held_out_stream(base, n_scored + 1) if lm_runs else None
+    results = {"lengths": lengths, "tokens": n_scored, "tokens_asked": tokens, "stride": stride, "runs": {}}
     for name, run in runs:
         workdir, config, model, step = run.workdir, run.config, run.model, run.step
         if tasks.is_task(config.data):
@@ -178,7 +219,7 @@ def evaluate_runs(runs, *, multipliers=None, max_multiplier=None, tokens=None, s
             impl = eval_impl(config.model.attention_impl, length, ev.blockwise_from)
             # Past blockwise_from, fewer rows per call keep activation memory about constant.
             n_rows = max(1, min(ev.batch_size, ev.batch_size * ev.blockwise_from // length))
-            r = perplexity(model, held_out, length, tokens, stride=stride, batch_size=n_rows, impl=impl)
+            r = perplexity(model, held_out, length, n_scored, stride=stride, batch_size=n_rows, impl=impl)
             rows.append(r)
             log(f"{name:>16s}  L={length:>6d}  ppl={r['ppl']:9.3f}  ({r['seconds']:.1f}s, {impl})")
         train_ppl = next((r["ppl"] for r in rows if r["length"] == config.seq_len), None)
@@ -263,8 +304,23 @@ def markdown_table(results: dict) -> str:
                  for r in run["results"]]
         lines.append(f"| {name} | {run['model']} | " + " | ".join(cells) + " |")
     return ("Perplexity by evaluation length (ratio to the training length in brackets); "
-            f"{results['tokens']} scored tokens per length, stride {results['stride'] or 'none'}.\n\n"
-            + "\n".join(lines) + "\n")
+            f"{_scored(results)}.\n\n" + "\n".join(lines) + "\n")
+
+
+def _scored(results: dict) -> str:
+    """What every length scored: the tokens (and why more than asked), the stride (and where the
+    windows could not slide)."""
+    n, asked = results["tokens"], results.get("tokens_asked", results["tokens"])
+    text = f"{n} scored tokens per length"
+    if n > asked:
+        text += f" ({asked} asked, raised to the longest length: the same targets at every length)"
+    text += f", stride {results['stride'] or 'none'}"
+    if results["stride"]:
+        rows = next(iter(_runs(results, task=False).values()))["results"]
+        flat = [r["length"] for r in rows if not r.get("stride", results["stride"])]
+        if flat:
+            text += f" (non-overlapping windows at lengths {', '.join(map(str, flat))}, not longer than the stride)"
+    return text
 
 
 def plot(results: dict, path: str) -> None:

@@ -21,6 +21,33 @@ from positional.probes.logits import near_far_differences
 ROUTE_LENGTHS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 
+# ---- memory: refuse a length whose attention maps cannot fit, before computing them -------------
+
+def available_memory() -> int:
+    """Bytes free for the probes' arrays: the accelerator's limit less what is in use, where JAX
+    reports them; on the host, /proc/meminfo's MemAvailable, else the physical memory."""
+    stats = jax.devices()[0].memory_stats() or {}
+    if "bytes_limit" in stats:
+        return stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def check_memory(config, what: str, length: int, windows: int, maps: int, lower: str) -> None:
+    """Refuse `what` (ValueError, one line) where its peak, `maps` float32 attention maps
+    [windows, heads, length, length] (measured on CPU: what it keeps for every layer, plus its
+    temporaries), exceeds `available_memory()`; `lower` names what to lower."""
+    heads = config.model.num_heads
+    need, have = maps * windows * heads * length ** 2 * 4, available_memory()
+    if need > have:
+        raise ValueError(f"{what} at length {length}: about {need / 2**30:,.1f} GiB ({maps} float32 "
+                         f"attention maps of {windows} windows x {heads} heads x {length} x {length}), more "
+                         f"than the {have / 2**30:,.1f} GiB available; lower {lower}")
+
+
 def probe_runs(runs, *, length: int, windows: int = 2, log=print) -> dict:
     """The transport probes (positional/probes/transport.py) on held-out text, per run and layer.
 
@@ -32,6 +59,10 @@ def probe_runs(runs, *, length: int, windows: int = 2, log=print) -> dict:
     results = {"length": length, "windows": windows, "runs": {}}
     for name, run in named_runs(runs):
         workdir, config, model, step = run.workdir, run.config, run.model, run.step
+        # Every layer's logits and weights, and the probes' temporaries (peak RSS on CPU, in maps:
+        # 6.0 with 2 layers, 9.9 with 4).
+        check_memory(config, "the transport probes", length, windows, 2 * config.model.num_layers + 2,
+                     "the probe length (eval.py --probe_length; the transport option length)")
         tokens = held_out_windows(config, windows, length)
         far_windows = sorted({max(1, config.seq_len // 4), config.seq_len,
                               min(4 * config.seq_len, length // 2)})
@@ -115,6 +146,27 @@ def probe_report(results: dict, out: str) -> str:
 
 # ---- near-minus-far logit differences (the TAPA paper's Figure 1) -------------------------
 
+def near_far_ranges(field: str, texts, length: int) -> dict:
+    """{'near': (lo, hi), 'far': (lo, hi)} from the two distance ranges 'lo:hi' of a list flag;
+    else ValueError, one line naming the field, why, and the valid range: 0 <= lo < hi <= length."""
+    valid = f"valid: two distance ranges lo:hi,lo:hi (near, then far), integers with 0 <= lo < hi <= {length}"
+    if len(texts) != 2:
+        raise ValueError(f"{field}={','.join(texts)} has {len(texts)} ranges; {valid}")
+    ranges = []
+    for text in texts:
+        lo, _, hi = text.partition(":")
+        try:
+            lo, hi = int(lo), int(hi)
+        except ValueError:
+            raise ValueError(f"{field}={','.join(texts)}: {text!r} is not two integers lo:hi; {valid}") from None
+        if not 0 <= lo < hi <= length:
+            why = ("is negative" if lo < 0 else "is empty (lo >= hi)" if lo >= hi
+                   else f"reaches past the probe length {length}")
+            raise ValueError(f"{field}={','.join(texts)}: {text!r} {why}; {valid}")
+        ranges.append((lo, hi))
+    return {"near": ranges[0], "far": ranges[1]}
+
+
 def near_far_runs(runs, *, length: int, near, far, pairs: int = 10000, windows: int = 2,
                   log=print) -> dict:
     """Per run: `pairs` samples of logit(i, i - lam) - logit(i, i - Lam), lam in `near`, Lam in
@@ -122,6 +174,10 @@ def near_far_runs(runs, *, length: int, near, far, pairs: int = 10000, windows: 
     results = {"length": length, "near": list(near), "far": list(far), "runs": {}}
     for name, run in named_runs(runs):
         workdir, config, model, step = run.workdir, run.config, run.model, run.step
+        # Every layer's logits and weights, then their stack and its log (peak RSS on CPU, in maps:
+        # 6.1 with 2 layers, 12.6 with 4).
+        check_memory(config, "the near_far probe", length, windows, 3 * config.model.num_layers + 1,
+                     "the probe length (eval.py --probe_length; the near_far option length)")
         tokens = held_out_windows(config, windows, length)
         weights = jnp.stack([layer["weights"] for layer in attention_internals(model, tokens,
                                                                                rng=jax.random.key(0))])

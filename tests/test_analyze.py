@@ -3,10 +3,13 @@ and the plots, and a perturbation of ratio 0 changes nothing (note T8)."""
 
 import json
 import math
+import time
 
 import numpy as np
+import pytest
 
-from lab.analysis import analyze_runs, shift_buckets, write_analysis
+from lab import probes
+from lab.analysis import analyze_runs, flag_options, shift_buckets, write_analysis
 from tiny_setup import cli
 
 
@@ -54,3 +57,50 @@ def test_cli_rejects_a_bad_multiplier(tiny_run, tmp_path):
     assert run.returncode != 0 and "power of two" in run.stderr
     missing = cli("analyze.py", f"--workdirs={tmp_path / 'none'}", f"--out={tmp_path}")
     assert missing.returncode != 0 and "not a training run directory" in missing.stderr
+
+
+FLAGS = dict(length=0, windows=4, gammas=["0.01", "0.5"], l_max=["5", "10"], perturb_windows=8, shift_multiplier=8,
+             shift_windows=8)
+
+
+@pytest.mark.parametrize("flag,value,error", [
+    ("windows", 0, "--windows=0 is below 1; valid: an integer >= 1 (held-out windows for the decompositions)"),
+    ("perturb_windows", 0, "--perturb_windows=0 is below 1; valid: an integer >= 1"),
+    ("shift_windows", 0, "--shift_windows=0 is below 2; valid: an integer >= 2"),
+    ("gammas", ["0.1", "x"], "--gammas=x is not a number; valid: a number in [0, 1] (perturbation ratios)"),
+    ("gammas", ["2"], "--gammas=2 is above 1; valid: a number in [0, 1]"),
+    ("gammas", [], "--gammas is empty; valid: one or more comma-separated values"),
+    ("l_max", ["0"], "--l_max=0 is below 1; valid: an integer >= 1"),
+    ("l_max", ["1.5"], "--l_max=1.5 is not an integer; valid: an integer >= 1"),
+    ("length", -3, "--length=-3 is below 0; valid: an integer >= 0 (window length of the decompositions; 0: the"),
+    ("shift_multiplier", 3, "--shift_multiplier=3 must be a power of two >= 2; valid: 2, 4, 8, ..."),
+])
+def test_bad_flags_are_one_line(flag, value, error):
+    with pytest.raises(ValueError) as raised:
+        flag_options(**{**FLAGS, flag: value})
+    assert str(raised.value).startswith(error) and "\n" not in str(raised.value)
+    assert flag_options(**FLAGS) == dict(length=0, windows=4, gammas=[0.01, 0.5], l_maxes=[5, 10], perturb_windows=8,
+                                         shift_multiplier=8, shift_windows=8)
+
+
+def test_a_length_too_long_for_memory_is_refused_at_once(tiny_run, monkeypatch):
+    config, _ = tiny_run
+    monkeypatch.setattr(probes, "available_memory", lambda: 8 * 2**30)
+    start = time.perf_counter()
+    with pytest.raises(ValueError) as raised:
+        analyze_runs([config.workdir], length=100_000, windows=4, log=lambda *_: None)
+    assert time.perf_counter() - start < 30
+    need = (2 * 2 + 15) * 4 * 2 * 100_000 ** 2 * 4 / 2**30  # maps x 4 windows x 2 heads x T^2 float32
+    assert str(raised.value) == (f"the logit decompositions at length 100000: about {need:,.1f} GiB (19 float32 "
+                                 "attention maps of 4 windows x 2 heads x 100000 x 100000), more than the 8.0 GiB "
+                                 "available; lower analyze.py --length or --windows")
+    probes.check_memory(config, "the logit decompositions", 32, 4, 19, "")  # the training length fits
+
+
+def test_cli_refuses_a_huge_length_in_seconds(tiny_run, tmp_path):
+    """It died out of memory after 115 s; now one line before any heavy work."""
+    start = time.perf_counter()
+    run = cli("analyze.py", f"--workdirs={tiny_run[0].workdir}", f"--out={tmp_path}", "--length=100000")
+    assert run.returncode == 1 and "Traceback" not in run.stderr and time.perf_counter() - start < 60
+    line = run.stderr.strip().splitlines()[-1]
+    assert line.startswith("error: the logit decompositions at length 100000: about ") and "GiB available" in line

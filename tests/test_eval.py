@@ -1,49 +1,98 @@
 """eval.py: every target scored once, perplexity by hand, reports, and the command line."""
 
+import importlib
 import json
 import math
 import os
+import time
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
-from lab.lengths import eval_impl, evaluate_runs, perplexity, scoring_plan, write_report
-from lab.runs import load_run, run_name
+from lab import probes
+from lab.evaluators import EVALUATORS
+from lab.lengths import eval_impl, eval_lengths, evaluate_runs, perplexity, scoring_plan, window_step, write_report
+from lab.probes import near_far_ranges
+from lab.runs import Run, load_run, run_name
 from models.lm import DecoderLM, ModelConfig, token_nll
 from tiny_setup import cli
 
 
-@pytest.mark.parametrize("n_tokens,length,stride", [(100, 10, 0), (95, 10, 0), (100, 10, 3),
-                                                    (100, 10, 10), (7, 10, 0), (64, 16, 4)])
+@pytest.mark.parametrize("n_tokens,length,stride", [(100, 10, 0), (95, 10, 0), (100, 10, 3), (100, 10, 7),
+                                                    (100, 10, 10), (100, 10, 30), (7, 10, 0), (64, 16, 4)])
 def test_scoring_plan_scores_each_target_once(n_tokens, length, stride):
     starts, first = scoring_plan(n_tokens, length, stride)
     scored = np.concatenate([s + 1 + np.arange(f, length) for s, f in zip(starts, first)])
     assert len(np.unique(scored)) == len(scored)  # never twice
-    np.testing.assert_array_equal(scored, np.arange(1, len(scored) + 1))  # targets 1..N in order
-    assert len(scored) >= n_tokens
+    # targets 1..N in order, N = max(n_tokens, length) exactly: the same at every length
+    np.testing.assert_array_equal(scored, np.arange(1, max(n_tokens, length) + 1))
+    assert starts.min() >= 0  # every window is exactly `length` tokens of the stream
     if 0 < stride < length:
         # every scored token but the first window's has at least length - stride tokens of context
         context = np.concatenate([np.arange(f, length) for f in first])
         assert context[length:].min() >= length - stride
 
 
-@pytest.mark.parametrize("stride", [0, 4])
-def test_perplexity_by_hand(stride):
+def _old_scoring_plan(n_tokens, length, stride):
+    """The plan before N was the same at every length (it rounded up to whole windows)."""
+    if stride <= 0 or stride >= length:
+        n_windows = max(1, -(-n_tokens // length))
+        return np.arange(n_windows) * length, np.zeros(n_windows, np.int64)
+    n_extra = max(0, -(-(n_tokens - length) // stride))
+    starts = np.arange(n_extra + 1) * stride
+    return starts, np.where(starts == 0, 0, length - stride)
+
+
+@pytest.mark.parametrize("config", ["default", "demo", "demo:rope/fast", "accumulated", "espr", "path",
+                                    "tapa:pretrain/rope", "tapa:extend/rope", "sessa:lm/sessa/0", "long_context"])
+def test_the_plan_of_every_config_is_unchanged(config):
+    """Where the tokens already fill whole windows (every protocol in configs/), the windows are
+    the old ones: the numbers in docs/results stand."""
+    module, _, arg = config.partition(":")
+    c = importlib.import_module(f"configs.{module}").get_config(arg or None)
+    for length in eval_lengths(c.seq_len, c.eval.multipliers):
+        assert (max(c.eval.tokens, length) - length) % window_step(length, c.eval.stride) == 0
+        for new, old in zip(scoring_plan(c.eval.tokens, length, c.eval.stride),
+                            _old_scoring_plan(c.eval.tokens, length, c.eval.stride)):
+            np.testing.assert_array_equal(new, old)
+
+
+@pytest.mark.parametrize("n_tokens,stride", [(64, 4), (40, 0), (40, 5), (10, 0), (40, 16), (40, 30)])
+def test_perplexity_by_brute_force(n_tokens, stride):
+    """Each target t of 1..N scored once, by the first window of the rule that reaches it: windows
+    of 16 tokens ending at 16, 16 + step, ... and one more ending at N."""
+    length = 16
     model = DecoderLM(ModelConfig(vocab_size=30, d_model=16, num_layers=1, num_heads=2), rngs=nnx.Rngs(0))
     stream = np.random.default_rng(0).integers(0, 30, 200).astype(np.int32)
-    got = perplexity(model, stream, 16, 64, stride=stride, batch_size=3)
-    # By hand: for each target t, its nll given the window that scores it.
-    total, count = 0.0, 0
-    for start, first in zip(*scoring_plan(64, 16, stride)):
-        nll, _ = token_nll(model, jnp.asarray(stream[start:start + 17])[None])
-        total += float(nll[0, first:].sum())
-        count += 16 - first
-    assert got["tokens"] == count
-    assert got["ppl"] == pytest.approx(math.exp(total / count), rel=1e-5)
-    blockwise = perplexity(model, stream, 16, 64, stride=stride, batch_size=3, impl="blockwise")
+    got = perplexity(model, stream, length, n_tokens, stride=stride, batch_size=3)
+    n = max(n_tokens, length)
+    step = stride if 0 < stride < length else length
+    ends = sorted(set(range(length, n + 1, step)) | {n})
+    window_nll = {e: np.asarray(token_nll(model, jnp.asarray(stream[e - length:e + 1])[None])[0][0]) for e in ends}
+    nll = [window_nll[end][t - (end - length) - 1] for t in range(1, n + 1) for end in [min(e for e in ends if e >= t)]]
+    assert got["tokens"] == n and got["stride"] == (stride if 0 < stride < length else 0)
+    assert got["ppl"] == pytest.approx(math.exp(np.mean(nll)), rel=1e-5)
+    blockwise = perplexity(model, stream, length, n_tokens, stride=stride, batch_size=3, impl="blockwise")
     assert blockwise["ppl"] == pytest.approx(got["ppl"], rel=1e-5)
+
+
+@pytest.mark.parametrize("tokens,stride", [(100, 20), (200, 0)])
+def test_every_length_scores_the_same_tokens(tiny_run, tokens, stride, tmp_path):
+    """--tokens below the longest length (raised to it), a stride that divides nothing and is
+    longer than the shortest length (which cannot slide), and non-overlapping windows."""
+    config, _ = tiny_run
+    results = evaluate_runs([config.workdir], tokens=tokens, stride=stride, log=lambda *_: None)
+    rows = results["runs"]["rope"]["results"]
+    n = max(tokens, 128)
+    assert results["lengths"] == [16, 32, 64, 128] and [r["tokens"] for r in rows] == [n] * 4
+    assert results["tokens"] == n and results["tokens_asked"] == tokens and results["stride"] == stride
+    assert [r["stride"] for r in rows] == [0, stride, stride, stride]
+    header = write_report(results, str(tmp_path)).splitlines()[0]
+    assert f"{n} scored tokens per length" in header
+    assert ("(100 asked, raised to the longest length" in header) == (tokens == 100)
+    assert ("non-overlapping windows at lengths 16," in header) == (stride == 20)
 
 
 def test_evaluate_runs_writes_json_markdown_and_plot(tiny_run, tmp_path):
@@ -54,7 +103,7 @@ def test_evaluate_runs_writes_json_markdown_and_plot(tiny_run, tmp_path):
     assert run["step"] == 12
     at_train = [r for r in run["results"] if r["length"] == 32][0]
     assert at_train["ratio"] == 1.0
-    assert all(r["tokens"] >= 256 and np.isfinite(r["ppl"]) for r in run["results"])
+    assert all(r["tokens"] == 256 and np.isfinite(r["ppl"]) for r in run["results"])
     assert [r["impl"] for r in run["results"]][-2:] == ["blockwise", "blockwise"]  # blockwise_from 128
     table = write_report(results, str(tmp_path))
     assert "| 16 | 32 | 64 | 128 | 256 |" in table
@@ -80,15 +129,19 @@ def test_cli_compares_runs_and_reports_missing_ones(tiny_run, tmp_path):
     assert "not a training run directory" in missing.stderr.strip().splitlines()[-1]
 
 
-@pytest.mark.parametrize("options,error", [
-    ({"stride": -7}, "lengths option stride=-7; valid: 0 (non-overlapping windows) or a positive"),
-    ({"tokens": -5}, "lengths option tokens=-5; valid: an integer >= 1"),
-    ({"max_multiplier": 0.25}, "lengths option max_multiplier=0.25 is below every length multiplier"),
+@pytest.mark.parametrize("options,config,error", [
+    ({"stride": -7}, {}, "lengths option stride=-7 is below 0; valid: an integer >= 0 (0: non-overlapping windows;"),
+    ({"tokens": -5}, {}, "lengths option tokens=-5 is below 1; valid: an integer >= 1 (scored tokens per length)"),
+    ({"max_multiplier": 0.25}, {}, "lengths option max_multiplier=0.25 is below every length multiplier"),
+    # The run's config values get the same checks as the options.
+    ({}, {"stride": -3}, "eval.stride=-3 is below 0; valid: an integer >= 0"),
+    ({}, {"tokens": -1}, "eval.tokens=-1 is below 1; valid: an integer >= 1"),
 ])
-def test_bad_lengths_options_are_one_line(tiny_run, options, error):
-    config, _ = tiny_run
+def test_bad_lengths_options_are_one_line(tiny_run, options, config, error):
+    run = Run(tiny_run[0].workdir, *load_run(tiny_run[0].workdir))
+    run.config.eval.update(config)
     with pytest.raises(ValueError) as raised:
-        evaluate_runs([config.workdir], **options)
+        evaluate_runs([run], **options)
     assert str(raised.value).startswith(error) and "\n" not in str(raised.value)
 
 
@@ -129,3 +182,45 @@ def test_long_evaluation_switches_only_the_reference_to_blockwise():
     assert eval_impl("reference", 1024, 1024) == "blockwise"
     assert eval_impl("reference", 512, 1024) == "reference"
     assert eval_impl("pallas", 4096, 1024) == "pallas"
+
+
+@pytest.mark.parametrize("texts,why", [
+    (["a:b", "1:2"], "--near_far=a:b,1:2: 'a:b' is not two integers lo:hi; "),
+    (["5:2", "8:16"], "--near_far=5:2,8:16: '5:2' is empty (lo >= hi); "),
+    (["-1:4", "8:16"], "--near_far=-1:4,8:16: '-1:4' is negative; "),
+    (["0:4", "32:100"], "--near_far=0:4,32:100: '32:100' reaches past the probe length 64; "),
+    (["0:4"], "--near_far=0:4 has 1 ranges; "),
+])
+def test_bad_near_far_ranges_are_one_line(texts, why):
+    with pytest.raises(ValueError) as raised:
+        near_far_ranges("--near_far", texts, 64)
+    assert str(raised.value) == why + ("valid: two distance ranges lo:hi,lo:hi (near, then far), integers with "
+                                       "0 <= lo < hi <= 64")
+    assert near_far_ranges("--near_far", ["0:4", "48:64"], 64) == {"near": (0, 4), "far": (48, 64)}
+
+
+@pytest.mark.parametrize("flags,error", [
+    (["--probe_length=64", "--near_far=a:b,1:2"], "error: --near_far=a:b,1:2: 'a:b' is not two integers lo:hi;"),
+    (["--probe_length=-5"], "error: --probe_length=-5 is below 1; valid: an integer >= 1 (the window length"),
+])
+def test_cli_bad_probe_flags_are_one_line(tiny_run, tmp_path, flags, error):
+    run = cli("eval.py", f"--workdirs={tiny_run[0].workdir}", f"--out={tmp_path}", *flags)
+    assert run.returncode == 1 and "Traceback" not in run.stderr
+    assert run.stderr.strip().splitlines()[-1].startswith(error)
+
+
+@pytest.mark.parametrize("evaluator,maps", [("transport", 6), ("near_far", 7)])  # 2 layers
+def test_a_probe_too_long_for_memory_is_refused_at_once(tiny_run, monkeypatch, evaluator, maps):
+    config = tiny_run[0]
+    monkeypatch.setattr(probes, "available_memory", lambda: 8 * 2**30)
+    options = {"near": (0, 4), "far": (8, 16)} if evaluator == "near_far" else {}
+    start = time.perf_counter()
+    with pytest.raises(ValueError) as raised:
+        EVALUATORS[evaluator].run([config.workdir], length=100_000, log=lambda *_: None, **options)
+    assert time.perf_counter() - start < 30
+    need = maps * 2 * 2 * 100_000 ** 2 * 4 / 2**30  # maps x 2 windows x 2 heads x T^2 float32
+    assert str(raised.value).startswith(f"the {'transport probes' if maps == 6 else 'near_far probe'} at length "
+                                        f"100000: about {need:,.1f} GiB ({maps} float32 attention maps")
+    assert "more than the 8.0 GiB available; lower the probe length (eval.py --probe_length" in str(raised.value)
+    probes.check_memory(config, "the transport probes", 64, 2, maps, "")  # a normal length fits
+    assert probes.available_memory() > 0
