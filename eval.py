@@ -29,6 +29,7 @@ flags.DEFINE_integer("stride", -1, "lengths: sliding-window stride (0: non-overl
 flags.DEFINE_integer("probe_length", 0, "transport, near_far: window length of the probes")
 flags.DEFINE_list("near_far", [], "near_far: histogram logit(lam) - logit(Lam) for lam in NEAR, Lam in FAR, "
                   "given as lo:hi,lo:hi")
+cli.define_distributed_flags()
 FLAGS = flags.FLAGS
 
 
@@ -69,6 +70,7 @@ def main(argv):
     del argv
     cli.quiet()
     cli.run_cli(lambda: cli.require_workdirs(FLAGS.workdirs))
+    cli.run_cli(cli.start_processes)  # several processes: each scores its windows, process 0 writes
     options = cli.run_cli(checked_options)
     for name, option in options.items():
         print(cli.run_cli(lambda: evaluate(name, FLAGS.workdirs, FLAGS.out, **option)))

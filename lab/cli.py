@@ -13,6 +13,7 @@ from absl import flags, logging
 from ml_collections import config_flags
 
 from data import DataError
+from lab import distributed
 from lab.distributed import StartupError
 from lab.training import TrainingError
 
@@ -46,6 +47,21 @@ def checked_config(flag_holder) -> ml_collections.ConfigDict:
     run_cli(lambda: check_overrides(config_flags.get_config_filename(flag),
                                     config_flags.get_override_values(flag)))
     return flag_holder.value
+
+
+def define_distributed_flags() -> None:
+    """Flags that make eval.py one process of several (a cluster launcher JAX detects needs none)."""
+    flags.DEFINE_string("coordinator", "", "several processes: host:port of process 0 (with --num_processes, "
+                        "--process_id, on every host)")
+    flags.DEFINE_integer("num_processes", 0, "several processes: how many (0: detected, or one)")
+    flags.DEFINE_integer("process_id", -1, "several processes: this one's id (-1: detected)")
+
+
+def start_processes() -> None:
+    """Join the job the distributed flags (or the cluster's environment) describe; nothing for one process."""
+    f = flags.FLAGS
+    distributed.initialize(ml_collections.ConfigDict(dict(
+        coordinator=f.coordinator, num_processes=f.num_processes, process_id=f.process_id, timeout_s=300)))
 
 
 def quiet() -> None:

@@ -32,12 +32,12 @@ def _cluster_detected() -> bool:
         return False
 
 
-def initialize(config: ml_collections.ConfigDict) -> None:
-    """`jax.distributed.initialize` for a multi-process job (a no-op for one process, or when done
-    already). Must run before anything touches a device. CPU processes talk through gloo."""
-    d = config.get("distributed")  # configs/default.py has the fields
-    if d is None or jax.distributed.is_initialized() or not (d.coordinator or d.num_processes > 1
-                                                            or _cluster_detected()):
+def initialize(d: ml_collections.ConfigDict | None) -> None:
+    """`jax.distributed.initialize` for a multi-process job, from a run config's `distributed`
+    section (configs/default.py; None: detection only); a no-op for one process, or when done
+    already. Must run before anything touches a device. CPU processes talk through gloo."""
+    d = d or ml_collections.ConfigDict(dict(coordinator="", num_processes=0, process_id=-1, timeout_s=300))
+    if jax.distributed.is_initialized() or not (d.coordinator or d.num_processes > 1 or _cluster_detected()):
         return
     if d.num_processes < 0 or (d.num_processes and not -1 <= d.process_id < d.num_processes):
         raise ValueError(f"distributed.process_id={d.process_id} with distributed.num_processes={d.num_processes}; "
@@ -114,3 +114,42 @@ def local_rows(batch_sharding, batch_size: int) -> range:
             raise ValueError(f"this process's devices hold rows {spans} of the batch, which are not contiguous")
         stop = max(stop, b)
     return range(spans[0][0], stop)
+
+
+def batch_sharding_of(model):
+    """The sharding a batch for `model` takes: rows over the batch axes (data x fsdp) of the mesh
+    its parameters live on, or None for a model on no such mesh (a notebook's, a test's)."""
+    from flax import nnx
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    leaf = jax.tree.leaves(nnx.state(model, nnx.Param))[0]
+    mesh = getattr(leaf.sharding, "mesh", None)
+    if mesh is None or not {"data", "fsdp"} <= set(mesh.axis_names):
+        return None
+    return NamedSharding(mesh, P(("data", "fsdp")))
+
+
+def row_multiple(model) -> int:
+    """How many rows of a batch for `model` must come in: a whole number per batch shard."""
+    sharding = batch_sharding_of(model)
+    return 1 if sharding is None else sharding.mesh.shape["data"] * sharding.mesh.shape["fsdp"]
+
+
+def place_rows(arrays: dict, model) -> dict:
+    """Host arrays of rows that every process holds in full ({name: [rows, ...]}), as the inputs
+    of a jitted call on `model`: sharded over its batch axes, each process placing only the rows
+    its own devices hold (so each scores its own windows); unchanged device arrays otherwise."""
+    sharding = batch_sharding_of(model)
+    if sharding is None:
+        return {k: jax.numpy.asarray(v) for k, v in arrays.items()}
+    rows = local_rows(sharding, len(next(iter(arrays.values()))))
+    return {k: jax.make_array_from_process_local_data(sharding, np.asarray(v)[rows.start:rows.stop])
+            for k, v in arrays.items()}
+
+
+def to_host(x) -> np.ndarray:
+    """A jitted call's output as a host array on every process, gathered where it is spread
+    over the processes' devices."""
+    if x.is_fully_addressable or x.is_fully_replicated:
+        return np.asarray(x)
+    from jax.experimental import multihost_utils
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))

@@ -27,6 +27,8 @@ import functools
 import os
 from typing import Any, Callable
 
+import jax
+
 from lab import analysis, lengths, probes
 
 
@@ -66,9 +68,11 @@ def get_evaluator(name: str, field: str = "evaluator") -> Evaluator:
 
 
 def evaluate(name: str, runs, out: str, **options) -> str:
-    """Run the named evaluator on `runs` and write its report under `out`; the markdown."""
+    """Run the named evaluator on `runs` and write its report under `out`; the markdown. Of
+    several processes, every one computes and process 0 writes (the others return '')."""
     evaluator = get_evaluator(name)
-    return evaluator.report(evaluator.run(list(runs), **options), out)
+    outcome = evaluator.run(list(runs), **options)
+    return evaluator.report(outcome, out) if jax.process_index() == 0 else ""
 
 
 def configured(config) -> dict[str, dict]:

@@ -24,6 +24,7 @@ import numpy as np
 from flax import nnx
 
 from data import tasks
+from lab import distributed
 from lab.runs import held_out_stream, named_runs, pyplot
 from models.lm import DecoderLM, token_nll
 
@@ -106,9 +107,13 @@ def perplexity(model: DecoderLM, stream: np.ndarray, length: int, n_tokens: int,
     total, count, t0 = 0.0, 0, time.perf_counter()
     for i in range(0, len(starts), batch_size):
         rows = np.stack([stream[s:s + length + 1] for s in starts[i:i + batch_size]])
+        # A whole number of rows per batch shard (over several processes, each scores its own);
+        # a padding row repeats the last one and scores nothing.
+        pad = -len(rows) % distributed.row_multiple(model)
+        batch = distributed.place_rows({"tokens": np.concatenate([rows, rows[-1:].repeat(pad, 0)]),
+                                        "first": np.append(first[i:i + batch_size], [length] * pad)}, model)
         rng = jax.random.fold_in(jax.random.key(seed), i)
-        nll, n = _window_nll(graphdef, state, jnp.asarray(rows), jnp.asarray(first[i:i + batch_size]), rng,
-                             impl)
+        nll, n = _window_nll(graphdef, state, batch["tokens"], batch["first"], rng, impl)
         total, count = total + float(nll), count + int(n)
     step = window_step(length, stride)
     return {"length": length, "ppl": math.exp(total / count), "nll": total / count, "tokens": count,
@@ -153,9 +158,13 @@ def task_accuracy(model: DecoderLM, task, split: str, n_examples: int, *, batch_
     stats, t0 = [], time.perf_counter()
     for i, (batch, groups) in enumerate(tasks.eval_batches(task, split, n_examples, batch_size)):
         rng = jax.random.fold_in(jax.random.key(seed), i)
-        out = _answer_stats(graphdef, state, {k: jnp.asarray(v) for k, v in batch.items()}, rng, impl)
-        stats.append(np.stack([*map(np.asarray, out), groups], 1))
-    correct, answers, nll, groups = np.concatenate(stats).T
+        pad = -len(groups) % distributed.row_multiple(model)  # padding rows: group -1, no answers
+        batch = {k: np.concatenate([v, v[-1:].repeat(pad, 0)]) for k, v in batch.items()}
+        batch["loss_mask"][len(groups):] = 0
+        out = _answer_stats(graphdef, state, distributed.place_rows(batch, model), rng, impl)
+        stats.append(np.stack([*map(distributed.to_host, out), np.append(groups, [-1] * pad)], 1))
+    table = np.concatenate(stats)
+    correct, answers, nll, groups = table[table[:, 3] >= 0].T
     by_group = {int(g): float(correct[groups == g].sum() / answers[groups == g].sum())
                 for g in np.unique(groups)}
     return {"accuracy": float(correct.sum() / answers.sum()), "nll": float(nll.sum() / answers.sum()),

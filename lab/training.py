@@ -148,7 +148,7 @@ def train(config: ml_collections.ConfigDict) -> dict:
     config value and TrainingError on divergence or when another trainer holds the workdir."""
     check_config(config)
     evaluators = configured(config)  # a bad name fails here, before any work
-    distributed.initialize(config)
+    distributed.initialize(config.get("distributed"))
     distributed.check_same_config(config)
     workdir = workdir_of(config)
     os.makedirs(workdir, exist_ok=True)

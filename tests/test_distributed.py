@@ -1,6 +1,7 @@
-"""Several processes, one run: train.py launched as 2 (and 4) CPU processes on this machine,
-talking through a coordinator on 127.0.0.1, against one process with the same global batch;
-the data streams each process loads; SIGTERM to one process; resume; bad launches."""
+"""Several processes, one run: train.py and eval.py launched as 2 (and 4) CPU processes on this
+machine, talking through a coordinator on 127.0.0.1, against one process with the same global
+batch; SIGTERM to one process; resume; bad launches. (The data streams each process loads:
+tests/data/test_data_pipeline.py.)"""
 
 import json
 import os
@@ -9,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+import types
 
 import numpy as np
 import pytest
@@ -58,7 +60,7 @@ def one_process(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("one")
     (code, out, err), = finish(launch(workdir, 1))
     assert code == 0, err
-    return [r["loss"] for r in logged(workdir)]
+    return types.SimpleNamespace(workdir=workdir, losses=[r["loss"] for r in logged(workdir)])
 
 
 @pytest.mark.parametrize("processes", [2, pytest.param(4, marks=pytest.mark.slow)])
@@ -67,7 +69,7 @@ def test_processes_train_like_one_process_and_one_writes(tmp_path, one_process, 
     assert [code for code, _, _ in results] == [0] * processes, results[0][2][-2000:]
     records = logged(tmp_path)
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))  # one line per step: process 0 writes
-    np.testing.assert_allclose([r["loss"] for r in records], one_process, rtol=1e-6)
+    np.testing.assert_allclose([r["loss"] for r in records], one_process.losses, rtol=1e-6)
     assert sorted(os.listdir(tmp_path / "checkpoints"), key=int) == [str(s) for s in range(4, STEPS + 1, 4)]
 
 
@@ -87,7 +89,7 @@ def test_sigterm_to_one_process_stops_all_at_one_step_and_a_rerun_resumes_exactl
     assert f"resumed from step {stopped[0]}" in results[1][1]
     records = logged(tmp_path)
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
-    np.testing.assert_allclose([r["loss"] for r in records], one_process, rtol=1e-6)
+    np.testing.assert_allclose([r["loss"] for r in records], one_process.losses, rtol=1e-6)
 
 
 def test_processes_with_different_configs_stop_at_start_naming_the_field(tmp_path):
@@ -125,3 +127,28 @@ def test_asynchronous_saves_change_nothing(tiny_run, tmp_path):
     (step_a, a), (step_b, b) = (load_params(w, _abstract(config)) for w in (config.workdir, str(tmp_path)))
     assert step_a == step_b == 12
     assert all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def test_eval_over_two_processes_scores_like_one(one_process, tmp_path):
+    """eval.py as 2 processes (each scores its rows of every batch of windows, process 0 writes)
+    reports the perplexities of one process."""
+    port = free_port()
+    flags = [f"--workdirs={one_process.workdir}", "--max_multiplier=4", "--tokens=256"]
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    procs = [subprocess.Popen([sys.executable, "eval.py", *flags, f"--out={tmp_path / 'two'}",
+                               f"--coordinator=127.0.0.1:{port}", "--num_processes=2", f"--process_id={i}"],
+                              cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i in range(2)]
+    procs.append(subprocess.Popen([sys.executable, "eval.py", *flags, f"--out={tmp_path / 'one'}"], cwd=ROOT,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    results = finish(procs)
+    assert [code for code, _, _ in results] == [0, 0, 0], results[0][2][-2000:]
+    assert "| run |" not in results[1][1]  # process 1 wrote no report
+
+    def ppl(out):
+        with open(tmp_path / out / "results.json") as f:
+            return [(r["length"], r["tokens"], r["ppl"]) for r in next(iter(json.load(f)["runs"].values()))["results"]]
+
+    one, two = ppl("one"), ppl("two")
+    assert [r[:2] for r in two] == [r[:2] for r in one] == [(16, 256), (32, 256), (64, 256), (128, 256)]
+    np.testing.assert_allclose([r[2] for r in two], [r[2] for r in one], rtol=1e-5)
