@@ -220,15 +220,21 @@ def eval_stream(
     A fixed order (by path for local text, stored order for TFDS data sets), so the eval loop
     can slice the same windows out of it on every machine; reading stops after `max_tokens`.
     """
+    pieces, total = [], 0
+    for doc in eval_documents(config, split):
+        if max_tokens is not None and total >= max_tokens:
+            break
+        pieces.append(doc)
+        total += len(doc)
+    return np.concatenate(pieces or [np.zeros(0, np.int32)])[:max_tokens]
+
+
+def eval_documents(config: ml_collections.ConfigDict, split: str = "validation") -> Iterator[np.ndarray]:
+    """The documents of `split` one by one, tokenized, each ending in EOS, in `eval_stream`'s order."""
     source = local_text.open_split(config, split)
     tok = tokenizer(config)
     records = (source.records[i] for i in range(len(source.records)))
     if source.path_key is not None:
         records = iter(sorted(records, key=lambda record: record[source.path_key]))
-    pieces, total = [], 0
     for record in records:
-        if max_tokens is not None and total >= max_tokens:
-            break
-        pieces.append(_tokenize(tok, source.text_key, record))
-        total += len(pieces[-1])
-    return np.concatenate(pieces or [np.zeros(0, np.int32)])[:max_tokens]
+        yield _tokenize(tok, source.text_key, record)

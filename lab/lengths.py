@@ -25,7 +25,7 @@ from flax import nnx
 
 from data import tasks
 from lab import distributed
-from lab.runs import held_out_stream, named_runs, pyplot
+from lab.runs import held_out_documents, held_out_stream, named_runs, pyplot
 from models.lm import DecoderLM, token_nll
 
 
@@ -90,15 +90,20 @@ def _window_nll(graphdef, state, tokens, first_scored, rng, impl):
 
 
 def perplexity(model: DecoderLM, stream: np.ndarray, length: int, n_tokens: int, *,
-               stride: int = 0, batch_size: int = 4, impl: str = "reference", seed: int = 0) -> dict:
+               stride: int = 0, batch_size: int = 4, impl: str = "reference", seed: int = 0,
+               spans=None) -> dict:
     """Perplexity of `model` on targets 1..N of `stream`, N = max(n_tokens, length), in windows
     of `length` (`scoring_plan`); 'tokens' is N and 'stride' how far the windows slide (0: they
-    do not overlap, also where `stride` >= length).
+    do not overlap, also where `stride` >= length). With `spans`, [(offset, n)] (one document
+    each, n >= length), the targets offset + 1 .. offset + n of each instead, in windows that
+    stay inside their span ('tokens' is the sum of the n; n_tokens is not used).
 
     Schemes with random features get a fresh draw for every batch of windows, from `seed`:
     the same draws for every model evaluated with the same seed.
     """
-    starts, first = scoring_plan(n_tokens, length, stride)
+    plans = [(offset, *scoring_plan(n, length, stride)) for offset, n in spans or [(0, n_tokens)]]
+    starts = np.concatenate([offset + s for offset, s, _ in plans])
+    first = np.concatenate([f for _, _, f in plans])
     if starts[-1] + length + 1 > len(stream):
         raise ValueError(f"the held-out stream has {len(stream)} tokens; length {length} with "
                          f"{max(n_tokens, length)} scored tokens needs {starts[-1] + length + 1}. Lower eval.tokens "
@@ -181,12 +186,16 @@ def task_accuracy_at(config, model, split: str = "test", n_examples: int = 0) ->
 
 
 def evaluate_runs(runs, *, multipliers=None, max_multiplier=None, tokens=None, stride=None,
-                  log=print) -> dict:
+                  within_documents=None, log=print) -> dict:
     """Evaluate every run at the same lengths (multiples of the first LM run's training length);
     a run trained on a synthetic task gets its task accuracy on the test split instead.
 
     Every length scores targets 1..N, N = max(tokens, longest length) ('tokens'; the value asked
-    is 'tokens_asked'). A stride >= a length cannot slide there: those windows do not overlap,
+    is 'tokens_asked'), of the held-out documents laid end to end, so a long window spans
+    several documents. `within_documents` (default: eval.within_documents) scores only whole
+    documents of at least the longest length + 1 tokens, each in windows that stay inside it,
+    the same targets at every length ('documents': how many; 'tokens': their targets, at least
+    the tokens asked). A stride >= a length cannot slide there: those windows do not overlap,
     and the length's row records stride 0 (refusing it would refuse configs/tapa.py, whose
     stride 64 slides from length 128 on and tiles 16 ... 64)."""
     runs = list(named_runs(runs))
@@ -209,10 +218,16 @@ def evaluate_runs(runs, *, multipliers=None, max_multiplier=None, tokens=None, s
                      meaning="scored tokens per length")
     stride = checked("eval.stride" if stride is None else "lengths option stride", ev.stride if stride is None
                      else stride, 0, meaning="0: non-overlapping windows; else the sliding-window stride")
-    # Targets 1..N at every length: N is raised to the longest length where it is below it.
-    n_scored = max(tokens, max(lengths))
-    held_out = held_out_stream(base, n_scored + 1) if lm_runs else None
-    results = {"lengths": lengths, "tokens": n_scored, "tokens_asked": tokens, "stride": stride, "runs": {}}
+    within = ev.get("within_documents", False) if within_documents is None else within_documents
+    held_out, spans = None, None
+    if lm_runs and within:
+        held_out, spans = _documents(base, max(lengths), tokens)
+        n_scored = sum(n for _, n in spans)
+    else:  # targets 1..N at every length: N is raised to the longest length where it is below it
+        n_scored = max(tokens, max(lengths))
+        held_out = held_out_stream(base, n_scored + 1) if lm_runs else None
+    results = {"lengths": lengths, "tokens": n_scored, "tokens_asked": tokens, "stride": stride,
+               **({"documents": len(spans)} if spans else {}), "runs": {}}
     for name, run in runs:
         workdir, config, model, step = run.workdir, run.config, run.model, run.step
         if tasks.is_task(config.data):
@@ -228,7 +243,8 @@ def evaluate_runs(runs, *, multipliers=None, max_multiplier=None, tokens=None, s
             impl = eval_impl(config.model.attention_impl, length, ev.blockwise_from)
             # Past blockwise_from, fewer rows per call keep activation memory about constant.
             n_rows = max(1, min(ev.batch_size, ev.batch_size * ev.blockwise_from // length))
-            r = perplexity(model, held_out, length, n_scored, stride=stride, batch_size=n_rows, impl=impl)
+            r = perplexity(model, held_out, length, n_scored, stride=stride, batch_size=n_rows, impl=impl,
+                           spans=spans)
             rows.append(r)
             log(f"{name:>16s}  L={length:>6d}  ppl={r['ppl']:9.3f}  ({r['seconds']:.1f}s, {impl})")
         train_ppl = next((r["ppl"] for r in rows if r["length"] == config.seq_len), None)
@@ -238,6 +254,26 @@ def evaluate_runs(runs, *, multipliers=None, max_multiplier=None, tokens=None, s
                                  "model": _model_name(config), "train_len": config.seq_len,
                                  "results": rows}
     return results
+
+
+def _documents(config, longest: int, tokens: int):
+    """(their tokens laid end to end, [(offset, targets)]) of the first held-out documents with
+    at least longest + 1 tokens, until `tokens` targets; the last document is cut there (to no
+    fewer than `longest` targets)."""
+    # Every document has at least 2 tokens, so documents of 2 x tokens hold at least `tokens` targets.
+    docs = held_out_documents(config, longest + 1, 2 * tokens)
+    spans, offset, total = [], 0, 0
+    for doc in docs:
+        if total >= tokens:
+            break
+        n = min(len(doc) - 1, max(tokens - total, longest))
+        spans.append((offset, n))
+        offset, total = offset + len(doc), total + n
+    if total < tokens:
+        raise ValueError(f"the held-out split has {len(spans)} documents of at least {longest + 1} tokens, "
+                         f"{total} targets in all, fewer than the {tokens} asked; lower --tokens or the longest "
+                         "length (--max_multiplier), or evaluate across documents (eval.within_documents=False)")
+    return (np.concatenate(docs[:len(spans)]), spans)
 
 
 def summary(results: dict) -> dict:
@@ -321,7 +357,10 @@ def _scored(results: dict) -> str:
     windows could not slide)."""
     n, asked = results["tokens"], results.get("tokens_asked", results["tokens"])
     text = f"{n} scored tokens per length"
-    if n > asked:
+    if "documents" in results:
+        text += (f", within each of {results['documents']} held-out documents of at least {max(results['lengths']) + 1} "
+                 "tokens (no window crosses a document boundary)")
+    elif n > asked:
         text += f" ({asked} asked, raised to the longest length: the same targets at every length)"
     text += f", stride {results['stride'] or 'none'}"
     if results["stride"]:

@@ -86,6 +86,24 @@ def held_out_stream(config, max_tokens: int) -> np.ndarray:
     return _stream_cached(config.data.to_json(), config.eval.split, max_tokens)
 
 
+@functools.lru_cache(maxsize=4)
+def _documents_cached(data_json: str, split: str, min_tokens: int, max_tokens: int) -> tuple:
+    config, found, total = ml_collections.ConfigDict(json.loads(data_json)), [], 0
+    for doc in pipeline.eval_documents(config, split):
+        if total >= max_tokens:
+            break
+        if len(doc) >= min_tokens:
+            found.append(doc)
+            total += len(doc)
+    return tuple(found)
+
+
+def held_out_documents(config, min_tokens: int, max_tokens: int) -> tuple:
+    """The first documents of a run's held-out split that have at least `min_tokens` tokens (EOS
+    included), until they hold `max_tokens`; fewer where the split runs out (cached)."""
+    return _documents_cached(config.data.to_json(), config.eval.split, min_tokens, max_tokens)
+
+
 def held_out_windows(config, windows: int, length: int) -> jax.Array:
     """The first `windows` held-out windows of `length` tokens: [windows, length]."""
     tokens = held_out_stream(config, windows * length + 1)

@@ -224,3 +224,33 @@ def test_a_probe_too_long_for_memory_is_refused_at_once(tiny_run, monkeypatch, e
     assert "more than the 8.0 GiB available; lower the probe length (eval.py --probe_length" in str(raised.value)
     probes.check_memory(config, "the transport probes", 64, 2, maps, "")  # a normal length fits
     assert probes.available_memory() > 0
+
+
+@pytest.mark.parametrize("stride", [0, 5])
+def test_perplexity_within_documents_is_each_document_scored_alone(stride):
+    """Spans score each document as if it were alone: the summed nll of three documents laid
+    end to end, windows never crossing an end, is the sum of each one's perplexity run."""
+    model = DecoderLM(ModelConfig(vocab_size=30, d_model=16, num_layers=1, num_heads=2), rngs=nnx.Rngs(0))
+    rng = np.random.default_rng(1)
+    docs = [rng.integers(0, 30, n).astype(np.int32) for n in (17, 40, 29)]
+    offsets = np.cumsum([0] + [len(d) for d in docs])[:-1]
+    spans = [(int(o), len(d) - 1) for o, d in zip(offsets, docs)]
+    together = perplexity(model, np.concatenate(docs), 16, 0, stride=stride, batch_size=2, spans=spans)
+    alone = [perplexity(model, d, 16, len(d) - 1, stride=stride, batch_size=2) for d in docs]
+    assert together["tokens"] == sum(r["tokens"] for r in alone) == 16 + 39 + 28
+    assert together["nll"] * together["tokens"] == pytest.approx(sum(r["nll"] * r["tokens"] for r in alone), rel=1e-5)
+
+
+def test_within_documents_the_same_whole_documents_at_every_length(tiny_run, tmp_path):
+    config, _ = tiny_run
+    results = evaluate_runs([config.workdir], tokens=300, within_documents=True, log=lambda *_: None)
+    rows = results["runs"]["rope"]["results"]
+    assert len({r["tokens"] for r in rows}) == 1 and results["tokens"] == rows[0]["tokens"] >= 300
+    assert results["documents"] >= 1
+    header = write_report(results, str(tmp_path)).splitlines()[0]
+    assert f"within each of {results['documents']} held-out documents of at least 129 tokens" in header
+    across = evaluate_runs([config.workdir], tokens=300, log=lambda *_: None)
+    assert "documents" not in across and across["tokens"] == 300  # the default: laid end to end
+    with pytest.raises(ValueError, match=r"^the held-out split has \d+ documents of at least 129 tokens, \d+ "
+                                         r"targets in all, fewer than the 100000000 asked; lower --tokens"):
+        evaluate_runs([config.workdir], tokens=10**8, within_documents=True, log=lambda *_: None)
