@@ -14,7 +14,8 @@ def default_data_config() -> ml_collections.ConfigDict:
       name: 'local_text' (a directory of text files), a prepared TFDS data set: 'pg19',
         'lm1b', 'c4', or a synthetic task (`data.tasks`): 'symbolsoup', 'diffuse_mqar'.
       source_dir: for 'local_text'; '' means the running Python's standard library
-        (its *.py files), which every machine with Python has.
+        (its *.py files), which every machine with Python has; a .jsonl or .parquet file is a
+        corpus of one document per record (its 'text' field).
       suffixes: comma-separated file suffixes read from `source_dir` (the standard
         library corpus is always its *.py files).
       data_dir: where TFDS files and tokenizer models go: $POSITIONAL_DATA_DIR, else

@@ -18,6 +18,9 @@ also removes the folders it created (they are empty by then: TFDS deletes its te
 folder), so no empty data set folder is left behind. Two processes preparing at once each
 write their own temporary folder; the loser of the final rename reuses the winner's data.
 
+A `.jsonl` or `.parquet` file in place of the directory is a corpus too: one document per
+record, its `text` field; a record's "path" is its index (nine digits), which also splits it.
+
 Before preparing, `check_text` looks at the first 8 KiB of every file: a directory that is
 mostly binary (or not UTF-8) gets a warning on stderr, and one with no text at all is refused.
 
@@ -30,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import glob
 import hashlib
+import json
 import os
 import re
 import sys
@@ -63,6 +67,39 @@ def split_of(relative_path: str) -> str:
     digest = hashlib.sha256(relative_path.encode("utf-8")).digest()
     u = int.from_bytes(digest[:8], "big") / 2**64
     return next(split for bound, split in _SPLIT_BOUNDS if u < bound)
+
+
+RECORD_FILES = (".jsonl", ".parquet")  # one document per record, in its `text` field
+
+
+def read_records(path: str) -> Iterator[tuple[str, bytes]]:
+    """(key, text) of each record of a .jsonl or .parquet file: the key is the record's index in
+    nine digits, the text its `text` field as UTF-8 bytes; a record without one is a DataError."""
+    def bad(where, why):
+        return DataError(f"{path}: {where} {why}; every record needs a string field 'text' (one document each)")
+
+    if path.endswith(".jsonl"):
+        with open(path, "rb") as f:
+            for i, line in enumerate(f):
+                try:
+                    text = json.loads(line)["text"] if line.strip() else None
+                except (ValueError, KeyError, TypeError):
+                    raise bad(f"line {i + 1}", "is not a JSON object with a 'text' field") from None
+                if text is not None:
+                    if not isinstance(text, str):
+                        raise bad(f"line {i + 1}", f"has a 'text' of type {type(text).__name__}")
+                    yield f"{i:09d}", text.encode("utf-8")
+        return
+    import pyarrow.parquet as pq  # only for parquet corpora
+    table = pq.ParquetFile(path)
+    if "text" not in table.schema_arrow.names:
+        raise bad("its columns", f"are {table.schema_arrow.names}, without 'text'")
+    i = 0
+    for batch in table.iter_batches(columns=["text"]):
+        for text in batch.column(0).to_pylist():
+            if text is not None:
+                yield f"{i:09d}", text.encode("utf-8")
+            i += 1
 
 
 def find_documents(source_dir: str, suffixes: Sequence[str]) -> list[str]:
@@ -194,18 +231,29 @@ class LocalText(tfds.core.GeneratorBasedBuilder):
     def _split_generators(self, dl_manager: tfds.download.DownloadManager) -> dict[str, Iterator]:
         config = self.builder_config
         by_split = {split: [] for split in SPLITS}
-        paths = find_documents(config.source_dir, config.suffixes)
-        check_text(config.source_dir, paths)
+        records = config.source_dir.endswith(RECORD_FILES) and os.path.isfile(config.source_dir)
+        if records:
+            paths = [key for key, _ in read_records(config.source_dir)]
+        else:
+            paths = find_documents(config.source_dir, config.suffixes)
+            check_text(config.source_dir, paths)
         for path in paths:
             by_split[split_of(path)].append(path)
         empty = [split for split, paths in by_split.items() if not paths]
         if empty:
             raise DataError(
-                f"{config.source_dir!r} has too few files ({sum(map(len, by_split.values()))}) to fill "
+                f"{config.source_dir!r} has too few documents ({sum(map(len, by_split.values()))}) to fill "
                 f"every split (empty: {', '.join(empty)}); each file goes to train / validation / "
                 "test with probability 0.90 / 0.05 / 0.05. Use a directory with more files."
             )
+        if records:
+            return {split: self._generate_records(split) for split in SPLITS}
         return {split: self._generate_examples(paths) for split, paths in by_split.items()}
+
+    def _generate_records(self, split: str) -> Iterator[tuple[str, dict[str, Any]]]:
+        for key, text in read_records(self.builder_config.source_dir):
+            if split_of(key) == split:
+                yield key, {"text": text, "path": key}
 
     def _generate_examples(self, paths: list[str]) -> Iterator[tuple[str, dict[str, Any]]]:
         for path in paths:

@@ -6,6 +6,7 @@ each needs files of a particular kind.)
 
 from __future__ import annotations
 
+import json
 import os
 
 import numpy as np
@@ -163,3 +164,37 @@ def test_sentencepiece_without_text_is_refused_and_a_failed_write_leaves_nothing
         tokenizers.get_tokenizer("sentencepiece", str(tmp_path / "d"), train_texts=lambda: [TEXT] * 50,
                                  vocab_size=300)
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "parquet"])
+def test_a_jsonl_or_parquet_file_is_a_corpus_of_one_document_per_record(tmp_path, kind):
+    texts = [f"document {i}: " + "x" * (i % 7) + " é" for i in range(80)]
+    path = str(tmp_path / f"corpus.{kind}")
+    if kind == "jsonl":
+        with open(path, "w") as f:
+            for i, text in enumerate(texts):
+                f.write(json.dumps({"text": text, "id": i}) + "\n")
+    else:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+        pq.write_table(pa.table({"text": texts, "id": list(range(80))}), path, row_group_size=16)
+    config = data.default_data_config()
+    config.update(source_dir=path, data_dir=str(tmp_path / "data"))
+    for split in local_text.SPLITS:  # each record in the split its index hashes to, in order
+        expected = [t for i, t in enumerate(texts) if local_text.split_of(f"{i:09d}") == split]
+        docs = [pipeline.tokenizer(config).decode(d[:-1]) for d in pipeline.eval_documents(config, split)]
+        assert docs == expected and expected
+    assert len(pipeline.eval_stream(config, "validation")) == sum(
+        len(t.encode()) + 1 for i, t in enumerate(texts) if local_text.split_of(f"{i:09d}") == "validation")
+
+
+def test_a_record_without_text_is_one_line_naming_it(tmp_path):
+    path = tmp_path / "corpus.jsonl"
+    path.write_text('{"text": "fine"}\n{"body": "no text field"}\n')
+    config = data.default_data_config()
+    config.update(source_dir=str(path), data_dir=str(tmp_path / "data"))
+    with pytest.raises(data.DataError) as e:
+        pipeline.eval_stream(config, "validation")
+    assert single_line(e) == (f"{path}: line 2 is not a JSON object with a 'text' field; every record needs a "
+                              "string field 'text' (one document each)")
+    assert not (tmp_path / "data").exists()  # nothing left behind

@@ -82,7 +82,7 @@ def test_missing_or_empty_source_dir_is_a_data_error(tmp_path, make):
 def test_too_few_files_for_every_split_is_a_data_error(tmp_path):
     (tmp_path / "src").mkdir()
     (tmp_path / "src" / "only.py").write_text("x = 1\n")
-    with pytest.raises(data.DataError, match="too few files"):
+    with pytest.raises(data.DataError, match="too few documents"):
         local_text.prepare(str(tmp_path / "data"), str(tmp_path / "src"))
 
 
