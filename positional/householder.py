@@ -456,8 +456,9 @@ class Path(Scheme):
 
     impl "reference" materialises the T x T logits (`path_scores`, one UT solve per
     `solve_chunk` tokens), "blockwise" is the flash-style chunked form with `block_size` tokens
-    per chunk and O(T * D) memory, training included (`chunked_attention`). The decode cache holds keys already carried to the latest
-    token; each new token applies its H_t to all of them (O(T * D) per token).
+    per chunk and O(T * D) memory, training included (`chunked_attention`). The decode cache
+    holds keys already carried to the latest token; each new token applies its H_t to all of
+    them (O(T * D) per token).
     """
     rank: int = 32  # w = normalise(conv(W_up W_down x)): the rank of that projection
     conv: int = 3  # width of the short causal convolution in w (0: none); 3 as the public layer
