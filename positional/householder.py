@@ -262,7 +262,8 @@ def chunked_attention(q, k, v, w, beta, *, bias_fn=None, segment_ids=None, chunk
     bias, consts = None, []
     if bias_fn is not None:  # the arrays it reads become inputs of _far, which returns their gradients
         bias, consts = jax.closure_convert(bias_fn, jnp.arange(c), jnp.arange(c))
-    st = _Far(length=t, chunk=c, group=gq, heads=h, scale=d ** -0.5 if scale is None else scale, bias=bias)
+    st = _Far(length=t, chunk=c, group=gq, heads=h, scale=d ** -0.5 if scale is None else scale, bias=bias,
+              autodiff=autodiff)
     args = (q_start, near, k_end, vc, op, seg, tuple(consts))
     o = _far_forward(st, *args)[0] if autodiff else _far(st, *args)  # [B,K,G,N,c,D]
     o = jnp.moveaxis(o, (1, 2), (3, 4)).reshape(b, n * c, h, d)[:, :t]
@@ -272,14 +273,19 @@ def chunked_attention(q, k, v, w, beta, *, bias_fn=None, segment_ids=None, chunk
 @dataclasses.dataclass(frozen=True)
 class _Far:
     """The static part of `_far`: the length (positions from it on are padding), chunk size,
-    query chunks per group, query heads, logit scale, and the closure-converted bias hook
-    bias(qpos, kpos, *consts) (None: no bias)."""
+    query chunks per group, query heads, logit scale, the closure-converted bias hook
+    bias(qpos, kpos, *consts) (None: no bias), and whether autodiff differentiates the forward
+    (it then recomputes each group and step in the backward, `jax.checkpoint`)."""
     length: int
     chunk: int
     group: int
     heads: int
     scale: float
     bias: Callable | None
+    autodiff: bool = False
+
+    def remat(self, fn):
+        return jax.checkpoint(fn) if self.autodiff else fn
 
     def logits(self, s, ids, delta, seg, consts):
         """Query chunks ids [M] against key chunks ids - delta (all masked before the first):
@@ -353,7 +359,7 @@ def _far_forward(st: _Far, q_start, near, k, v, op, seg, consts):
                 return _carry_back(qt, _take(op, src)), tile(state, _dots(qt, _take(k, src)), delta)
 
             # At distances beyond the group's last chunk every key chunk is before the start.
-            return jax.lax.cond(delta < first + gq, jax.checkpoint(update), lambda c: c, carry), None
+            return jax.lax.cond(delta < first + gq, st.remat(update), lambda c: c, carry), None
 
         rows = jax.lax.dynamic_slice_in_dim(q_start, first, gq, axis=3)
         state = (jnp.full(rows.shape[:-1], MASKED), jnp.zeros(rows.shape[:-1]), jnp.zeros(rows.shape))
@@ -361,7 +367,7 @@ def _far_forward(st: _Far, q_start, near, k, v, op, seg, consts):
         (_, (m, row_sum, acc)), _ = jax.lax.scan(far, (rows, state), jnp.arange(1, n))
         return acc / row_sum[..., None], m + jnp.log(row_sum)
 
-    o, lse = jax.lax.map(jax.checkpoint(query_group), jnp.arange(0, n, gq))
+    o, lse = jax.lax.map(st.remat(query_group), jnp.arange(0, n, gq))
     return _regroup(o), _regroup(lse)
 
 
