@@ -391,15 +391,16 @@ def _far_bwd(st, res, do):
 
     The hard part is the query chain of a query chunk n: q^(1) = its queries at the chunk's
     start, q^(e+1) = P_{n-e}^T q^(e), scored at distance e against the keys of chunk n - e.
-    Its adjoint runs the other way, g^(e) = dS^(e) K_{n-e} + P_{n-e} g^(e+1), with dP_{n-e} +=
-    q^(e) g^(e+1)^T: the farthest distance first. The chain cannot be run backwards (H_t is
-    singular at beta_t = 1), and g^(e) cannot be run forwards without every earlier key chunk
-    carried to chunk n - e. So one query group at a time: recompute its chain (a scan of one
-    small matmul per distance, kept: [N, gq * c, D] per head, O(T * D * gq)), then walk the
-    distances from the farthest to the nearest carrying g, recomputing each tile. dK, dV, dP
-    and the bias arrays' gradients are accumulated over the groups (O(T * D)); the groups run
-    one after another, so nothing grows faster than T. (Autodiff keeps the chains of all the
-    groups at once: T^2 / c * D per head.)
+    Its adjoint runs the other way, g^(e) = (the tile's d q^(e)) + P_{n-e} g^(e+1), with
+    dP_{n-e} += q^(e) g^(e+1)^T: the farthest distance first. The chain cannot be run
+    backwards (H_t is singular at beta_t = 1), and g^(e) cannot be run forwards without every
+    earlier key chunk carried to chunk n - e. So one query group at a time: recompute its chain
+    (a scan of one small matmul per distance, kept: [N, gq * c, D] per head, O(T * D * gq)),
+    then walk the distances from the farthest to the nearest carrying g, recomputing each
+    tile. dK, dV, dP and the bias arrays' gradients are accumulated over the groups (O(T * D));
+    the groups run one after another, so nothing grows faster than T. (Autodiff keeps the
+    chains of all the groups at once, T^2 / c * D per head; fla's Triton backward keeps every
+    query carried to the boundary of each 512-token block, T^2 / 512 * D.)
     """
     (q_start, near, k, v, op, seg, consts), o, lse = res
     n, gq = seg.shape[1], st.group
