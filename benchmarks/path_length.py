@@ -1,6 +1,8 @@
-"""Forward time per token against length: chunked PaTH against blockwise RoPE, in one process.
+"""Forward time per token against length: chunked PaTH against blockwise RoPE, in one process;
+with --memory, the training memory of chunked PaTH instead.
 
     python benchmarks/path_length.py --lengths 1024,2048,4096,8192
+    python benchmarks/path_length.py --memory --lengths 2048,4096,8192,16384
 
 The default model (configs/default.py, byte vocab 258) scores one row with `token_nll`, as the
 eval loop does: RoPE with blockwise attention (512-token blocks), PaTH with its chunked
@@ -8,6 +10,10 @@ algorithm (64-token chunks, configs/default.py). Both are compiled first; then t
 alternate, `--repeats` times each, and the fastest is kept, so load from other jobs on a
 shared machine falls on both. Attention is O(T^2), so time per token grows linearly for both;
 the ratio column says whether PaTH's grows faster than attention's.
+
+--memory: XLA's temporary memory (compiled only, nothing runs) for forward + backward of one
+layer's PaTH-FoX attention at the default model's shapes (one row, 4 heads of 64, 64-token
+chunks), by the chunked form's recomputing backward and by autodiff through its scans.
 """
 
 from __future__ import annotations
@@ -20,13 +26,19 @@ import jax  # noqa: E402
 from absl import app, flags  # noqa: E402
 from flax import nnx  # noqa: E402
 
+import jax.numpy as jnp  # noqa: E402
+
 from configs.default import get_config  # noqa: E402
 from models.lm import DecoderLM, ModelConfig, token_nll  # noqa: E402
+from positional.fox import forget_bias  # noqa: E402
+from positional.householder import chunked_attention  # noqa: E402
 
 # Process-wide only when run as a script (why: benchmarks/train_throughput.py).
 FLAGS = flags.FLAGS if __name__ == "__main__" else flags.FlagValues()
 flags.DEFINE_string("lengths", "1024,2048,4096,8192", "sequence lengths, comma-separated", flag_values=FLAGS)
 flags.DEFINE_integer("repeats", 2, "timed calls; the best is kept", flag_values=FLAGS)
+flags.DEFINE_bool("memory", False, "print one layer's training memory (recompute vs autodiff) instead of times",
+                  flag_values=FLAGS)
 
 VOCAB = 258
 SCHEMES = ("rope", "path")
@@ -43,8 +55,41 @@ def compiled_forward(scheme: str, length: int):
     return fn.lower(state, tokens).compile(), state, tokens
 
 
+def layer_grad_temp_bytes(length: int, autodiff: bool) -> int:
+    """XLA's temporary bytes for forward + backward of one layer's PaTH-FoX attention (default
+    model shapes, one row), compiled only."""
+    model = get_config("path_fox").model
+    h, d = model.num_heads, model.d_model // model.num_heads
+    q, kv = (jax.ShapeDtypeStruct((1, length, h, d), jnp.float32) for _ in range(2))
+    beta, log_f = (jax.ShapeDtypeStruct((1, length, h), jnp.float32) for _ in range(2))
+
+    def loss(q, k, v, w, beta, log_f):
+        return chunked_attention(q, k, v, w, beta, bias_fn=forget_bias(log_f), chunk=model.block_size,
+                                 autodiff=autodiff).sum()
+
+    compiled = jax.jit(jax.grad(loss, argnums=range(6))).lower(q, kv, kv, kv, beta, log_f).compile()
+    return compiled.memory_analysis().temp_size_in_bytes
+
+
+def memory() -> dict:
+    """{length: {"recompute" | "autodiff": temporary bytes}}, as FLAGS ask."""
+    lengths = [int(x) for x in FLAGS.lengths.split(",")]
+    table = {n: {way: layer_grad_temp_bytes(n, way == "autodiff") for way in ("recompute", "autodiff")}
+             for n in lengths}
+    print(f"jax {jax.__version__} on {jax.devices()[0].platform}: one PaTH-FoX layer's attention, forward + "
+          f"backward, XLA temp memory\n")
+    print("| length | recompute MiB | autodiff MiB | autodiff / recompute |")
+    print("|---:|---:|---:|---:|")
+    for n, row in table.items():
+        r, a = row["recompute"] / 2 ** 20, row["autodiff"] / 2 ** 20
+        print(f"| {n:,} | {r:.1f} | {a:.1f} | {a / r:.1f} |")
+    return table
+
+
 def benchmark() -> dict:
-    """{length: {scheme: best seconds}}, as FLAGS ask."""
+    """{length: {scheme: best seconds}} as FLAGS ask (with --memory: `memory()`'s table)."""
+    if FLAGS.memory:
+        return memory()
     lengths = [int(x) for x in FLAGS.lengths.split(",")]
     seconds = {}
     for length in lengths:

@@ -23,7 +23,8 @@ Algorithms, all exact (tests/test_householder.py compares values and gradients):
                      `jax.lax.associative_scan`: the suffix products that carry every key to
                      the end of the sequence (a decode cache prefilled in parallel);
   chunked_attention  flash-style: keys carried to the end of their chunk, queries carried
-                     back one chunk at a time, online softmax; O(T * D) memory.
+                     back one chunk at a time, online softmax; O(T * D) memory, and a
+                     backward that recomputes (a custom VJP) so training keeps it too.
 
 Shapes: q [B, T, H, D]; k, v, w [B, T, K, D]; beta [B, T, K] (K kv heads, H % K == 0: a
 query head reads the transport of its kv head).
@@ -32,6 +33,8 @@ query head reads the transport of its kv head).
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -220,22 +223,24 @@ def transport_to_end(k, w, beta, chunk: int = 64) -> jax.Array:
 
 
 def chunked_attention(q, k, v, w, beta, *, bias_fn=None, segment_ids=None, chunk: int = 64,
-                      group: int = 8, scale: float | None = None) -> jax.Array:
-    """PaTH attention with O(T * D) memory: returns [B, T, H, D] in q's dtype.
+                      group: int = 8, scale: float | None = None, autodiff: bool = False) -> jax.Array:
+    """PaTH attention with O(T * D) memory, forward and backward: returns [B, T, H, D] in q's dtype.
 
-    For query chunk c and key chunk m < c the route splits as (prefix of chunk c up to i) x
-    P_{c-1} ... P_{m+1} x (suffix of chunk m after j). Keys are carried to the end of their
-    chunk once; queries are carried to the start of theirs, then back one whole chunk per
-    step of a scan over the chunk distance, with an online softmax. Query chunks go `group`
-    at a time (so one step's tiles stay in cache), and a group skips the distances that
-    would take all its chunks before the start.
+    For query chunk n and key chunk m < n the route splits as (prefix of chunk n up to i) x
+    P_{n-1} ... P_{m+1} x (suffix of chunk m after j). Per chunk (plain JAX, differentiated by
+    autodiff, O(T * chunk) memory): the UT solve, keys carried to the end of their chunk,
+    queries to the start of theirs, the in-chunk logits. Across chunks, `_far`: queries carried
+    back one whole chunk per step of a scan over the chunk distance, with an online softmax,
+    and its own recomputing backward (see `_far_bwd`). Query chunks go `group` at a time (so
+    one step's tiles stay in cache), and a group skips the distances that would take all its
+    chunks before the start. `autodiff`: differentiate `_far` through its scans instead, which
+    keeps every step's carry (about T^2 / chunk * D floats per head: for comparison only).
     """
     check_shapes(q, k, v, segment_ids)
     check_transport(k, w, beta)
     b, t, h, d = q.shape
     kh = k.shape[2]
     g = h // kh
-    scale = d ** -0.5 if scale is None else scale
     c = min(chunk, t)
     gq = min(group, -(-t // c))
     n = -(-t // (c * gq)) * gq  # chunks, a whole number of groups
@@ -245,70 +250,209 @@ def chunked_attention(q, k, v, w, beta, *, bias_fn=None, segment_ids=None, chunk
     kc, vc, wc = (jnp.moveaxis(_chunked(x.astype(f32), c, n=n), 3, 1) for x in (k, v, w))  # [B,K,N,c,D]
     u = ut_matrix(wc, jnp.moveaxis(_chunked(beta, c, n=n), 3, 1))  # [B,K,N,c,c]; padding: beta 0, H = I
     seg = _chunked(jnp.zeros((b, t), jnp.int32) if segment_ids is None else segment_ids, c, -1, n)  # [B,N,c]
-    pos = jnp.arange(n * c).reshape(n, c)
 
     k_end, uk = _carry_to_chunk_end(kc, wc, u)  # keys at their chunk's end; uk [B,K,N,c,c]
-    # Whole-chunk operators P_m = I - W^T U W as dense D x D matrices: carrying a query past a
-    # chunk is then one matmul instead of three (when D <= c, as with 64-dim heads).
-    ops = None
-    if d <= c:
-        ops = dense_product(wc, u)
     qw, _ = _route_terms(qc, kc[:, :, None], wc[:, :, None], u[:, :, None])
     q_start = qc - jnp.matmul(jnp.matmul(qw, u[:, :, None], precision=HIGHEST), wc[:, :, None],
                               precision=HIGHEST)  # queries at their chunk's start
+    near = _dots(qc, kc) - jnp.matmul(qw, uk[:, :, None], precision=HIGHEST)  # unscaled in-chunk logits
+    # Whole-chunk operators P_m = I - W^T U W as dense D x D matrices when D <= c: carrying a
+    # query past a chunk is then one matmul instead of three (as with 64-dim heads).
+    op = (dense_product(wc, u),) if d <= c else (wc, u)
+    bias, consts = None, []
+    if bias_fn is not None:  # the arrays it reads become inputs of _far, which returns their gradients
+        bias, consts = jax.closure_convert(bias_fn, jnp.arange(c), jnp.arange(c))
+    st = _Far(length=t, chunk=c, group=gq, heads=h, scale=d ** -0.5 if scale is None else scale, bias=bias,
+              autodiff=autodiff)
+    args = (q_start, near, k_end, vc, op, seg, tuple(consts))
+    o = _far_forward(st, *args)[0] if autodiff else _far(st, *args)  # [B,K,G,N,c,D]
+    o = jnp.moveaxis(o, (1, 2), (3, 4)).reshape(b, n * c, h, d)[:, :t]
+    return o.astype(q.dtype)
 
-    def scores(s, qpos, kpos, qseg, kseg):  # s [B,K,G,M,c,c] unscaled; pos [M,c]; seg [B,M,c]
-        s = s * scale
-        if bias_fn is not None:
-            m = qpos.shape[0]
-            bias = jax.vmap(bias_fn, in_axes=(0, 0), out_axes=2)(qpos, kpos)  # [B|1, H|1, M, c, c]
-            bias = jnp.broadcast_to(bias, (bias.shape[0], h, m, c, c)).reshape(bias.shape[0], kh, g, m, c, c)
-            s = s + bias.astype(f32)
-        ok = (kpos[:, None, :] <= qpos[:, :, None]) & (kpos[:, None, :] < t)
-        ok = ok[None] & (qseg[..., :, None] == kseg[..., None, :])  # [B,N,c,c]
+
+@dataclasses.dataclass(frozen=True)
+class _Far:
+    """The static part of `_far`: the length (positions from it on are padding), chunk size,
+    query chunks per group, query heads, logit scale, the closure-converted bias hook
+    bias(qpos, kpos, *consts) (None: no bias), and whether autodiff differentiates the forward
+    (it then recomputes each group and step in the backward, `jax.checkpoint`)."""
+    length: int
+    chunk: int
+    group: int
+    heads: int
+    scale: float
+    bias: Callable | None
+    autodiff: bool = False
+
+    def remat(self, fn):
+        return jax.checkpoint(fn) if self.autodiff else fn
+
+    def logits(self, s, ids, delta, seg, consts):
+        """Query chunks ids [M] against key chunks ids - delta (all masked before the first):
+        s [B, K, G, M, c, c] unscaled dots -> scaled, biased, masked logits."""
+        c = self.chunk
+        src = _sources(ids, delta)
+        qpos, kpos = (x[:, None] * c + jnp.arange(c) for x in (ids, src))  # [M, c]
+        s = s * self.scale
+        if self.bias is not None:
+            kh, g, m = s.shape[1:4]
+            bias = jax.vmap(lambda qp, kp: self.bias(qp, kp, *consts), out_axes=2)(qpos, kpos)  # [B|1,H|1,M,c,c]
+            bias = jnp.broadcast_to(bias, (bias.shape[0], self.heads, m, c, c)).reshape(bias.shape[0], kh, g, m, c, c)
+            s = s + bias.astype(jnp.float32)
+        qseg, kseg = (jnp.take(seg, x, axis=1) for x in (ids, src))  # [B, M, c]
+        ok = (kpos[:, None, :] <= qpos[:, :, None]) & (kpos[:, None, :] < self.length) & (ids >= delta)[:, None, None]
+        ok = ok[None] & (qseg[..., :, None] == kseg[..., None, :])  # [B, M, c, c]
         return jnp.where(ok[:, None, None], s, MASKED)
 
-    s = jnp.einsum("bkgnid,bknjd->bkgnij", qc, kc, precision=HIGHEST) - jnp.matmul(
-        qw, uk[:, :, None], precision=HIGHEST)
-    s = scores(s, pos, pos, seg, seg)
-    m0 = s.max(-1)
-    p = jnp.exp(s - m0[..., None])
-    near = (q_start, m0, p.sum(-1), jnp.einsum("bkgnij,bknjd->bkgnid", p, vc, precision=HIGHEST))
+
+def _sources(ids, delta):
+    """The key chunks at distance delta from query chunks ids (clipped at 0: masked there)."""
+    return jnp.clip(ids - delta, 0)
+
+
+def _take(x, idx):
+    """Chunks idx of every array in x (chunk axis 2: [B, K, N, ...])."""
+    return jax.tree.map(lambda a: jnp.take(a, idx, axis=2), x)
+
+
+def _dots(qt, kt):
+    """q.k tiles: qt [B, K, G, M, c, D], kt [B, K, M, c, D] -> [B, K, G, M, c, c]."""
+    return jnp.einsum("bkgnid,bknjd->bkgnij", qt, kt, precision=HIGHEST)
+
+
+def _carry_back(qt, op):
+    """Queries qt [B, K, G, M, c, D] carried back past whole chunks, q <- P^T q; op the dense
+    (P,) [B, K, M, D, D] or the compact (w [B, K, M, c, D], u [B, K, M, c, c])."""
+    if len(op) == 1:
+        return jnp.matmul(qt, op[0][:, :, None], precision=HIGHEST)
+    return apply_product(qt, op[0][:, :, None], op[1][:, :, None], transpose=True)
+
+
+def _regroup(x):
+    """[N / gq, B, K, G, gq, ...] (one entry per query group) -> [B, K, G, N, ...]."""
+    return jnp.moveaxis(x, 0, 3).reshape(*x.shape[1:4], -1, *x.shape[5:])
+
+
+def _far_forward(st: _Far, q_start, near, k, v, op, seg, consts):
+    """(o [B, K, G, N, c, D], log-sum-exp [B, K, G, N, c]) of PaTH attention from the per-chunk
+    pieces: q_start [B, K, G, N, c, D] (queries at their chunk's start), near [B, K, G, N, c, c]
+    (unscaled in-chunk logits), k [B, K, N, c, D] (keys at their chunk's end), v, op (the
+    whole-chunk operators, see `_carry_back`), seg [B, N, c], consts (the bias hook's arrays)."""
+    n, gq = seg.shape[1], st.group
 
     def query_group(first):  # query chunks first .. first + gq - 1
         ids = first + jnp.arange(gq)
-        qseg = jax.lax.dynamic_slice_in_dim(seg, first, gq, axis=1)
 
-        def far(state, delta):  # query chunk ids[i] sees key chunk ids[i] - delta
-            def update(state):
-                qt, m, row_sum, acc = state
-                src = jnp.clip(ids - delta, 0)
-                kt, vt = (jnp.take(x, src, axis=2) for x in (k_end, vc))
-                kseg = jnp.where((ids >= delta)[None, :, None], jnp.take(seg, src, axis=1), -2)
-                s = jnp.einsum("bkgnid,bknjd->bkgnij", qt, kt, precision=HIGHEST)
-                s = scores(s, pos[ids], pos[src], qseg, kseg)
-                m_new = jnp.maximum(m, s.max(-1))
-                p = jnp.exp(s - m_new[..., None])
-                corr = jnp.exp(m - m_new)
-                acc = acc * corr[..., None] + jnp.einsum("bkgnij,bknjd->bkgnid", p, vt, precision=HIGHEST)
-                if ops is None:  # past chunk src: q <- P_src^T q
-                    wt, ut = (jnp.take(x, src, axis=2) for x in (wc, u))
-                    qt = apply_product(qt, wt[:, :, None], ut[:, :, None], transpose=True)
-                else:
-                    qt = jnp.matmul(qt, jnp.take(ops, src, axis=2)[:, :, None], precision=HIGHEST)
-                return qt, m_new, row_sum * corr + p.sum(-1), acc
+        def tile(state, s, delta):  # one step of the online softmax
+            m, row_sum, acc = state
+            s = st.logits(s, ids, delta, seg, consts)
+            m_new = jnp.maximum(m, s.max(-1))
+            p = jnp.exp(s - m_new[..., None])
+            corr = jnp.exp(m - m_new)
+            pv = jnp.einsum("bkgnij,bknjd->bkgnid", p, _take(v, _sources(ids, delta)), precision=HIGHEST)
+            return m_new, row_sum * corr + p.sum(-1), acc * corr[..., None] + pv
+
+        def far(carry, delta):  # query chunk ids[i] sees key chunk ids[i] - delta
+            def update(carry):
+                qt, state = carry
+                src = _sources(ids, delta)
+                return _carry_back(qt, _take(op, src)), tile(state, _dots(qt, _take(k, src)), delta)
 
             # At distances beyond the group's last chunk every key chunk is before the start.
-            return jax.lax.cond(delta < first + gq, jax.checkpoint(update), lambda s: s, state), None
+            return jax.lax.cond(delta < first + gq, st.remat(update), lambda c: c, carry), None
 
-        state = tuple(jax.lax.dynamic_slice_in_dim(x, first, gq, axis=3) for x in near)
-        (_, _, row_sum, acc), _ = jax.lax.scan(far, state, jnp.arange(1, n))
-        return acc / row_sum[..., None]  # [B,K,G,gq,c,D]
+        rows = jax.lax.dynamic_slice_in_dim(q_start, first, gq, axis=3)
+        state = (jnp.full(rows.shape[:-1], MASKED), jnp.zeros(rows.shape[:-1]), jnp.zeros(rows.shape))
+        state = tile(state, jax.lax.dynamic_slice_in_dim(near, first, gq, axis=3), 0)
+        (_, (m, row_sum, acc)), _ = jax.lax.scan(far, (rows, state), jnp.arange(1, n))
+        return acc / row_sum[..., None], m + jnp.log(row_sum)
 
-    o = jax.lax.map(jax.checkpoint(query_group), jnp.arange(0, n, gq))  # [N/gq,B,K,G,gq,c,D]
-    o = jnp.moveaxis(o, 0, 3).reshape(b, kh, g, n, c, d)
-    o = jnp.moveaxis(o, (1, 2), (3, 4)).reshape(b, n * c, h, d)[:, :t]
-    return o.astype(q.dtype)
+    o, lse = jax.lax.map(st.remat(query_group), jnp.arange(0, n, gq))
+    return _regroup(o), _regroup(lse)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _far(st: _Far, q_start, near, k, v, op, seg, consts):
+    return _far_forward(st, q_start, near, k, v, op, seg, consts)[0]
+
+
+def _far_fwd(st, *args):
+    o, lse = _far_forward(st, *args)
+    return o, (args, o, lse)
+
+
+def _far_bwd(st, res, do):
+    """The gradients of `_far`'s inputs in O(T * D * group) memory, by recomputation.
+
+    Per tile, flash attention's recurrences: P = exp(logits - lse) from the forward's log-sum-
+    exp, dS = P (dP - delta) with dP = dO V^T and delta_i = dO_i . O_i, and the logits' own
+    backward (`jax.vjp` of the tile: scale, the bias hook, the dots) gives d q, d k and the bias
+    arrays' gradients; dV = P^T dO.
+
+    The hard part is the query chain of a query chunk n: q^(1) = its queries at the chunk's
+    start, q^(e+1) = P_{n-e}^T q^(e), scored at distance e against the keys of chunk n - e.
+    Its adjoint runs the other way, g^(e) = (the tile's d q^(e)) + P_{n-e} g^(e+1), with
+    dP_{n-e} += q^(e) g^(e+1)^T: the farthest distance first. The chain cannot be run
+    backwards (H_t is singular at beta_t = 1), and g^(e) cannot be run forwards without every
+    earlier key chunk carried to chunk n - e. So one query group at a time: recompute its chain
+    (a scan of one small matmul per distance, kept: [N, gq * c, D] per head, O(T * D * gq)),
+    then walk the distances from the farthest to the nearest carrying g, recomputing each
+    tile. dK, dV, dP and the bias arrays' gradients are accumulated over the groups (O(T * D));
+    the groups run one after another, so nothing grows faster than T. (Autodiff keeps the
+    chains of all the groups at once, T^2 / c * D per head; fla's Triton backward keeps every
+    query carried to the boundary of each 512-token block, T^2 / 512 * D.)
+    """
+    (q_start, near, k, v, op, seg, consts), o, lse = res
+    n, gq = seg.shape[1], st.group
+    delta_o = jnp.sum(o * do, -1)  # [B,K,G,N,c]
+    add = functools.partial(jax.tree.map, jnp.add)
+
+    def query_group(grads, first):
+        ids = first + jnp.arange(gq)
+        rows = functools.partial(jax.lax.dynamic_slice_in_dim, start_index=first, slice_size=gq, axis=3)
+        do_g, lse_g, delta_g = rows(do), rows(lse), rows(delta_o)
+
+        def tile(logits, primals, src):  # (d primals, dV of key chunks src) of one tile
+            s, vjp = jax.vjp(logits, *primals)
+            p = jnp.exp(s - lse_g[..., None])
+            dp = jnp.einsum("bkgnid,bknjd->bkgnij", do_g, _take(v, src), precision=HIGHEST)
+            return vjp(p * (dp - delta_g[..., None])), jnp.einsum("bkgnij,bkgnid->bknjd", p, do_g, precision=HIGHEST)
+
+        (d_near, d_consts), dv_near = tile(lambda s, cs: st.logits(s, ids, 0, seg, cs), (rows(near), consts), ids)
+        dk, dv, dop, dcs = grads
+        grads = (dk, dv.at[:, :, ids].add(dv_near), dop, add(dcs, d_consts))
+
+        def advance(qt, delta):  # the forward's query chain, kept: chain[e - 1] = q^(e)
+            step = lambda q: _carry_back(q, _take(op, _sources(ids, delta)))  # noqa: E731
+            return jax.lax.cond(delta < first + gq, step, lambda q: q, qt), qt
+
+        _, chain = jax.lax.scan(advance, rows(q_start), jnp.arange(1, n))
+
+        def back(carry, xs):  # carry: g^(e+1), the gradients so far
+            delta, qt = xs
+
+            def update(carry):
+                g, (dk, dv, dop, dcs) = carry
+                src = _sources(ids, delta)
+                (dq, dkt, d_consts), dvt = tile(lambda q, kt, cs: st.logits(_dots(q, kt), ids, delta, seg, cs),
+                                                (qt, _take(k, src), consts), src)
+                _, chain_vjp = jax.vjp(_carry_back, qt, _take(op, src))
+                dq_chain, dop_t = chain_vjp(g)
+                at = lambda acc, x: acc.at[:, :, src].add(x)  # noqa: E731
+                return dq + dq_chain, (at(dk, dkt), at(dv, dvt), jax.tree.map(at, dop, dop_t), add(dcs, d_consts))
+
+            return jax.lax.cond(delta < first + gq, update, lambda c: c, carry), None
+
+        (dq, grads), _ = jax.lax.scan(back, (jnp.zeros_like(rows(q_start)), grads), (jnp.arange(1, n), chain),
+                                      reverse=True)
+        return grads, (dq, d_near)
+
+    zeros = functools.partial(jax.tree.map, jnp.zeros_like)
+    (dk, dv, dop, dcs), (dq, d_near) = jax.lax.scan(query_group, zeros((k, v, op, consts)), jnp.arange(0, n, gq))
+    return _regroup(dq), _regroup(d_near), dk, dv, dop, None, dcs
+
+
+_far.defvjp(_far_fwd, _far_bwd)
 
 
 # ---- the scheme -------------------------------------------------------------------------------
@@ -319,8 +463,9 @@ class Path(Scheme):
 
     impl "reference" materialises the T x T logits (`path_scores`, one UT solve per
     `solve_chunk` tokens), "blockwise" is the flash-style chunked form with `block_size` tokens
-    per chunk and O(T * D) memory. The decode cache holds keys already carried to the latest
-    token; each new token applies its H_t to all of them (O(T * D) per token).
+    per chunk and O(T * D) memory, training included (`chunked_attention`). The decode cache
+    holds keys already carried to the latest token; each new token applies its H_t to all of
+    them (O(T * D) per token).
     """
     rank: int = 32  # w = normalise(conv(W_up W_down x)): the rank of that projection
     conv: int = 3  # width of the short causal convolution in w (0: none); 3 as the public layer

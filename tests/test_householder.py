@@ -1,6 +1,8 @@
 """PaTH Householder transport and FoX gates: every algorithm against explicit matrix products,
 the route convention, the paper's identities, decoding, head dimensions and bad input."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -84,36 +86,89 @@ def test_route_convention_query_step_counts_key_step_does_not():
         assert (changed[j <= i] == on_route[j <= i]).all(), t
 
 
-@pytest.mark.parametrize("t,chunk,group,segments,solve", [
-    (11, 4, 8, False, None), (16, 4, 8, True, 3), (9, 16, 8, False, None), (13, 1, 3, False, 4),
-    (22, 2, 2, True, 5)])
-def test_chunked_equals_reference_values_and_gradients(t, chunk, group, segments, solve):
-    """The flash-style chunked form against the materialised logits (one UT solve over T, or
-    one per `solve` tokens: both exact), values and gradients."""
-    q, k, v, w, beta = inputs(t=t)
-    seg = jnp.asarray([[1] * 5 + [2] * (t - 5), [3] * t]) if segments else None
-    bias = forget_bias(uniform(jax.random.key(3), (2, t, 4), minval=-1.0, maxval=0.0))
+def gated_path_grads(t, d, chunk, group, segments, gated, impls, solve=None):
+    """{impl: ((loss, output), gradients of q, k, v, w, beta and the FoX log-gates)} of PaTH
+    attention (GQA: 4 query heads on 2 kv heads; FoX gates as a `Bias` read from the log-gates
+    when `gated`) for impls "reference" (the materialised logits, one UT solve per `solve`
+    tokens or one over T), "recompute" (chunked, its own backward) and "autodiff" (chunked,
+    autodiff through its scans)."""
+    q, k, v, w, beta = inputs(t=t, d=d)
+    log_f = uniform(jax.random.key(3), (2, t, 4), minval=-1.0, maxval=0.0)
+    seg = jnp.asarray([[1] * 5 + [2] * t, [3] * (t + 5)])[:, :t] if segments else None
 
-    def loss(fn, q, k, v, w, beta):
-        out = fn(q, k, v, w, beta)
+    def attend(impl, q, k, v, w, beta, log_f):
+        bias = forget_bias(log_f) if gated else None
+        if impl == "reference":
+            return reference_attention(q, k, v, bias_fn=bias, segment_ids=seg,
+                                       score_fn=hh.dense_score_fn(w, beta, d ** -0.5, solve))
+        return hh.chunked_attention(q, k, v, w, beta, bias_fn=bias, segment_ids=seg, chunk=chunk, group=group,
+                                    autodiff=impl == "autodiff")
+
+    def loss(impl, *args):
+        out = attend(impl, *args)
         return jnp.sum(out * jnp.cos(jnp.arange(out.size).reshape(out.shape))), out
 
-    def ref(q, k, v, w, beta):
-        return reference_attention(q, k, v, bias_fn=bias, segment_ids=seg,
-                                   score_fn=hh.dense_score_fn(w, beta, 8 ** -0.5, solve))
+    return {impl: jax.jit(jax.value_and_grad(functools.partial(loss, impl), argnums=range(6), has_aux=True))(
+        q, k, v, w, beta, log_f) for impl in impls}
 
-    def chunked(q, k, v, w, beta):
-        return hh.chunked_attention(q, k, v, w, beta, bias_fn=bias, segment_ids=seg, chunk=chunk, group=group)
 
-    def grads(fn):
-        return jax.jit(jax.value_and_grad(lambda *a: loss(fn, *a), argnums=range(5), has_aux=True))(
-            q, k, v, w, beta)
-
-    (_, o1), g1 = grads(ref)
-    (_, o2), g2 = grads(chunked)
+def assert_same_values_and_gradients(results, against, atol=1e-4):
+    (_, o1), g1 = results[against]
+    (_, o2), g2 = results["recompute"]
     np.testing.assert_allclose(o1, o2, atol=2e-5)
-    for a, b in zip(g1, g2):
-        np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-4)
+    for name, a, b in zip("q k v w beta log_forget".split(), g1, g2):
+        np.testing.assert_allclose(a, b, atol=atol, rtol=1e-4, err_msg=name)
+
+
+@pytest.mark.parametrize("t,d,chunk,group,segments,gated,solve", [
+    (1, 16, 4, 8, False, True, None),  # one token: one chunk, no far tile
+    (7, 16, 3, 2, True, True, None),  # D > c: compact chunk operators; two groups
+    (16, 8, 4, 8, True, True, 3),
+    (13, 8, 1, 3, False, True, 4),
+    (22, 8, 2, 2, True, False, 5),
+    (200, 48, 64, 2, True, False, None),  # D <= c: dense chunk operators
+    (200, 48, 32, 3, False, True, None),  # 7 chunks padded to 9: a whole chunk of padding
+])
+def test_chunked_equals_reference_values_and_gradients(t, d, chunk, group, segments, gated, solve):
+    """The flash-style chunked form, with its recomputing backward, against autodiff of the
+    materialised logits (one UT solve over T, or one per `solve` tokens: both exact): values,
+    and gradients of q, k, v, w, beta and of the FoX gates (the bias hook's arrays)."""
+    assert_same_values_and_gradients(
+        gated_path_grads(t, d, chunk, group, segments, gated, ("reference", "recompute"), solve), "reference")
+
+
+def test_recomputing_backward_equals_autodiff_through_the_scans():
+    assert_same_values_and_gradients(gated_path_grads(50, 16, 16, 1, True, True, ("autodiff", "recompute")),
+                                     "autodiff")
+
+
+@pytest.mark.slow
+def test_chunked_equals_reference_at_1000_tokens():
+    assert_same_values_and_gradients(
+        gated_path_grads(1000, 48, 64, 8, True, True, ("reference", "recompute")), "reference", atol=2e-4)
+
+
+def grad_temp_bytes(t, autodiff, d=64):
+    """XLA's temporary memory for forward + backward of chunked PaTH-FoX, one row, 2 heads
+    (compiled only, backend optimisation off to compile faster: the buffer plan is the same)."""
+    q, kv = jax.ShapeDtypeStruct((1, t, 2, d), jnp.float32), jax.ShapeDtypeStruct((1, t, 1, d), jnp.float32)
+    beta, log_f = jax.ShapeDtypeStruct((1, t, 1), jnp.float32), jax.ShapeDtypeStruct((1, t, 2), jnp.float32)
+
+    def loss(q, k, v, w, beta, log_f):
+        return hh.chunked_attention(q, k, v, w, beta, bias_fn=forget_bias(log_f), autodiff=autodiff).sum()
+
+    lowered = jax.jit(jax.grad(loss, argnums=range(6))).lower(q, kv, kv, kv, beta, log_f)
+    return lowered.compile({"xla_backend_optimization_level": 0}).memory_analysis().temp_size_in_bytes
+
+
+@pytest.mark.parametrize("autodiff", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_backward_memory_grows_linearly_with_length(autodiff):
+    """4x the tokens: the recomputing backward's temporary memory grows about 4x (seen: 3.4x,
+    14 -> 47 MiB at 1K -> 4K tokens), autodiff's faster than linear (seen: 8.1x, 33 -> 266 MiB)."""
+    short, long = (grad_temp_bytes(t, autodiff) for t in (1024, 4096))
+    print(f"{'autodiff' if autodiff else 'recompute'}: temp {short / 2 ** 20:.1f} MiB at 1024 tokens, "
+          f"{long / 2 ** 20:.1f} MiB at 4096 ({long / short:.1f}x)")
+    assert long / short > 6 if autodiff else long / short < 5
 
 
 def test_reference_equals_explicit_products_end_to_end():
