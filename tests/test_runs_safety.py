@@ -176,7 +176,8 @@ def corrupt_bits(d):
 CORRUPTIONS = [corrupt_arrays, corrupt_manifest, corrupt_meta, corrupt_loader, corrupt_bits]
 
 
-@pytest.mark.parametrize("corrupt", CORRUPTIONS, ids=lambda f: f.__name__)
+@pytest.mark.parametrize("corrupt", [c if c in (corrupt_arrays, corrupt_bits) else pytest.param(c, marks=pytest.mark.slow)
+                                     for c in CORRUPTIONS], ids=lambda f: getattr(f, "__name__", ""))
 def test_a_corrupt_newest_checkpoint_is_set_aside_and_the_run_goes_on(tiny_run, tmp_path, capsys, corrupt):
     config, summary = tiny_run
     workdir = tmp_path / "run"
