@@ -245,9 +245,8 @@ def score(scorer, examples: list[Example], rows: int, decode: bool) -> list[dict
             group = [i for i, e in enumerate(examples) if (len(e.prompt), len(e.answer)) == size]
             for chunk, n in _chunks(group, rows):
                 generated = scorer.greedy(np.stack([examples[i].prompt for i in chunk]), size[1])
-                for i, tokens in zip(chunk[:n], generated):
-                    records[i].update(generated=np.asarray(tokens).tolist(),
-                                      decoded=bool((np.asarray(tokens) == examples[i].answer).all()))
+                for i, out in zip(chunk[:n], np.asarray(generated)):
+                    records[i].update(generated=out.tolist(), decoded=bool((out == examples[i].answer).all()))
     return records
 
 
@@ -269,11 +268,12 @@ def cells(records: list[dict], depths) -> list[dict]:
 
 def checked_options(tasks, lengths, depths, examples, seed, decode_max_length) -> dict:
     """The options as the evaluator uses them; ValueError, one line, on a bad one."""
-    tasks = list(TASKS) if tasks is None else [tasks] if isinstance(tasks, str) else list(tasks)
+    tasks = list(TASKS) if tasks is None else [t.strip() for t in tasks.split(",")] if isinstance(tasks, str) \
+        else list(tasks)
     unknown = [t for t in tasks if t not in TASKS]
     if unknown or not tasks:
-        raise ValueError(f"retrieval option tasks={','.join(tasks)}: unknown {','.join(unknown) or 'none given'}; "
-                         f"valid: one or more of {', '.join(TASKS)}")
+        why = f"={','.join(tasks)}: unknown {','.join(unknown)}" if unknown else " is empty"
+        raise ValueError(f"retrieval option tasks{why}; valid: one or more of {', '.join(TASKS)}")
     return {"tasks": tasks,
             "lengths": None if lengths is None else checked_list(
                 "retrieval option lengths", lengths, 2, meaning="example lengths in tokens"),

@@ -190,7 +190,8 @@ def test_decoding_and_teacher_forcing_agree_on_a_trained_run(tiny_run):
 
 def test_bad_options_are_one_line():
     for options, error in [
-        (dict(tasks=["passkey", "nope"]), "retrieval option tasks=passkey,nope: unknown nope; valid: one or more of passkey,"),
+        (dict(tasks="passkey,nope"), "retrieval option tasks=passkey,nope: unknown nope; valid: one or more of passkey,"),
+        (dict(tasks=[]), "retrieval option tasks is empty; valid: one or more of passkey,"),
         (dict(depths=[0.5, 1.5]), "retrieval option depths=1.5 is above 1.0; valid: a number in [0.0, 1.0]"),
         (dict(examples=0), "retrieval option examples=0 is below 1"),
         (dict(lengths=["64", "x"]), "retrieval option lengths=x is not an integer"),
@@ -215,6 +216,9 @@ def test_eval_py_writes_the_retrieval_reports(tiny_run, tmp_path):
     assert [(c["length"], c["depth"], c["examples"]) for c in passkey["cells"]] == [(128, 0.0, 1), (128, 1.0, 1)]
     assert all(c["decode_accuracy"] is not None for c in passkey["cells"])
     assert all(len(r["generated"]) == len(r["answer"]) == 5 for r in passkey["records"])
+    assert retrieval.summary(results) == {"accuracy": np.mean([r["exact"] for r in passkey["records"]]),
+                                          "accuracy_longest": np.mean([r["exact"] for r in passkey["records"]]),
+                                          "logprob": pytest.approx(np.mean([c["logprob"] for c in passkey["cells"]]))}
     assert "| rope | rope | - | - | - | " in run.stdout
     assert (tmp_path / "retrieval.md").read_text() in run.stdout
     assert sorted(p.name for p in tmp_path.glob("*.png")) == ["retrieval.png", "retrieval_heatmaps.png"]
