@@ -2,6 +2,7 @@
 
     python eval.py --workdirs=runs/rope,runs/alibi --out=runs/compare --max_multiplier=16
     python eval.py --workdirs=runs/rope --evals=lengths,transport --probe_length=1024
+    python eval.py --workdirs=runs/rope --evals=retrieval --retrieval_tasks=passkey,multikey
 
 --evals picks the evaluators (default: lengths, i.e. perplexity by length, or task accuracy for
 runs trained on a synthetic task); each writes its JSON, markdown and plots into --out. For
@@ -17,6 +18,7 @@ from lab import cli
 from lab.evaluators import EVALUATORS, evaluate, get_evaluator
 from lab.lengths import checked
 from lab.probes import near_far_ranges
+from lab.retrieval import DEPTHS, TASKS, checked_options as retrieval_options
 
 flags.DEFINE_list("workdirs", [], "training run directories to evaluate and compare")
 flags.DEFINE_string("out", "runs/eval", "where the evaluators' reports go")
@@ -31,6 +33,13 @@ flags.DEFINE_enum("within_documents", None, ["true", "false"], "lengths: score o
 flags.DEFINE_integer("probe_length", 0, "transport, near_far: window length of the probes")
 flags.DEFINE_list("near_far", [], "near_far: histogram logit(lam) - logit(Lam) for lam in NEAR, Lam in FAR, "
                   "given as lo:hi,lo:hi")
+flags.DEFINE_list("retrieval_tasks", [], f"retrieval: tasks, of {', '.join(TASKS)} (default: all)")
+flags.DEFINE_list("retrieval_lengths", [], "retrieval: example lengths in tokens (default: the run's eval lengths)")
+flags.DEFINE_list("retrieval_depths", [], f"retrieval: needle depths in [0, 1] (default: {','.join(map(str, DEPTHS))})")
+flags.DEFINE_integer("retrieval_examples", 4, "retrieval: examples per length and depth")
+flags.DEFINE_integer("retrieval_seed", 0, "retrieval: the seed the examples are generated from")
+flags.DEFINE_integer("decode_max_length", -1, "retrieval: longest length also scored by greedy decoding "
+                     "(0: none; -1: the run's eval.blockwise_from)")
 cli.define_distributed_flags()
 FLAGS = flags.FLAGS
 
@@ -51,6 +60,10 @@ OPTIONS = {  # evaluator -> its options from the flags
     "transport": _probe_length,
     "near_far": lambda: {**_probe_length(), **_ranges()},
     "analysis": dict,
+    "retrieval": lambda: retrieval_options(FLAGS.retrieval_tasks or None, FLAGS.retrieval_lengths or None,
+                                           FLAGS.retrieval_depths or DEPTHS, FLAGS.retrieval_examples,
+                                           FLAGS.retrieval_seed,
+                                           None if FLAGS.decode_max_length == -1 else FLAGS.decode_max_length),
 }
 
 

@@ -15,6 +15,8 @@ An evaluator has `run(runs, **options) -> outcome` (the runs are training direct
   perturbations   perplexity changes under its perturbations (lab/analysis.py)
   feature_shift   its feature shift past the training length (lab/analysis.py)
   analysis        the last three, each run loaded once: analysis.json / .md and their plots
+  retrieval       passkey and RULER-style needle-in-a-haystack accuracy by length and needle
+                  depth, teacher-forced and by greedy decoding (lab/retrieval.py)
 
 Training runs the evaluators its config names (`evals`, with `eval_options`) on its live model
 every `train.eval_every` steps (`in_training`), reports under <workdir>/evals/<step>/<name>/.
@@ -29,7 +31,7 @@ from typing import Any, Callable
 
 import jax
 
-from lab import analysis, lengths, probes
+from lab import analysis, lengths, probes, retrieval
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +60,8 @@ EVALUATORS = {
         ("feature_shift", "feature shift past the training length"))},
     "analysis": analysis_evaluator(analysis.PARTS, "analysis",
                                    "logit decompositions, perturbations, feature shift"),
+    "retrieval": Evaluator(retrieval.retrieval_runs, retrieval.report, retrieval.summary,
+                           "passkey and needle-in-a-haystack accuracy by length and depth"),
 }
 
 
