@@ -62,6 +62,7 @@ APIS = [
     ("ml-collections", "config_flags.get_override_values", r"\bconfig_flags\.get_override_values\(", "1.0.0"),
     ("sentencepiece", "SentencePieceTrainer.train(sentence_iterator=..., model_writer=...) (oldest checked)",
      r"\bmodel_writer=", "0.1.99"),
+    ("pyarrow", "pyarrow.parquet.ParquetFile.iter_batches", r"\.iter_batches\(", "3.0"),
 ]
 
 # Bounds raised above the APIs' needs so that the declared minimums install together:
@@ -91,6 +92,7 @@ IMPORT_NAMES = {
     "tensorboardX": "tensorboardX",
     "sentencepiece": "sentencepiece",
     "tqdm": "tqdm",
+    "pyarrow": "pyarrow",
     "pytest": "pytest",
     "scipy": "scipy",
 }
