@@ -177,10 +177,16 @@ def stored_identity(manager, workdir: str) -> dict | None:
     return None
 
 
+OPEN = ("model.scheme_options.", "model.mixer_options.", "data.task.")  # options given only when set
+
+
 def identity_change(stored: dict, config: ml_collections.ConfigDict) -> str | None:
-    """'model.d_model 64 -> 96, ...' for the identity fields `config` changes, None if none."""
+    """'model.d_model 64 -> 96, ...' for the identity fields `config` changes, None if none. A
+    field the stored identity lacks counts only under the OPEN option dicts: elsewhere it is one
+    added to the code since the run began, whose default the run had."""
     new = identity(config)
     shown = lambda d, k: repr(d[k]) if k in d else "(unset)"  # noqa: E731
-    changed = [f"{k} {shown(stored, k)} -> {shown(new, k)}" for k in sorted(set(stored) | set(new))
+    keys = set(stored) | {k for k in new if k.startswith(OPEN)}
+    changed = [f"{k} {shown(stored, k)} -> {shown(new, k)}" for k in sorted(keys)
                if k not in stored or k not in new or stored[k] != new[k]]
     return ", ".join(changed) or None

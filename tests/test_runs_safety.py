@@ -299,3 +299,15 @@ def test_random_kills_and_corruptions_lose_nothing(tmp_path, seed):
     assert (workdir / "notes.txt").read_text() == str(workdir)
     assert {d: tree_bytes(d) for d in (other, )} == untouched
     assert sorted(os.listdir(workdir / "checkpoints")) == [str(steps - 1), str(steps)]
+
+
+def test_identity_change_names_what_changed_and_ignores_fields_added_since():
+    from lab.checkpoints import identity, identity_change
+    config = tiny_config("/tmp/unused")
+    stored = identity(config)
+    assert identity_change(stored, config) is None
+    older = {k: v for k, v in stored.items() if k != "data.streams"}  # a run from before the field
+    assert identity_change(older, config) is None
+    config.model.scheme_options.base = 500000.0  # an option set now that the run did not have
+    config.model.d_model = 48
+    assert identity_change(stored, config) == "model.d_model 32 -> 48, model.scheme_options.base (unset) -> 500000.0"
