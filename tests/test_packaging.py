@@ -93,6 +93,8 @@ IMPORT_NAMES = {
     "tqdm": "tqdm",
     "pytest": "pytest",
     "scipy": "scipy",
+    "torch": "torch",  # the fixtures extra: tests/data/hf/make_fixtures.py
+    "transformers": "transformers",
 }
 
 # Declared but never imported: (file, regex) where each is needed.
