@@ -141,6 +141,9 @@ def rope_options(hf: dict, where: str) -> dict:
     if partial not in (None, 1, 1.0):
         raise ValueError(f"{where}: partial_rotary_factor={partial} (RoPE on part of each head) is not supported")
     max_len = hf["max_position_embeddings"]
+    # HF gives a top-level original_max_position_embeddings (Phi-3's layout) priority.
+    original = int(hf.get("original_max_position_embeddings")
+                   or params.get("original_max_position_embeddings", max_len))
     options = {"base": float(params.get("rope_theta", hf.get("rope_theta", 10000.0))), "layout": "half"}
     if kind == "linear":
         options |= {"scaling": "pi", "factor": float(params["factor"])}
@@ -149,10 +152,8 @@ def rope_options(hf: dict, where: str) -> dict:
     elif kind == "llama3":
         options |= {"scaling": "llama3", "factor": float(params["factor"]),
                     "low_freq_factor": float(params["low_freq_factor"]),
-                    "high_freq_factor": float(params["high_freq_factor"]),
-                    "original_max_len": int(params.get("original_max_position_embeddings", max_len))}
+                    "high_freq_factor": float(params["high_freq_factor"]), "original_max_len": original}
     elif kind == "yarn":
-        original = int(params.get("original_max_position_embeddings", max_len))
         factor = float(params.get("factor") or max_len / original)
         options |= {"scaling": "yarn", "factor": factor, "original_max_len": original,
                     "beta_fast": float(params.get("beta_fast") or 32), "beta_slow": float(params.get("beta_slow") or 1),
@@ -180,9 +181,9 @@ def model_fields(hf: dict, where: str) -> dict:
         raise ValueError(f"{where}: unsupported model_type {kind!r}; supported: {', '.join(SUPPORTED)}")
     if hf.get("hidden_act", "silu") != "silu":
         raise ValueError(f"{where}: hidden_act {hf['hidden_act']!r}; the MLP is SwiGLU (silu)")
-    for flag in ("attention_bias", "mlp_bias"):
+    for flag, what in (("attention_bias", "q, k, v and o"), ("mlp_bias", "the MLP's")):
         if kind == "llama" and hf.get(flag):
-            raise ValueError(f"{where}: {flag}=true (biases on the output or MLP projections) is not supported")
+            raise ValueError(f"{where}: {flag}=true (biases on {what} projections) is not supported")
     heads = hf["num_attention_heads"]
     return {"vocab_size": hf["vocab_size"], "d_model": hf["hidden_size"], "num_layers": hf["num_hidden_layers"],
             "num_heads": heads, "num_kv_heads": hf.get("num_key_value_heads") or heads,
@@ -209,7 +210,10 @@ def run_config(hf: dict, where: str, workdir: str, seq_len: int = 0,
     training length `seq_len` (0: its max_position_embeddings) and parameter dtype. The data
     config stays the default (byte-level tokens of the embedded corpus)."""
     config = default.get_config("rope")
-    fields = model_fields(hf, where)
+    try:
+        fields = model_fields(hf, where)
+    except KeyError as e:
+        raise ValueError(f"{where} has no {e.args[0]!r}, which a {hf.get('model_type')} config needs") from None
     config.model.update({k: v for k, v in fields.items() if k != "scheme_options"})
     config.model.scheme_options = ml_collections.ConfigDict(fields["scheme_options"])
     config.workdir = workdir

@@ -208,7 +208,8 @@ def test_bad_checkpoints_are_named_in_one_line(tmp_path):
     run = str(tmp_path / "run")
     bad = copy_fixture("llama", tmp_path)
     edit_config(bad, model_type="gpt2")
-    with pytest.raises(ValueError, match=r"config.json: unsupported model_type 'gpt2'; supported: llama, mistral, qwen2"):
+    with pytest.raises(ValueError, match=r"config.json: unsupported model_type 'gpt2'; supported: llama, mistral, "
+                                         r"qwen2"):
         import_checkpoint(str(bad), run)
     edit_config(bad, model_type="llama", rope_scaling={"rope_type": "longrope", "factor": 4.0})
     with pytest.raises(ValueError, match=r"unsupported rope_scaling type 'longrope'; supported: default, linear, "
@@ -230,6 +231,9 @@ def test_bad_checkpoints_are_named_in_one_line(tmp_path):
     edit_config(extra, model_type="mistral")
     with pytest.raises(ValueError, match=r"tensor model\.layers\.\d\.self_attn\.[kqv]_proj\.bias in .* has no place"):
         import_checkpoint(str(extra), run)
+    edit_config(bad, rope_scaling={"rope_type": "linear"}, intermediate_size=32)
+    with pytest.raises(ValueError, match=r"config\.json has no 'factor', which a llama config needs"):
+        import_checkpoint(str(bad), run)
     with pytest.raises(FileNotFoundError, match="does not exist"):
         import_checkpoint(str(tmp_path / "nowhere"), run)
     assert not os.path.exists(run)  # nothing written by any of them
