@@ -27,6 +27,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         scheme=scheme,
         scheme_options=ml_collections.ConfigDict({}),  # e.g. {'base': 5e5, 'scaling': 'yarn'}
         tie_embeddings=True,
+        scale_tied_logits=True,  # tied head: logits x E^T / sqrt(d_model); False: x E^T (HF checkpoints)
+        qkv_bias=False,  # biases on the q, k, v projections (Qwen2)
+        norm_eps=1e-6,  # RMSNorm epsilon
         attention_impl="auto",  # the fastest valid per platform (positional/attention.py), or by name:
         # 'reference' | 'blockwise' | 'ring' | 'pallas' | 'cudnn' | 'splash
         block_size=512,

@@ -33,6 +33,11 @@ class ModelConfig:
     scheme: str = "rope"
     scheme_options: tuple = ()  # (name, value) pairs, hashable; see `from_dict`
     tie_embeddings: bool = True
+    # Tied head: logits x E^T / sqrt(d_model), O(1) at unit-variance embeddings; False: x E^T
+    # (Hugging Face checkpoints).
+    scale_tied_logits: bool = True
+    qkv_bias: bool = False  # biases on the q, k, v projections (Qwen2)
+    norm_eps: float = 1e-6  # RMSNorm epsilon
     attention_impl: str = "auto"  # or by name: "reference", "blockwise", "ring", "pallas", "cudnn", "splash"
     block_size: int = 512
     dtype: str = "float32"  # compute dtype; parameters stay float32
@@ -80,9 +85,13 @@ class ModelConfig:
         return self.mlp_dim or -(-8 * self.d_model // 3 // 64) * 64
 
 
-def linear(din, dout, cfg, rngs):
-    return nnx.Linear(din, dout, use_bias=False, dtype=jnp.dtype(cfg.dtype), rngs=rngs,
+def linear(din, dout, cfg, rngs, bias: bool = False):
+    return nnx.Linear(din, dout, use_bias=bias, dtype=jnp.dtype(cfg.dtype), rngs=rngs,
                       kernel_init=nnx.initializers.normal(stddev=din ** -0.5))
+
+
+def rms_norm(cfg: ModelConfig, rngs) -> nnx.RMSNorm:
+    return nnx.RMSNorm(cfg.d_model, epsilon=cfg.norm_eps, dtype=jnp.dtype(cfg.dtype), rngs=rngs)
 
 
 class Attention(nnx.Module):
@@ -90,9 +99,9 @@ class Attention(nnx.Module):
         self.cfg = cfg
         h, kh, d = cfg.num_heads, cfg.kv_heads, cfg.dim_per_head
         self.scheme = make_scheme(cfg.scheme, num_heads=h, head_dim=d, **dict(cfg.scheme_options))
-        self.q = linear(cfg.d_model, h * d, cfg, rngs)
-        self.k = linear(cfg.d_model, kh * d, cfg, rngs)
-        self.v = linear(cfg.d_model, kh * d, cfg, rngs)
+        self.q = linear(cfg.d_model, h * d, cfg, rngs, cfg.qkv_bias)
+        self.k = linear(cfg.d_model, kh * d, cfg, rngs, cfg.qkv_bias)
+        self.v = linear(cfg.d_model, kh * d, cfg, rngs, cfg.qkv_bias)
         self.o = linear(h * d, cfg.d_model, cfg, rngs)
         self.features = make_features(cfg.scheme, self.scheme, cfg, rngs=rngs)
 
@@ -145,10 +154,9 @@ class MLP(nnx.Module):
 
 class Block(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-        dtype = jnp.dtype(cfg.dtype)
-        self.attn_norm = nnx.RMSNorm(cfg.d_model, epsilon=1e-6, dtype=dtype, rngs=rngs)
+        self.attn_norm = rms_norm(cfg, rngs)
         self.attn = Attention(cfg, rngs=rngs)
-        self.mlp_norm = nnx.RMSNorm(cfg.d_model, epsilon=1e-6, dtype=dtype, rngs=rngs)
+        self.mlp_norm = rms_norm(cfg, rngs)
         self.mlp = MLP(cfg, rngs=rngs)
 
     def __call__(self, x, **kw):

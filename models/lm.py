@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.layers import REMAT_POLICIES, Block, ModelConfig, linear
+from models.layers import REMAT_POLICIES, Block, ModelConfig, linear, rms_norm
 from models.sessa import MacroBlock
 from models.sharding import constrain
 from positional.scheme import check_cache_room
@@ -29,13 +29,15 @@ class DecoderLM(nnx.Module):
                                embedding_init=nnx.initializers.normal(stddev=1.0))
         block = Block if cfg.mixer == "attention" else MacroBlock
         self.blocks = nnx.List([block(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
-        self.norm = nnx.RMSNorm(cfg.d_model, epsilon=1e-6, dtype=jnp.dtype(cfg.dtype), rngs=rngs)
+        self.norm = rms_norm(cfg, rngs)
         self.head = None if cfg.tie_embeddings else linear(cfg.d_model, cfg.vocab_size, cfg, rngs)
 
     def _logits(self, x):
         x = self.norm(x)
-        if self.head is None:  # tied: scale so logits start O(1) with unit-variance embeddings
-            return self.embed.attend(x) * self.cfg.d_model ** -0.5
+        if self.head is None:
+            logits = self.embed.attend(x)
+            # Scaled, logits start O(1) with unit-variance embeddings; unscaled in HF checkpoints.
+            return logits * self.cfg.d_model ** -0.5 if self.cfg.scale_tied_logits else logits
         return self.head(x)
 
     def __call__(self, tokens, *, positions=None, segment_ids=None, impl=None, rng=None,

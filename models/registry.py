@@ -139,8 +139,8 @@ STEP_DOCS = {"random": "steps ~ U(-f_b, f_b) drawn afresh every forward pass (`d
 
 register("nope", Entry(NoPE, doc="no position information"))
 register("alibi", Entry(Alibi, doc="linear distance bias, slopes 2^(-8h/H)"))
-register("rope", Entry(Rope, doc="rotary q/k; `layout` `half` or `interleaved`, `scaling` `none`, `pi`, `ntk` or "
-                                 "`yarn`"))
+register("rope", Entry(Rope, doc="rotary q/k; `layout` `half` or `interleaved`, `scaling` `none`, `pi`, `ntk`, "
+                                 "`yarn`, `llama3` or `dynamic`"))
 register("rope_qkv", Entry(Rope, fixed={"rotate_values": True}, doc="rotary q/k/v, head output rotated back"))
 for _steps in ("random", "learned", "hidden"):
     for _qkv in (False, True):

@@ -33,6 +33,7 @@ RULES = (("batch", ("data", "fsdp")), ("sequence", "sequence"), ("embed", "fsdp"
 PARAM_AXES = {
     ("q", "kernel"): ("embed", "heads"), ("k", "kernel"): ("embed", "heads"),
     ("v", "kernel"): ("embed", "heads"), ("o", "kernel"): ("heads", "embed"),
+    ("q", "bias"): ("heads",), ("k", "bias"): ("heads",), ("v", "bias"): ("heads",),
     ("gate", "kernel"): ("embed", "mlp"), ("up", "kernel"): ("embed", "mlp"),
     ("down", "kernel"): ("mlp", "embed"),
     ("embed", "embedding"): ("vocab", "embed"), ("head", "kernel"): ("embed", "vocab"),

@@ -15,7 +15,21 @@ Extensions (`scaling`, with `factor` s and the pretraining length `original_max_
   "yarn"  YaRN (Peng et al. 2023): per-pair ramp on r_i = L / wavelength_i,
           gamma_i = clip((r_i - beta_slow) / (beta_fast - beta_slow), 0, 1),
           theta_i' = (1 - gamma_i) theta_i / s + gamma_i theta_i,
-          and attention temperature sqrt(1/t) = 0.1 ln s + 1 multiplying q and k.
+          and attention temperature sqrt(1/t) = 0.1 ln s + 1 multiplying q and k
+          (`attention_factor` > 0 sets sqrt(1/t) itself). `ramp` "ratio" is the paper's ramp,
+          linear in r_i; "index" is the YaRN authors' code (and Hugging Face's): linear in
+          the pair index i between the indices where r = beta_fast and r = beta_slow,
+          those rounded outwards to whole pairs ("index_exact": not rounded);
+  "llama3" Llama 3.1's: the "ratio" ramp with (beta_slow, beta_fast) = (low_freq_factor,
+          high_freq_factor), no temperature;
+  "dynamic" dynamic NTK (Hugging Face's "dynamic"): NTK base scaling whose factor follows the
+          sequence length T = max(position) + 1 of the call: base' = base * (s T / L - (s - 1))
+          ^ (D / (D - 2)) once T > L, plain RoPE up to L. A decoding step rotates its token
+          with the frequencies of its own length, so keys cached earlier keep theirs (as in
+          Hugging Face's generate); decode then differs from the parallel form past L.
+
+HF checkpoints (Llama, Mistral, Qwen2) rotate pairs (x[i], x[i + D/2]) ("rotate_half"): the
+"half" layout, with no permutation of their q/k weights.
 """
 
 from __future__ import annotations
@@ -30,16 +44,21 @@ import numpy as np
 
 from positional.scheme import Scheme
 
-SCALINGS = ("none", "pi", "ntk", "yarn")
+SCALINGS = ("none", "pi", "ntk", "yarn", "llama3", "dynamic")
 LAYOUTS = ("half", "interleaved")
+RAMPS = ("ratio", "index", "index_exact")
 
 
 def rope_frequencies(head_dim: int, base: float = 10000.0, scaling: str = "none",
                      factor: float = 1.0, original_max_len: int = 512,
-                     beta_fast: float = 32.0, beta_slow: float = 1.0) -> np.ndarray:
-    """Angular frequencies theta_i, [head_dim // 2] float64 (cast at use)."""
+                     beta_fast: float = 32.0, beta_slow: float = 1.0, *, ramp: str = "ratio",
+                     low_freq_factor: float = 1.0, high_freq_factor: float = 4.0) -> np.ndarray:
+    """Angular frequencies theta_i, [head_dim // 2] float64 (cast at use). For "dynamic", those
+    of sequences up to `original_max_len` (`dynamic_frequencies` scales them past it)."""
     if scaling not in SCALINGS:
         raise ValueError(f"unknown RoPE scaling {scaling!r}; valid: {SCALINGS}")
+    if ramp not in RAMPS:
+        raise ValueError(f"unknown YaRN ramp {ramp!r}; valid: {RAMPS}")
     if factor <= 0:
         raise ValueError(f"RoPE scaling factor must be positive, got {factor}")
     if scaling == "ntk":
@@ -47,15 +66,51 @@ def rope_frequencies(head_dim: int, base: float = 10000.0, scaling: str = "none"
     theta = base ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
     if scaling == "pi":
         theta = theta / factor
-    elif scaling == "yarn":
+    elif scaling == "yarn" and ramp != "ratio":
+        gamma = 1 - _index_ramp(head_dim, base, original_max_len, beta_fast, beta_slow, ramp == "index")
+        theta = (1 - gamma) * theta / factor + gamma * theta
+    elif scaling in ("yarn", "llama3"):
+        slow, fast = (beta_slow, beta_fast) if scaling == "yarn" else (low_freq_factor, high_freq_factor)
         ratio = original_max_len * theta / (2 * math.pi)  # = L / wavelength
-        gamma = np.clip((ratio - beta_slow) / (beta_fast - beta_slow), 0.0, 1.0)
+        gamma = np.clip((ratio - slow) / (fast - slow), 0.0, 1.0)
         theta = (1 - gamma) * theta / factor + gamma * theta
     return theta
 
 
-def yarn_attention_factor(factor: float) -> float:
-    """sqrt(1/t) of YaRN: multiplies both q and k, so logits scale by its square."""
+def _index_ramp(head_dim: int, base: float, length: int, beta_fast: float, beta_slow: float,
+                rounded: bool) -> np.ndarray:
+    """The YaRN code's ramp, [head_dim // 2]: 0 at pair indices up to the (fractional) index
+    where L / wavelength = beta_fast, 1 from the one where it is beta_slow, linear between.
+    Pair i has L / wavelength_i = r where i = D ln(L / (2 pi r)) / (2 ln base)."""
+    def index(r):
+        return head_dim * math.log(length / (2 * math.pi * r)) / (2 * math.log(base))
+
+    low, high = index(beta_fast), index(beta_slow)
+    if rounded:
+        low, high = math.floor(low), math.ceil(high)
+    # The upper clip is D - 1, not D/2 - 1, as in the reference code: it sets the slope when
+    # the ramp would end past the last pair.
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001
+    return np.clip((np.arange(head_dim // 2, dtype=np.float64) - low) / (high - low), 0.0, 1.0)
+
+
+def dynamic_frequencies(theta, factor: float, original_max_len: int, length: jax.Array) -> jax.Array:
+    """Dynamic NTK: the plain frequencies `theta` [D/2] for a sequence of `length` tokens (a
+    traced scalar), fp32. base' = base * g^(D / (D - 2)), g = s max(T, L) / L - (s - 1), so
+    theta_i' = theta_i g^(-2i / (D - 2)): pairs that do not rotate (theta_i = 0) stay still."""
+    half = len(theta)
+    g = factor * jnp.maximum(length, original_max_len).astype(jnp.float32) / original_max_len - (factor - 1)
+    exponent = jnp.arange(half, dtype=jnp.float32) * 2 / (2 * half - 2)
+    return jnp.asarray(theta, jnp.float32) * g ** -exponent
+
+
+def yarn_attention_factor(factor: float, attention_factor: float = 0.0) -> float:
+    """sqrt(1/t) of YaRN: multiplies both q and k, so logits scale by its square.
+    `attention_factor` > 0 is that value, given (a checkpoint's config may set it)."""
+    if attention_factor > 0:
+        return attention_factor
     return 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
 
 
@@ -181,6 +236,10 @@ class Rope(Scheme):
     beta_slow: float = 1.0
     layout: str = "half"
     rotate_values: bool = False
+    ramp: str = "ratio"  # yarn: "ratio", "index" or "index_exact" (see the module docstring)
+    attention_factor: float = 0.0  # yarn: sqrt(1/t) (0: 0.1 ln factor + 1)
+    low_freq_factor: float = 1.0  # llama3: ratio L / wavelength below which theta / factor
+    high_freq_factor: float = 4.0  # llama3: ... above which theta is kept
 
     needs_even_head_dim = True
     probes = ("rope_pairs",)
@@ -189,19 +248,29 @@ class Rope(Scheme):
         super().__post_init__()
         if self.layout not in LAYOUTS:
             raise ValueError(f"unknown RoPE layout {self.layout!r}; valid: {LAYOUTS}")
-        rope_frequencies(self.head_dim, self.base, self.scaling, self.factor)  # validates
+        if self.scaling == "dynamic" and self.head_dim < 4:
+            raise ValueError(f"dynamic RoPE scaling needs head_dim >= 4; got {self.head_dim}")
+        self.theta  # validates the options
 
     @property
     def theta(self) -> np.ndarray:
         return rope_frequencies(self.head_dim, self.base, self.scaling, self.factor,
-                                self.original_max_len, self.beta_fast, self.beta_slow)
+                                self.original_max_len, self.beta_fast, self.beta_slow, ramp=self.ramp,
+                                low_freq_factor=self.low_freq_factor, high_freq_factor=self.high_freq_factor)
+
+    def angles(self, positions) -> jax.Array:
+        """Rotation angles [B, T, 1, D/2] of tokens at `positions` [B, T]; with dynamic scaling,
+        under the frequencies of the call's length, max(positions) + 1."""
+        theta = self.theta
+        if self.scaling == "dynamic":
+            theta = dynamic_frequencies(theta, self.factor, self.original_max_len, jnp.max(positions) + 1)
+        return rope_angles(positions, theta)
 
     def transform(self, q, k, v, features, positions):
-        angles = rope_angles(positions, self.theta)
-        q, k, v = rotate_qkv(q, k, v, angles, self.layout, self.rotate_values)
+        q, k, v = rotate_qkv(q, k, v, self.angles(positions), self.layout, self.rotate_values)
         if self.scaling == "yarn":
-            q = q * jnp.asarray(yarn_attention_factor(self.factor) ** 2, q.dtype)
+            q = q * jnp.asarray(yarn_attention_factor(self.factor, self.attention_factor) ** 2, q.dtype)
         return q, k, v
 
     def transform_out(self, out, features, positions):
-        return rotate_out(out, rope_angles(positions, self.theta), self.layout, self.rotate_values)
+        return rotate_out(out, self.angles(positions), self.layout, self.rotate_values)

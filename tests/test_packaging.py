@@ -95,6 +95,8 @@ IMPORT_NAMES = {
     "pyarrow": "pyarrow",
     "pytest": "pytest",
     "scipy": "scipy",
+    "torch": "torch",  # the fixtures extra: tests/data/hf/make_fixtures.py
+    "transformers": "transformers",
 }
 
 # Declared but never imported: (file, regex) where each is needed.

@@ -1,0 +1,332 @@
+"""Import a Hugging Face checkpoint of the Llama family (Llama 2 / 3.x, Mistral, Qwen2 / 2.5) as
+a run directory of this project: config.json and an orbax checkpoint at step 0 with its
+identity, so `eval.py --workdirs=<dir>`, `lab.runs.load_run` and `train.py
+--config.init_from=<dir>` take it as they take a trained run.
+
+The checkpoint is a local directory: config.json and model.safetensors, or shards named by
+model.safetensors.index.json. The safetensors format is read here, with no dependency of its
+own: an 8-byte little-endian header length, a JSON header of dtype, shape and byte offsets,
+then the raw little-endian tensors (BF16 read as jax.numpy.bfloat16, ml_dtypes' type). Tensors
+are memory maps, and each device reads only its slice (`jax.make_array_from_callback` into the
+shardings of the abstract train state), so a model larger than one device's memory loads
+sharded (`fsdp`, `tensor`).
+
+The mapping: DecoderLM is the same network. Pre-norm RMSNorm blocks with the checkpoint's
+epsilon (`model.norm_eps`), SwiGLU (gate, up, down), grouped-query attention whose query head h
+reads key/value head h // (H / K) as in HF's repeat_kv, q/k/v biases for Qwen2
+(`model.qkv_bias`), an explicit head_dim, the embedding unscaled and a tied head unscaled
+(`model.scale_tied_logits=False`). RoPE pairs (x[i], x[i + D/2]) like HF's rotate_half: the
+"half" layout, with no permutation of the q/k weights. HF Linear weights [out, in] become
+kernels [in, out] (transposed). rope_scaling types: linear -> "pi", dynamic -> "dynamic",
+yarn -> "yarn" with HF's index ramp and attention factor, llama3 -> "llama3"
+(positional/rope.py). bf16 checkpoints stay bf16 (`train.param_dtype`), others load as fp32;
+compute is fp32 (`model.dtype`, not part of a run's identity, so config.json may change it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+import shutil
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from configs import default
+from lab.checkpoints import checkpoint_manager, identity, save
+from lab.state import check_config, init_state, make_mesh
+
+SUPPORTED = ("llama", "mistral", "qwen2")
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
+DTYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype(jnp.bfloat16),
+          "F64": np.dtype("<f8")}
+# Tensors a checkpoint may hold that the model does not need: rotary frequencies older
+# checkpoints saved as buffers (the model computes them).
+IGNORED = re.compile(r"\.rotary_emb\.inv_freq$")
+
+
+@dataclasses.dataclass(frozen=True)
+class Tensor:
+    """Where a tensor's bytes are: file, absolute byte offset, dtype, shape."""
+    file: str
+    offset: int
+    dtype: np.dtype
+    shape: tuple[int, ...]
+
+    def array(self) -> np.ndarray:
+        """The tensor as a read-only memory map: slicing it reads only the bytes of the slice."""
+        count = math.prod(self.shape)
+        if count == 0:
+            return np.zeros(self.shape, self.dtype)
+        return np.memmap(self.file, dtype=self.dtype, mode="r", offset=self.offset, shape=self.shape)
+
+
+def read_safetensors_header(path: str) -> dict[str, Tensor]:
+    """{name: Tensor} of one .safetensors file, from its header alone."""
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) != 8:
+            raise ValueError(f"{path} is not a safetensors file (shorter than its 8-byte header length)")
+        length = int.from_bytes(raw, "little")
+        size = os.fstat(f.fileno()).st_size
+        if length > size - 8:
+            raise ValueError(f"{path} is not a safetensors file (header length {length} > file size {size})")
+        try:
+            header = json.loads(f.read(length))
+        except ValueError as e:
+            raise ValueError(f"{path} is not a safetensors file (its header is not JSON: {e})") from None
+    start, out = 8 + length, {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        if entry["dtype"] not in DTYPES:
+            raise ValueError(f"tensor {name} in {path} has dtype {entry['dtype']}; readable: {', '.join(DTYPES)}")
+        dtype, shape = DTYPES[entry["dtype"]], tuple(entry["shape"])
+        begin, end = entry["data_offsets"]
+        if end - begin != math.prod(shape) * dtype.itemsize or start + end > size:
+            raise ValueError(f"tensor {name} in {path}: offsets {begin}..{end} do not hold {entry['dtype']} "
+                             f"{list(shape)} inside the file ({size} bytes); the file is damaged")
+        out[name] = Tensor(path, start + begin, dtype, shape)
+    return out
+
+
+def tensor_index(directory: str) -> dict[str, Tensor]:
+    """{name: Tensor} of a checkpoint directory: model.safetensors, or the shards that
+    model.safetensors.index.json names."""
+    index = os.path.join(directory, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+        out = {}
+        for file in sorted(set(weight_map.values())):
+            shard = read_safetensors_header(os.path.join(directory, file))
+            out.update({name: t for name, t in shard.items() if weight_map.get(name) == file})
+        missing = sorted(set(weight_map) - set(out))
+        if missing:
+            raise ValueError(f"{index} puts {missing[0]} in {weight_map[missing[0]]}, which does not hold it")
+        return out
+    single = os.path.join(directory, "model.safetensors")
+    if os.path.isfile(single):
+        return read_safetensors_header(single)
+    raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {directory} (only "
+                            "safetensors checkpoints are read: save_pretrained(..., safe_serialization=True))")
+
+
+def read_hf_config(directory: str) -> dict:
+    path = os.path.join(directory, "config.json")
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(f"checkpoint directory {directory} does not exist")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{directory} has no config.json: pass a Hugging Face checkpoint directory")
+    with open(path) as f:
+        return json.load(f)
+
+
+def rope_options(hf: dict, where: str) -> dict:
+    """Options of this project's "rope" scheme for the RoPE of an HF config: rope_theta and
+    rope_scaling (transformers 4.x) or rope_parameters (5.x)."""
+    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    if params and all(isinstance(v, dict) for v in params.values()):
+        raise ValueError(f"{where}: RoPE parameters per layer type ({', '.join(params)}) are not supported")
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind not in ROPE_TYPES:
+        raise ValueError(f"{where}: unsupported rope_scaling type {kind!r}; supported: {', '.join(ROPE_TYPES)}")
+    partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    if partial not in (None, 1, 1.0):
+        raise ValueError(f"{where}: partial_rotary_factor={partial} (RoPE on part of each head) is not supported")
+    max_len = hf["max_position_embeddings"]
+    # HF gives a top-level original_max_position_embeddings (Phi-3's layout) priority.
+    original = int(hf.get("original_max_position_embeddings")
+                   or params.get("original_max_position_embeddings", max_len))
+    options = {"base": float(params.get("rope_theta", hf.get("rope_theta", 10000.0))), "layout": "half"}
+    if kind == "linear":
+        options |= {"scaling": "pi", "factor": float(params["factor"])}
+    elif kind == "dynamic":
+        options |= {"scaling": "dynamic", "factor": float(params["factor"]), "original_max_len": max_len}
+    elif kind == "llama3":
+        options |= {"scaling": "llama3", "factor": float(params["factor"]),
+                    "low_freq_factor": float(params["low_freq_factor"]),
+                    "high_freq_factor": float(params["high_freq_factor"]), "original_max_len": original}
+    elif kind == "yarn":
+        factor = float(params.get("factor") or max_len / original)
+        options |= {"scaling": "yarn", "factor": factor, "original_max_len": original,
+                    "beta_fast": float(params.get("beta_fast") or 32), "beta_slow": float(params.get("beta_slow") or 1),
+                    "ramp": "index" if params.get("truncate", True) else "index_exact",
+                    "attention_factor": yarn_attention_factor(params, factor)}
+    return options
+
+
+def yarn_attention_factor(params: dict, factor: float) -> float:
+    """YaRN's sqrt(1/t) as HF derives it: given, or from mscale / mscale_all_dim, or 0.1 ln s + 1."""
+    def mscale(scale, m=1.0):
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if params.get("attention_factor") is not None:
+        return float(params["attention_factor"])
+    if params.get("mscale") and params.get("mscale_all_dim"):
+        return mscale(factor, params["mscale"]) / mscale(factor, params["mscale_all_dim"])
+    return mscale(factor)
+
+
+def model_fields(hf: dict, where: str) -> dict:
+    """The model config fields of this project for an HF config (`where` names it in errors)."""
+    kind = hf.get("model_type")
+    if kind not in SUPPORTED:
+        raise ValueError(f"{where}: unsupported model_type {kind!r}; supported: {', '.join(SUPPORTED)}")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"{where}: hidden_act {hf['hidden_act']!r}; the MLP is SwiGLU (silu)")
+    for flag, what in (("attention_bias", "q, k, v and o"), ("mlp_bias", "the MLP's")):
+        if kind == "llama" and hf.get(flag):
+            raise ValueError(f"{where}: {flag}=true (biases on {what} projections) is not supported")
+    heads = hf["num_attention_heads"]
+    return {"vocab_size": hf["vocab_size"], "d_model": hf["hidden_size"], "num_layers": hf["num_hidden_layers"],
+            "num_heads": heads, "num_kv_heads": hf.get("num_key_value_heads") or heads,
+            "head_dim": hf.get("head_dim") or hf["hidden_size"] // heads, "mlp_dim": hf["intermediate_size"],
+            "scheme": "rope", "scheme_options": rope_options(hf, where),
+            "tie_embeddings": bool(hf.get("tie_word_embeddings", False)), "scale_tied_logits": False,
+            "qkv_bias": kind == "qwen2", "norm_eps": float(hf.get("rms_norm_eps", 1e-6))}
+
+
+def caveats(hf: dict) -> list[str]:
+    """What of the checkpoint the imported model does not do, one line each (a warning)."""
+    out = []
+    window = hf.get("sliding_window")
+    windowed = hf.get("use_sliding_window", hf.get("model_type") == "mistral") and window
+    if windowed and window < hf["max_position_embeddings"]:
+        out.append(f"the checkpoint attends within a sliding window of {window} tokens; the imported model "
+                   f"attends to its whole context, so the two agree up to {window} tokens only")
+    return out
+
+
+def run_config(hf: dict, where: str, workdir: str, seq_len: int = 0,
+               param_dtype: str = "float32") -> ml_collections.ConfigDict:
+    """The run config of an imported checkpoint: configs/default.py with the checkpoint's model,
+    training length `seq_len` (0: its max_position_embeddings) and parameter dtype. The data
+    config stays the default (byte-level tokens of the embedded corpus)."""
+    config = default.get_config("rope")
+    try:
+        fields = model_fields(hf, where)
+    except KeyError as e:
+        raise ValueError(f"{where} has no {e.args[0]!r}, which a {hf.get('model_type')} config needs") from None
+    config.model.update({k: v for k, v in fields.items() if k != "scheme_options"})
+    config.model.scheme_options = ml_collections.ConfigDict(fields["scheme_options"])
+    config.workdir = workdir
+    config.seq_len = seq_len or hf["max_position_embeddings"]
+    config.train.param_dtype = param_dtype
+    return config
+
+
+def hf_name(path) -> tuple[str, bool]:
+    """(HF tensor name, whether it is transposed) of the parameter at `path` of DecoderLM."""
+    keys = tuple(str(getattr(k, "key", k)) for k in path)
+    top = {("embed", "embedding"): "model.embed_tokens.weight", ("norm", "scale"): "model.norm.weight",
+           ("head", "kernel"): "lm_head.weight"}
+    if keys in top:
+        return top[keys], keys[-1] == "kernel"
+    layer, *rest = keys[1:]
+    module = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm",
+              "q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
+              "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}[rest[-2]]
+    return f"model.layers.{layer}.{module}.{'bias' if rest[-1] == 'bias' else 'weight'}", rest[-1] == "kernel"
+
+
+def place_params(tensors: dict[str, Tensor], abstract, directory: str, tied: bool):
+    """The parameters `abstract` describes (ShapeDtypeStructs with shardings), read from
+    `tensors`: each device reads its own slice, converted to the parameter's dtype."""
+    used = set()
+
+    def place(path, target):
+        name, transpose = hf_name(path)
+        if name not in tensors:
+            raise ValueError(f"missing tensor {name} in {directory}: its config.json describes a model that has it")
+        t = tensors[name]
+        expected = target.shape[::-1] if transpose else target.shape
+        if t.shape != tuple(expected):
+            raise ValueError(f"tensor {name} in {t.file} has shape {list(t.shape)}; config.json gives "
+                             f"{list(expected)}")
+        used.add(name)
+        source = t.array()
+
+        def read(index):  # index: slices of the parameter, whose axes are the tensor's reversed if transposed
+            part = source[index[::-1]].T if transpose else source[index]
+            return np.asarray(part, target.dtype)
+
+        return jax.make_array_from_callback(target.shape, target.sharding, read)
+
+    params = jax.tree_util.tree_map_with_path(place, abstract)
+    extra = sorted(n for n in set(tensors) - used if not IGNORED.search(n) and not (tied and n == "lm_head.weight"))
+    if extra:
+        raise ValueError(f"tensor {extra[0]} in {tensors[extra[0]].file} has no place in the model config.json "
+                         f"describes{f' ({len(extra) - 1} more)' if len(extra) > 1 else ''}")
+    return params
+
+
+def checkpoint_dtype(tensors: dict[str, Tensor]) -> str:
+    """bfloat16 when every tensor is bf16; float32 otherwise (fp16 and fp32 widen exactly)."""
+    dtypes = {t.dtype for t in tensors.values()}
+    return "bfloat16" if dtypes == {np.dtype(jnp.bfloat16)} else "float32"
+
+
+def import_checkpoint(source: str, workdir: str, *, seq_len: int = 0, param_dtype: str = "",
+                      fsdp: int = -1, tensor: int = 1) -> dict:
+    """Convert the HF checkpoint directory `source` into the run directory `workdir`, which
+    must not exist or be empty. The parameters are placed over a mesh of `fsdp` x `tensor`
+    devices (-1: all devices) and saved from there. `param_dtype` "" keeps the checkpoint's
+    (bf16, else fp32). Returns a summary: workdir, config, parameter count, caveats.
+
+    The run is written into a temporary sibling directory, renamed into place once complete.
+    """
+    hf = read_hf_config(source)
+    where = os.path.join(source, "config.json")
+    workdir = os.path.abspath(workdir)
+    if os.path.exists(workdir) and (not os.path.isdir(workdir) or os.listdir(workdir)):
+        raise FileExistsError(f"{workdir} exists and is not empty; give the imported run a new directory")
+    tensors = tensor_index(source)
+    config = run_config(hf, where, workdir, seq_len, param_dtype or checkpoint_dtype(tensors))
+    check_config(config)
+    placement = ml_collections.ConfigDict(dict(mesh=dict(data=1, fsdp=fsdp, tensor=tensor, sequence=1)))
+    mesh = make_mesh(placement)
+    _, _, _, _, abstract = init_state(config, config.model.vocab_size, mesh, abstract=True)
+    params = place_params(tensors, abstract["params"], source, config.model.tie_embeddings)
+    step = jax.device_put(jnp.zeros((), jnp.int32), NamedSharding(mesh, P()))
+    os.makedirs(os.path.dirname(workdir), exist_ok=True)
+    partial = os.path.join(os.path.dirname(workdir), f".{os.path.basename(workdir)}.importing-{os.getpid()}")
+    try:
+        os.makedirs(partial)
+        manager = checkpoint_manager(os.path.join(partial, "checkpoints"))
+        save(manager, {"params": params, "step": step}, {},
+             {"step": 0, "loss": float("nan"), "identity": identity(config), "imported_from": os.path.abspath(source)})
+        manager.wait_until_finished()
+        manager.close()
+        with open(os.path.join(partial, "config.json"), "w") as f:
+            f.write(config.to_json_best_effort(indent=2))
+        if os.path.isdir(workdir):
+            os.rmdir(workdir)  # empty, checked above
+        os.rename(partial, workdir)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    notes = caveats(hf)
+    if config.model.vocab_size < 258:
+        notes.append(f"its vocabulary ({config.model.vocab_size}) does not cover the byte-level tokens (258) of the "
+                     "run's default data config: eval.py cannot score held-out text with it")
+    return {"workdir": workdir, "config": config, "model_type": hf["model_type"],
+            "params": sum(math.prod(x.shape) for x in jax.tree.leaves(params)), "caveats": notes}
+
+
+def train_flags(config) -> list[str]:
+    """The train.py flags that rebuild the model of an imported run's `config` on
+    configs/default.py (for `--config.init_from`)."""
+    base = default.get_config(config.model.scheme).model
+    flags = [f"--config.model.{k}={v}" for k, v in config.model.items()
+             if k != "scheme_options" and base.get(k) != v]
+    flags += [f"--config.model.scheme_options.{k}={v}" for k, v in config.model.scheme_options.items()]
+    if config.train.param_dtype != "float32":
+        flags.append(f"--config.train.param_dtype={config.train.param_dtype}")
+    return flags

@@ -1,0 +1,354 @@
+"""Importing Hugging Face checkpoints of the Llama family (lab/hf.py, import_checkpoint.py).
+
+The parity fixtures under tests/data/hf/ are tiny random Llama / Mistral / Qwen2 models saved
+by transformers, with the logits and greedy generations transformers computed for them
+(tests/data/hf/make_fixtures.py, which needs torch and transformers; these tests do not).
+Every fixture imported here and loaded as a run gives transformers' logits and its greedy
+generation token for token (the KV-cache decode path).
+"""
+
+import json
+import math
+import os
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from lab.checkpoints import checkpoint_manager, identity, stored_identity
+from configs import default
+from lab.cli import run_cli
+from lab.hf import import_checkpoint, model_fields, caveats, read_safetensors_header, tensor_index
+from lab.runs import load_run
+from lab.training import train
+from models.lm import generate
+from positional.rope import dynamic_frequencies, rope_frequencies
+from tiny_setup import ROOT, cli
+
+FIXTURES = os.path.join(ROOT, "tests", "data", "hf")
+NAMES = ("llama", "llama_linear", "llama_dynamic", "llama_yarn", "mistral", "qwen2", "llama_bf16")
+
+
+@pytest.fixture(scope="module")
+def imported(tmp_path_factory):
+    """Every fixture imported once: {name: run directory}."""
+    root = tmp_path_factory.mktemp("imported")
+    return {name: import_checkpoint(os.path.join(FIXTURES, name), str(root / name))["workdir"] for name in NAMES}
+
+
+def expected(name):
+    return np.load(os.path.join(FIXTURES, name, "expected.npz"))
+
+
+def logits_of(model, tokens):
+    graphdef, state = nnx.split(model)
+    forward = jax.jit(lambda state, x: nnx.merge(graphdef, state)(x))
+    return np.asarray(forward(state, jnp.asarray(tokens)[None]))[0]
+
+
+def assert_logits_close(ours, theirs, rel=1e-5):
+    """fp32 agreement: |difference| within `rel` of the logits' scale (the largest |logit|),
+    the rounding of two fp32 computations that order their sums differently."""
+    scale = max(1.0, float(np.abs(theirs).max()))
+    np.testing.assert_allclose(ours, theirs, rtol=0, atol=rel * scale)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_logits_and_greedy_generation_equal_transformers(imported, name):
+    config, model, step = load_run(imported[name])
+    e = expected(name)
+    assert step == 0
+    for seq in ("a", "b"):  # b is 40 tokens, past max_position_embeddings (32) for dynamic scaling
+        assert_logits_close(logits_of(model, e[f"tokens_{seq}"]), e[f"logits_{seq}"])
+    # The prompt (28 tokens) and 8 new ones cross position 32: dynamic scaling changes its
+    # frequencies while decoding, as transformers' generate does.
+    np.testing.assert_array_equal(generate(model, jnp.asarray(e["prompt"])[None], 8)[0], e["generated"])
+
+
+def test_what_the_import_writes(imported):
+    with open(os.path.join(FIXTURES, "qwen2", "config.json")) as f:
+        hf = json.load(f)
+    config, model, _ = load_run(imported["qwen2"])
+    assert config.model.qkv_bias and config.model.tie_embeddings and not config.model.scale_tied_logits
+    assert config.model.norm_eps == hf["rms_norm_eps"] and config.seq_len == hf["max_position_embeddings"]
+    assert dict(config.model.scheme_options) == {"base": 1e6, "layout": "half"}
+    # The checkpoint carries the identity training stores, so train.py refuses to resume a
+    # different model in this directory and points at init_from.
+    manager = checkpoint_manager(os.path.join(imported["qwen2"], "checkpoints"), create=False)
+    assert stored_identity(manager, imported["qwen2"]) == identity(config)
+    llama = load_run(imported["llama"])[0]
+    assert dict(llama.model.scheme_options) == {"base": 100.0, "layout": "half", "scaling": "llama3", "factor": 8.0,
+                                                "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                "original_max_len": 32}
+    assert load_run(imported["mistral"])[0].model.head_dim == 16  # not hidden_size / heads = 8
+
+
+def test_bf16_checkpoints_stay_bf16_and_compute_in_bf16_like_transformers(imported, tmp_path):
+    """bf16 parameters are stored as bf16 (the default fp32 compute matches transformers' fp32
+    logits in test_logits_... above). With model.dtype=bfloat16, transformers' own bf16
+    logits differ from its fp32 ones by a few bf16 roundings (2^-8 relative each) of logits up
+    to ~25: ours must be no further from fp32 than transformers' bf16 is, hence within twice
+    that of transformers' bf16 (two bf16 computations of the same fp32 one)."""
+    config, model, _ = load_run(imported["llama_bf16"])
+    assert {x.dtype for x in jax.tree.leaves(nnx.state(model, nnx.Param))} == {jnp.dtype(jnp.bfloat16)}
+    run = tmp_path / "bf16"
+    shutil.copytree(imported["llama_bf16"], run)
+    saved = json.loads((run / "config.json").read_text())
+    saved["model"]["dtype"] = "bfloat16"  # not part of the identity: how the run computes
+    (run / "config.json").write_text(json.dumps(saved))
+    _, model, _ = load_run(str(run))
+    e = expected("llama_bf16")
+    for seq in ("a", "b"):
+        ours, theirs, exact = logits_of(model, e[f"tokens_{seq}"]), e[f"logits_{seq}_bf16"], e[f"logits_{seq}"]
+        their_error = np.abs(theirs - exact).max()
+        assert 0.05 < their_error < 0.05 * np.abs(exact).max()  # bf16 compute, a few percent of the scale
+        assert np.abs(ours - exact).max() <= their_error
+        assert np.abs(ours - theirs).max() <= 2 * their_error
+
+
+@pytest.mark.parametrize("name,option,wrong", [("llama", "layout", "interleaved"), ("llama_yarn", "ramp", "ratio"),
+                                               ("llama", "low_freq_factor", 2.0)])
+def test_the_fixtures_tell_a_wrong_rope_apart(imported, tmp_path, name, option, wrong):
+    """The fixtures are sensitive: the other pair layout, YaRN's paper ramp instead of the
+    code's, or another llama3 ramp move the logits far beyond the tolerance."""
+    run = tmp_path / name
+    shutil.copytree(imported[name], run)
+    saved = json.loads((run / "config.json").read_text())
+    saved["model"]["scheme_options"][option] = wrong
+    (run / "config.json").write_text(json.dumps(saved))
+    e = expected(name)
+    assert np.abs(logits_of(load_run(str(run))[1], e["tokens_b"]) - e["logits_b"]).max() > 1e-2
+
+
+def test_frequencies_by_hand():
+    # D = 8, base 100: theta = 1, 0.1^0.5, 0.1, 0.1^1.5; at L = 32 the pairs' L / wavelength
+    # r = 32 theta / 2 pi = 5.093, 1.611, 0.509, 0.161.
+    theta = 100.0 ** (-np.arange(4) / 4)
+    r = 32 * theta / (2 * math.pi)
+    # llama3 (factor 8, low 1, high 4): keep r > 4, divide r < 1, blend by (r - 1) / 3 between.
+    g = (r[1] - 1) / 3
+    np.testing.assert_allclose(rope_frequencies(8, 100.0, "llama3", 8.0, 32),
+                               [theta[0], (1 - g) * theta[1] / 8 + g * theta[1], theta[2] / 8, theta[3] / 8],
+                               rtol=1e-12)
+    # YaRN's index ramp (factor 4, beta 32 / 1): r = 32 at pair index -1.60 (floor: -2, clipped
+    # to 0), r = 1 at 1.41 (ceil: 2); ramp i / 2 = 0, 0.5, 1, 1 is the weight of theta / s.
+    index = 8 * np.log(32 / (2 * math.pi * np.array([32.0, 1.0]))) / (2 * np.log(100.0))
+    np.testing.assert_allclose(index, [-1.596, 1.414], atol=1e-3)
+    np.testing.assert_allclose(rope_frequencies(8, 100.0, "yarn", 4.0, 32, ramp="index"),
+                               [theta[0], 0.5 * theta[1] / 4 + 0.5 * theta[1], theta[2] / 4, theta[3] / 4],
+                               rtol=1e-12)
+    # Unrounded: from 0 (the lower index is clipped at 0 either way) to 1.414.
+    ramp = np.clip(np.arange(4) / index[1], 0, 1)
+    np.testing.assert_allclose(rope_frequencies(8, 100.0, "yarn", 4.0, 32, ramp="index_exact"),
+                               ramp * theta / 4 + (1 - ramp) * theta, rtol=1e-12)
+    # Dynamic NTK (factor 2, L = 32): plain up to 32 tokens; at 64, NTK's base change with
+    # s T / L - (s - 1) = 3: base 100 * 3^(8/6).
+    plain = rope_frequencies(8, 100.0, "dynamic", 2.0, 32)
+    np.testing.assert_allclose(plain, theta, rtol=1e-12)
+    np.testing.assert_allclose(dynamic_frequencies(plain, 2.0, 32, jnp.int32(20)), theta, rtol=1e-6)
+    np.testing.assert_allclose(dynamic_frequencies(plain, 2.0, 32, jnp.int32(64)),
+                               rope_frequencies(8, 100.0 * 3 ** (8 / 6)), rtol=1e-6)
+
+
+# config.json of published checkpoints, in transformers 4.x's layout (the fields that matter).
+LLAMA31_8B = {"model_type": "llama", "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,
+              "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+              "max_position_embeddings": 131072, "rms_norm_eps": 1e-05, "rope_theta": 500000.0,
+              "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                               "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+              "tie_word_embeddings": False, "torch_dtype": "bfloat16", "hidden_act": "silu"}
+QWEN25_7B_YARN = {"model_type": "qwen2", "vocab_size": 152064, "hidden_size": 3584, "intermediate_size": 18944,
+                  "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
+                  "max_position_embeddings": 32768, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0,
+                  "rope_scaling": {"factor": 4.0, "original_max_position_embeddings": 32768, "type": "yarn"},
+                  "sliding_window": 131072, "use_sliding_window": False, "tie_word_embeddings": False}
+MISTRAL_7B_V01 = {"model_type": "mistral", "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336,
+                  "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+                  "max_position_embeddings": 32768, "rms_norm_eps": 1e-05, "rope_theta": 10000.0,
+                  "sliding_window": 4096, "tie_word_embeddings": False}
+
+
+def test_published_configs():
+    llama = model_fields(LLAMA31_8B, "config.json")
+    assert (llama["num_kv_heads"], llama["head_dim"], llama["mlp_dim"], llama["qkv_bias"]) == (8, 128, 14336, False)
+    assert llama["scheme_options"] == {"base": 500000.0, "layout": "half", "scaling": "llama3", "factor": 8.0,
+                                       "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_len": 8192}
+    qwen = model_fields(QWEN25_7B_YARN, "config.json")
+    assert qwen["qkv_bias"] and not qwen["tie_embeddings"]
+    assert qwen["scheme_options"] == {"base": 1e6, "layout": "half", "scaling": "yarn", "factor": 4.0,
+                                      "original_max_len": 32768, "beta_fast": 32.0, "beta_slow": 1.0,
+                                      "ramp": "index", "attention_factor": pytest.approx(0.1 * math.log(4) + 1)}
+    assert caveats(QWEN25_7B_YARN) == []
+    assert model_fields(MISTRAL_7B_V01, "config.json")["scheme_options"] == {"base": 10000.0, "layout": "half"}
+    assert "sliding window of 4096 tokens" in caveats(MISTRAL_7B_V01)[0]
+    # YaRN's factor from the lengths when the config leaves it out; an explicit attention factor.
+    yarn = {**QWEN25_7B_YARN, "max_position_embeddings": 131072,
+            "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": None, "attention_factor": 1.5,
+                                "original_max_position_embeddings": 32768, "truncate": False}}
+    options = model_fields(yarn, "config.json")["scheme_options"]
+    assert (options["factor"], options["attention_factor"], options["ramp"]) == (4.0, 1.5, "index_exact")
+
+
+def copy_fixture(name, tmp_path):
+    target = tmp_path / name
+    shutil.copytree(os.path.join(FIXTURES, name), target)
+    return target
+
+
+def edit_config(directory, **changes):
+    hf = json.loads((directory / "config.json").read_text())
+    hf.update(changes)
+    (directory / "config.json").write_text(json.dumps(hf))
+
+
+def test_bad_checkpoints_are_named_in_one_line(tmp_path):
+    run = str(tmp_path / "run")
+    bad = copy_fixture("llama", tmp_path)
+    edit_config(bad, model_type="gpt2")
+    with pytest.raises(ValueError, match=r"config.json: unsupported model_type 'gpt2'; supported: llama, mistral, "
+                                         r"qwen2"):
+        import_checkpoint(str(bad), run)
+    edit_config(bad, model_type="llama", rope_scaling={"rope_type": "longrope", "factor": 4.0})
+    with pytest.raises(ValueError, match=r"unsupported rope_scaling type 'longrope'; supported: default, linear, "
+                                         r"dynamic, yarn, llama3"):
+        import_checkpoint(str(bad), run)
+    edit_config(bad, rope_scaling=None, intermediate_size=48)
+    with pytest.raises(ValueError, match=r"tensor model\.layers\.0\.mlp\.down_proj\.weight in .*model\.safetensors has "
+                                         r"shape \[32, 32\]; config\.json gives \[32, 48\]"):
+        import_checkpoint(str(bad), run)
+    # A shard's entry dropped from the index: that tensor is missing.
+    sharded = copy_fixture("llama_linear", tmp_path)
+    index = json.loads((sharded / "model.safetensors.index.json").read_text())
+    del index["weight_map"]["model.layers.1.mlp.up_proj.weight"]
+    (sharded / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=r"missing tensor model\.layers\.1\.mlp\.up_proj\.weight in "):
+        import_checkpoint(str(sharded), run)
+    # A tensor the model has no place for (Llama's attention_bias, say).
+    extra = copy_fixture("qwen2", tmp_path)
+    edit_config(extra, model_type="mistral")
+    with pytest.raises(ValueError, match=r"tensor model\.layers\.\d\.self_attn\.[kqv]_proj\.bias in .* has no place"):
+        import_checkpoint(str(extra), run)
+    edit_config(bad, rope_scaling={"rope_type": "linear"}, intermediate_size=32)
+    with pytest.raises(ValueError, match=r"config\.json has no 'factor', which a llama config needs"):
+        import_checkpoint(str(bad), run)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        import_checkpoint(str(tmp_path / "nowhere"), run)
+    assert not os.path.exists(run)  # nothing written by any of them
+    os.makedirs(os.path.join(run, "something"))
+    with pytest.raises(FileExistsError, match="exists and is not empty"):
+        import_checkpoint(os.path.join(FIXTURES, "llama"), run)
+
+
+def test_safetensors_reader(tmp_path):
+    """Headers name dtype, shape and byte offsets after the 8-byte length; a file cut short is
+    refused by name; sharded and single-file checkpoints give the same tensors."""
+    single = read_safetensors_header(os.path.join(FIXTURES, "llama", "model.safetensors"))
+    sharded = tensor_index(os.path.join(FIXTURES, "llama_linear"))
+    assert set(single) == set(sharded) and len(single) == 2 * 9 + 3
+    assert single["model.layers.0.self_attn.k_proj.weight"].shape == (16, 32)
+    bf16 = tensor_index(os.path.join(FIXTURES, "llama_bf16"))["model.norm.weight"]
+    assert bf16.dtype == jnp.bfloat16 and bf16.array().dtype == jnp.bfloat16
+    cut = tmp_path / "cut"
+    shutil.copytree(os.path.join(FIXTURES, "llama"), cut)
+    data = (cut / "model.safetensors").read_bytes()
+    (cut / "model.safetensors").write_bytes(data[:-100])
+    with pytest.raises(ValueError, match=r"tensor .* in .*model\.safetensors: offsets .* the file is damaged"):
+        tensor_index(str(cut))
+    (cut / "model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="no model.safetensors or model.safetensors.index.json in"):
+        tensor_index(str(cut))
+
+
+def test_a_bad_checkpoint_is_one_line_through_run_cli(tmp_path, capsys):
+    bad = copy_fixture("llama", tmp_path)
+    edit_config(bad, model_type="gpt2")
+    with pytest.raises(SystemExit) as exit_:
+        run_cli(lambda: import_checkpoint(str(bad), str(tmp_path / "run")))
+    assert exit_.value.code == 1
+    assert capsys.readouterr().err == (f"error: {bad / 'config.json'}: unsupported model_type 'gpt2'; supported: "
+                                       "llama, mistral, qwen2\n")
+
+
+def test_command_line_imports_and_eval_py_runs_on_it(tmp_path):
+    """import_checkpoint.py, then eval.py on the import (Qwen2's vocabulary covers the byte
+    tokens of the default held-out text, the run's data config)."""
+    run = tmp_path / "qwen2"
+    out = cli("import_checkpoint.py", f"--source={os.path.join(FIXTURES, 'qwen2')}", f"--workdir={run}")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert f"into {run}" in out.stdout and "--config.init_from=" in out.stdout
+    evaluated = cli("eval.py", f"--workdirs={run}", "--max_multiplier=2", "--tokens=128", f"--out={tmp_path / 'eval'}")
+    assert evaluated.returncode == 0, evaluated.stderr[-2000:]
+    results = json.loads((tmp_path / "eval" / "results.json").read_text())
+    assert results["lengths"] == [32, 64, 128]
+    assert all(np.isfinite(r["ppl"]) for r in results["runs"]["qwen2"]["results"])
+
+
+def test_init_from_an_import(imported, tmp_path):
+    """train.py's pretrain-then-extend path takes an import: zero steps with init_from store
+    its parameters under a config built on configs/default.py, and they are transformers'.
+    (Qwen2's vocabulary covers the byte tokens of the default data config training reads.)"""
+    source = load_run(imported["qwen2"])[0]
+    config = default.get_config("rope")
+    config.model.update(source.model.to_dict())
+    config.update(workdir=str(tmp_path / "extended"), init_from=imported["qwen2"], seq_len=16, batch_size=2)
+    config.train.steps = 0
+    train(config)
+    _, model, _ = load_run(config.workdir)
+    e = expected("qwen2")
+    assert_logits_close(logits_of(model, e["tokens_b"]), e["logits_b"])
+
+
+@pytest.mark.slow
+def test_train_py_starts_from_an_import_with_the_flags_it_prints(tmp_path):
+    run = tmp_path / "qwen2"
+    out = cli("import_checkpoint.py", f"--source={os.path.join(FIXTURES, 'qwen2')}", f"--workdir={run}")
+    assert out.returncode == 0, out.stderr[-2000:]
+    command = out.stdout.strip().splitlines()[-1].split("python ", 1)[1].split()
+    trained = cli(*command, f"--config.workdir={tmp_path / 'tuned'}", "--config.train.steps=2",
+                  "--config.seq_len=16", "--config.batch_size=2", "--config.train.warmup_steps=1")
+    assert trained.returncode == 0, trained.stderr[-2000:]
+    assert f"initialised parameters from {run} (step 0)" in trained.stdout
+
+
+SHARDED = """
+import json, math, sys
+import jax, numpy as np, jax.numpy as jnp
+import lab.hf as hf
+from lab.runs import load_run
+from lab.training import train
+reads = []
+place = jax.make_array_from_callback
+def spy(shape, sharding, read):
+    def recorded(index):
+        out = read(index)
+        reads.append([list(shape), list(out.shape)])
+        return out
+    array = place(shape, sharding, recorded)
+    specs.append(str(array.sharding.spec))
+    return array
+specs = []
+jax.make_array_from_callback = spy
+hf.import_checkpoint(sys.argv[1], sys.argv[2], fsdp=8)
+_, model, _ = load_run(sys.argv[2])
+e = np.load(sys.argv[1] + "/expected.npz")
+logits = np.asarray(model(jnp.asarray(e["tokens_b"])[None]))[0]
+print(json.dumps({"devices": jax.device_count(), "reads": reads, "specs": specs,
+                  "error": float(np.abs(logits - e["logits_b"]).max())}))
+"""
+
+
+def test_parameters_load_sharded_each_device_reading_its_slice(tmp_path):
+    """On 8 simulated devices with fsdp=8, every parameter is split 8 ways and each device's
+    read is 1/8 of its tensor; the saved run gives transformers' logits."""
+    out = cli("-c", SHARDED, os.path.join(FIXTURES, "llama"), str(tmp_path / "run"),
+              env={"XLA_FLAGS": "--xla_force_host_platform_device_count=8"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["devices"] == 8
+    assert len(result["reads"]) == 8 * (2 * 9 + 3)  # one read per device per parameter
+    assert all(math.prod(whole) == 8 * math.prod(part) for whole, part in result["reads"])
+    assert all("fsdp" in spec for spec in result["specs"])
+    assert result["error"] < 1e-4
