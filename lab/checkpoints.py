@@ -158,20 +158,25 @@ def identity(config: ml_collections.ConfigDict) -> dict:
             if k.startswith(IDENTITY) and not k.startswith(NOT_IDENTITY)}
 
 
+def newest_meta(manager) -> dict:
+    """The meta of the newest checkpoint whose meta reads back ({} when none does)."""
+    for step in sorted(manager.all_steps(), reverse=True):
+        try:
+            return manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        except Exception:  # noqa: BLE001 - an unreadable checkpoint is restore_latest's to report
+            continue
+    return {}
+
+
 def stored_identity(manager, workdir: str) -> dict | None:
     """The identity of the run whose checkpoints `manager` holds: from the newest checkpoint
     whose metadata reads back, else (checkpoints written before identities were stored) from
     the workdir's config.json; None when there are no checkpoints."""
-    steps = sorted(manager.all_steps(), reverse=True)
-    for step in steps:
-        try:
-            meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
-        except Exception:  # noqa: BLE001 - an unreadable checkpoint is restore_latest's to report
-            continue
-        if "identity" in meta:
-            return meta["identity"]
+    meta = newest_meta(manager)
+    if "identity" in meta:
+        return meta["identity"]
     path = os.path.join(workdir, "config.json")
-    if steps and os.path.isfile(path):
+    if manager.all_steps() and os.path.isfile(path):
         with open(path) as f:
             return identity(ml_collections.ConfigDict(json.load(f)))
     return None

@@ -34,8 +34,8 @@ from tensorboardX import SummaryWriter
 from tqdm import tqdm
 
 from data import pipeline, tasks
-from lab.checkpoints import (checkpoint_manager, identity, identity_change, load_params, restore_latest, save,
-                             set_aside_partial_saves, stored_identity)
+from lab.checkpoints import (checkpoint_manager, identity, identity_change, load_params, newest_meta, restore_latest,
+                             save, set_aside_partial_saves, stored_identity)
 from lab import distributed
 from lab.evaluators import configured, in_training
 from lab.lengths import perplexity_at, task_accuracy_at
@@ -161,6 +161,11 @@ def _train(config, workdir, evaluators) -> dict:
     primary, multi = jax.process_index() == 0, jax.process_count() > 1
     ckpt_dir, aside = (os.path.join(workdir, name) for name in ("checkpoints", "checkpoints.unreadable"))
     manager = checkpoint_manager(ckpt_dir, config.train.keep_checkpoints, asynchronous=config.train.async_checkpoints)
+    if imported := newest_meta(manager).get("imported_from"):
+        raise TrainingError(
+            f"{workdir} holds a checkpoint imported from {imported} (parameters only, no optimizer state) and "
+            f"is not a training run to resume; train from it in a new workdir: --config.init_from={workdir} "
+            "--config.workdir=<new>")
     stored = stored_identity(manager, workdir)
     if stored is not None and (change := identity_change(stored, config)):
         raise TrainingError(

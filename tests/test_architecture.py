@@ -1,7 +1,7 @@
 """The project's large structure, checked on the source (no imports executed).
 
 Dependencies run one way, bottom up: positional <- models <- data <- configs <- lab <- the
-entry points (train.py, eval.py, analyze.py, demo.py) <- benchmarks. A module imports only
+entry points (train.py, eval.py, analyze.py, demo.py, import_checkpoint.py) <- benchmarks. A module imports only
 from its own layer or those below; the module graph has no cycle; no module imports a project
 module inside a function (the way a cycle hides); no module reads another's private names.
 """
@@ -13,7 +13,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAYERS = ("positional", "models", "data", "configs", "lab", "entry", "benchmarks")
-ENTRY_POINTS = ("train", "eval", "analyze", "demo")
+ENTRY_POINTS = ("train", "eval", "analyze", "demo", "import_checkpoint")
 
 
 def project_modules() -> dict[str, str]:

@@ -23,7 +23,7 @@ from configs import default
 from lab.cli import run_cli
 from lab.hf import import_checkpoint, model_fields, caveats, read_safetensors_header, tensor_index
 from lab.runs import load_run
-from lab.training import train
+from lab.training import TrainingError, train
 from models.lm import generate
 from positional.rope import dynamic_frequencies, rope_frequencies
 from tiny_setup import ROOT, cli
@@ -299,6 +299,14 @@ def test_init_from_an_import(imported, tmp_path):
     _, model, _ = load_run(config.workdir)
     e = expected("qwen2")
     assert_logits_close(logits_of(model, e["tokens_b"]), e["logits_b"])
+    # The import itself is not a run to resume: training in it is refused, and nothing moves.
+    config.update(workdir=imported["qwen2"], init_from="")
+    config.train.steps = 4
+    before = sorted(os.listdir(imported["qwen2"]))
+    with pytest.raises(TrainingError, match=r"holds a checkpoint imported from .* \(parameters only, no optimizer "
+                                            r"state\) .* --config.init_from="):
+        train(config)
+    assert sorted(set(os.listdir(imported["qwen2"])) - {"lock"}) == before  # the lock it took, emptied
 
 
 @pytest.mark.slow
