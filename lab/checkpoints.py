@@ -51,17 +51,21 @@ def _sums(tree):
 
 
 def checksums(tree) -> dict:
-    """{array path: sum of its bits}, which orbax does not keep: a restore compares them, so a
-    flipped bit in a checkpoint's array data is found instead of read as a wrong value."""
-    return {jax.tree_util.keystr(path): int(v) for path, v in jax.tree_util.tree_leaves_with_path(_sums(tree))}
+    """{array path: [its dtype, the sum of its bits]}, which orbax does not keep: a restore
+    compares them, so a flipped bit in a checkpoint's array data is found instead of read as a
+    wrong value."""
+    dtypes = {jax.tree_util.keystr(path): str(x.dtype) for path, x in jax.tree_util.tree_leaves_with_path(tree)}
+    return {key: [dtypes[key], int(v)] for key, v in
+            ((jax.tree_util.keystr(path), v) for path, v in jax.tree_util.tree_leaves_with_path(_sums(tree)))}
 
 
 def _verify(restored_state, meta: dict | None) -> None:
+    """Raise if an array restored in the dtype it was saved in has other bits than it had."""
     expected = (meta or {}).get("checksums")
     if expected is None:  # saved before checksums were kept
         return
     found = checksums(restored_state)
-    bad = [k for k, v in found.items() if k in expected and expected[k] != v]
+    bad = [k for k, v in found.items() if k in expected and expected[k][0] == v[0] and expected[k] != v]
     if bad:
         raise ValueError(f"checksums differ in {len(bad)} of {len(found)} arrays (first: {bad[0]}): the data "
                          "changed after it was written")
