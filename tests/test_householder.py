@@ -137,6 +137,7 @@ def test_chunked_equals_reference_values_and_gradients(t, d, chunk, group, segme
         gated_path_grads(t, d, chunk, group, segments, gated, ("reference", "recompute"), solve), "reference")
 
 
+@pytest.mark.slow  # the reference test above checks the same gradients; this one the old path
 def test_recomputing_backward_equals_autodiff_through_the_scans():
     assert_same_values_and_gradients(gated_path_grads(50, 16, 16, 1, True, True, ("autodiff", "recompute")),
                                      "autodiff")

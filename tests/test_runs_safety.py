@@ -275,7 +275,7 @@ def test_random_kills_and_corruptions_lose_nothing(tmp_path, seed):
     aside, kills = set(), 0
     while True:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        if kills < 5:
+        if kills < 3:
             target, deadline = _max_step(workdir / "metrics.jsonl") + rng.randint(1, 5), time.time() + 120
             while proc.poll() is None and _max_step(workdir / "metrics.jsonl") < target and time.time() < deadline:
                 time.sleep(0.02)
