@@ -54,9 +54,9 @@ def checksums(tree) -> dict:
     """{array path: [its dtype, the sum of its bits]}, which orbax does not keep: a restore
     compares them, so a flipped bit in a checkpoint's array data is found instead of read as a
     wrong value."""
-    dtypes = {jax.tree_util.keystr(path): str(x.dtype) for path, x in jax.tree_util.tree_leaves_with_path(tree)}
-    return {key: [dtypes[key], int(v)] for key, v in
-            ((jax.tree_util.keystr(path), v) for path, v in jax.tree_util.tree_leaves_with_path(_sums(tree)))}
+    sums = jax.tree.leaves(jax.device_get(_sums(tree)))  # one transfer for all of them
+    return {jax.tree_util.keystr(path): [str(x.dtype), int(v)]
+            for (path, x), v in zip(jax.tree_util.tree_leaves_with_path(tree), sums)}
 
 
 def _verify(restored_state, meta: dict | None) -> None:

@@ -60,8 +60,7 @@ def define_distributed_flags() -> None:
 def start_processes() -> None:
     """Join the job the distributed flags (or the cluster's environment) describe; nothing for one process."""
     f = flags.FLAGS
-    distributed.initialize(ml_collections.ConfigDict(dict(
-        coordinator=f.coordinator, num_processes=f.num_processes, process_id=f.process_id, timeout_s=300)))
+    distributed.initialize(dict(coordinator=f.coordinator, num_processes=f.num_processes, process_id=f.process_id))
 
 
 def quiet() -> None:

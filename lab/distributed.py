@@ -23,6 +23,10 @@ class StartupError(Exception):
     """The processes of a job could not start together; the message says why."""
 
 
+# configs/default.py's `distributed` section (configs may not import lab): what a caller gives no value for.
+DEFAULTS = dict(coordinator="", num_processes=0, process_id=-1, timeout_s=300)
+
+
 def _cluster_detected() -> bool:
     """Whether JAX recognises a cluster launcher in the environment (its own auto-detection)."""
     try:
@@ -32,11 +36,11 @@ def _cluster_detected() -> bool:
         return False
 
 
-def initialize(d: ml_collections.ConfigDict | None) -> None:
+def initialize(d: ml_collections.ConfigDict | dict | None) -> None:
     """`jax.distributed.initialize` for a multi-process job, from a run config's `distributed`
-    section (configs/default.py; None: detection only); a no-op for one process, or when done
+    section (configs/default.py; fields left out take DEFAULTS; None: detection only); a no-op for one process, or when done
     already. Must run before anything touches a device. CPU processes talk through gloo."""
-    d = d or ml_collections.ConfigDict(dict(coordinator="", num_processes=0, process_id=-1, timeout_s=300))
+    d = ml_collections.ConfigDict({**DEFAULTS, **(d or {})})
     if jax.distributed.is_initialized() or not (d.coordinator or d.num_processes > 1 or _cluster_detected()):
         return
     if d.num_processes < 0 or (d.num_processes and not -1 <= d.process_id < d.num_processes):
