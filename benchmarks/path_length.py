@@ -64,7 +64,7 @@ def layer_grad_temp_bytes(length: int, autodiff: bool) -> int:
     beta, log_f = (jax.ShapeDtypeStruct((1, length, h), jnp.float32) for _ in range(2))
 
     def loss(q, k, v, w, beta, log_f):
-        return chunked_attention(q, k, v, w, beta, bias_fn=forget_bias(log_f), chunk=model.block_size,
+        return chunked_attention(q, k, v, w, beta, bias_fn=forget_bias(log_f, d ** -0.5), chunk=model.block_size,
                                  autodiff=autodiff).sum()
 
     compiled = jax.jit(jax.grad(loss, argnums=range(6))).lower(q, kv, kv, kv, beta, log_f).compile()

@@ -38,6 +38,7 @@ class Entry:
     features: Callable[..., Any] | None = None
     doc: str = ""
     compose: tuple = ()  # score-bias schemes always added, as if written "name+bias"
+    compose_fixed: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)  # their fixed options
 
 
 REGISTRY: dict[str, Entry] = {}
@@ -79,6 +80,11 @@ def config_defaults(name: str) -> dict:
     return out
 
 
+def _fixed(entry: Entry) -> set:
+    """The options an entry fixes, its own and those of the parts it composes."""
+    return {*entry.fixed, *(o for opts in entry.compose_fixed.values() for o in opts)}
+
+
 def _options(entry: Entry) -> set:
     return {f.name for f in dataclasses.fields(entry.scheme_cls)} - {"num_heads", "head_dim", "biases"}
 
@@ -89,7 +95,7 @@ def table_row(name: str) -> str:
     composes), in declaration order."""
     entry = get_entry(name)
     options = [f.name for e in parts(name) for f in dataclasses.fields(e.scheme_cls)
-               if f.name not in ("num_heads", "head_dim", "biases", *entry.fixed)]
+               if f.name not in ("num_heads", "head_dim", "biases", *_fixed(entry))]
     cells = (f"`{name}`", entry.doc.replace("|", "\\|"), ", ".join(f"`{o}`" for o in options) or "—")
     return f"| {' | '.join(cells)} |"
 
@@ -105,10 +111,11 @@ def make_scheme(name: str, *, num_heads: int, head_dim: int, **options) -> Schem
     part_fields = {part: _options(get_entry(part)) for part in added}
     unknown = set(options) - fields - set().union(*part_fields.values())
     if unknown:
-        valid = sorted(fields - set(entry.fixed)) + [o for p in added for o in sorted(part_fields[p])]
+        valid = [o for o in sorted(fields) + [o for p in added for o in sorted(part_fields[p])]
+                 if o not in _fixed(entry)]
         raise ValueError(f"scheme {name!r} has no option(s) {sorted(unknown)}; "
                          f"its options are: {valid or 'none'}")
-    fixed = set(options) & set(entry.fixed)
+    fixed = set(options) & _fixed(entry)
     if fixed:
         raise ValueError(f"scheme {first!r} fixes option(s) {sorted(fixed)}; choose another scheme")
     biases = []
@@ -119,6 +126,7 @@ def make_scheme(name: str, *, num_heads: int, head_dim: int, **options) -> Schem
                              f"is not one; bias-only schemes: "
                              f"{', '.join(n for n, e in sorted(REGISTRY.items()) if _addable(e))}")
         mine = {k: v for k, v in options.items() if k not in fields and k in part_fields[part]}
+        mine.update(entry.compose_fixed.get(part, {}))
         biases.append(make_scheme(part, num_heads=num_heads, head_dim=head_dim, **mine))
     return entry.scheme_cls(num_heads=num_heads, head_dim=head_dim, biases=tuple(biases),
                             **entry.fixed, **{k: v for k, v in options.items() if k in fields})
@@ -165,7 +173,10 @@ register("path", Entry(Path, features=HouseholderVectors,
 register("fox", Entry(Fox, features=ForgetGate,
                       doc="Forgetting Transformer gate: sum of log forget gates between key and query added to "
                           "the logits; a bias like ALiBi, so `scheme+fox` works for any scheme"))
-register("path_fox", Entry(Path, features=HouseholderVectors, compose=("fox",), doc="`path` with FoX gates"))
+register("path_fox", Entry(Path, features=HouseholderVectors, compose=("fox",),
+                           compose_fixed={"fox": {"logit_scale": True}},
+                           doc="`path` with FoX gates on the PaTH authors' scale: (q^T P k + F_i - F_j) / sqrt(D) "
+                               "(`path+fox`: FoX's, q^T P k / sqrt(D) + F_i - F_j)"))
 register("kerple_log", Entry(KerpleLog, features=KerpleParameters,
                              doc="KERPLE-log: learned bias -r1 log(1 + r2 distance), r1, r2 > 0 per head"))
 register("p_rope", Entry(PRope, doc="p-RoPE: RoPE whose lowest-frequency pairs do not rotate (the highest "

@@ -11,6 +11,13 @@ is PaTH with it. Cross-document pairs are masked, so F need not restart at docum
 The decode cache keeps log f of every cached token (`feature_cache`), so F_i - F_j of a step
 is computed from the same numbers as in the parallel form.
 
+Two scales for the gate term. FoX (Lin et al.) adds F_i - F_j to the already scaled logit,
+q.k / sqrt(D) + F_i - F_j: the default, and what `fox` and `scheme+fox` compute. The PaTH
+authors' PaTH-FoX scales it with the dots, (q^T P k + F_i - F_j) / sqrt(D), in their reference,
+kernels and decoding; `path_fox` does the same (`logit_scale=True`, fixed by its registry
+entry). With the gate bias at 0 the initial per-token log-decay is then log(1/2) / sqrt(D)
+(-0.12 at D = 32) instead of log(1/2) = -0.69; `path+fox` keeps the FoX scale.
+
 features = {'log_forget': [B, T, H] float32}.
 """
 
@@ -25,20 +32,21 @@ from positional.logits import Bias
 from positional.scheme import Scheme
 
 
-def forget_bias(log_forget) -> Bias:
-    """The Bias F_i - F_j (F the cumulative sum of log f over slots), fp32."""
-    cum = jnp.cumsum(log_forget.astype(jnp.float32), axis=1)  # F [B, T, H]
+def forget_bias(log_forget, scale: float = 1.0) -> Bias:
+    """The Bias scale * (F_i - F_j) (F the cumulative sum of log f over slots), fp32."""
+    cum = scale * jnp.cumsum(log_forget.astype(jnp.float32), axis=1)  # scale * F [B, T, H]
     return Bias(lambda q, k, qi, kj: q["F"] - k["F"], {"F": cum})
 
 
 @dataclasses.dataclass(frozen=True)
 class Fox(Scheme):
     gate_bias: float = 0.0  # initial b_f of the gates (models/features.py): 0 gives f near 1/2
+    logit_scale: bool = False  # gate term times head_dim^-1/2, like the dots (PaTH authors' PaTH-FoX)
 
     has_bias = bias_only = needs_features = True
 
     def bias_fn(self, features, positions):  # the gates between key and query: by slot, not position
-        return forget_bias(features["log_forget"])
+        return forget_bias(features["log_forget"], self.head_dim ** -0.5 if self.logit_scale else 1.0)
 
     def default_features(self, q, k, *, positions, key=None, segment_ids=None):
         """Every gate at its initial bias: log f = log sigmoid(gate_bias) (ALiBi-like decay)."""

@@ -28,6 +28,12 @@ Algorithms, all exact (tests/test_householder.py compares values and gradients):
 
 Shapes: q [B, T, H, D]; k, v, w [B, T, K, D]; beta [B, T, K] (K kv heads, H % K == 0: a
 query head reads the transport of its kv head).
+
+PaTH-FoX (`path_fox`) adds FoX's gate sums F_i - F_j (positional/fox.py) on the PaTH authors'
+scale: s_ij = (q_i^T P k_j + F_i - F_j) / sqrt(D), as their reference, kernels and decoding
+compute it. FoX itself adds F_i - F_j after the 1 / sqrt(D); `path+fox` keeps that convention.
+Every algorithm here takes the gate as a score bias, so the scale lives in one place (Fox's
+`logit_scale`, fixed by path_fox's registry entry).
 """
 
 from __future__ import annotations

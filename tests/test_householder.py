@@ -49,8 +49,8 @@ def product_scores(q, k, w, beta):
     return out
 
 
-def product_attention(q, k, v, w, beta):
-    s = product_scores(q, k, w, beta)
+def product_attention(q, k, v, w, beta, bias=0.0):
+    s = product_scores(q, k, w, beta) + bias  # bias [B, H, T, T] added to the scaled logits
     p = np.exp(s - s.max(-1, keepdims=True))
     p /= p.sum(-1, keepdims=True)
     g = q.shape[2] // k.shape[2]
@@ -287,6 +287,40 @@ def test_fox_with_constant_gates_is_alibi():
     tril = np.tril(np.ones((9, 9), bool))
     np.testing.assert_allclose(np.asarray(fox)[..., tril], np.broadcast_to(alibi, fox.shape)[..., tril],
                                atol=1e-5)
+
+
+@pytest.mark.parametrize("name, gate_scale", [("path_fox", 8 ** -0.5), ("path+fox", 1.0)])
+def test_path_fox_scales_the_gate_with_the_dots_and_path_plus_fox_does_not(name, gate_scale):
+    """path_fox: (q^T P k + F_i - F_j) / sqrt(D), as the PaTH authors' PaTH-FoX; path+fox: FoX's
+    q^T P k / sqrt(D) + F_i - F_j. Explicit products in float64 against the reference, the
+    chunked form and token-by-token decoding."""
+    from models.registry import make_scheme
+    t = 10
+    q, k, v, w, beta = inputs(t=t)
+    log_f = jax.nn.log_sigmoid(normal(jax.random.key(7), (2, t, 4)))
+    f = np.cumsum(np.asarray(log_f, np.float64), axis=1).transpose(0, 2, 1)  # F [B, H, T]
+    want = product_attention(q, k, v, w, beta, gate_scale * (f[..., :, None] - f[..., None, :]))
+    scheme = make_scheme(name, num_heads=4, head_dim=8, conv=0)
+    features = {"w": w, "beta": beta, "log_forget": log_f}
+    for impl in ("reference", "blockwise"):
+        out = scheme.attention(q, k, v, features, positions=jnp.arange(t), impl=impl, block_size=4)
+        np.testing.assert_allclose(out, want, atol=2e-5, err_msg=impl)
+    step = jax.jit(scheme.decode_step)
+    cache, outs = scheme.init_cache(2, t, 2), []
+    for i in range(t):
+        out, cache = step(cache, *(x[:, i:i + 1] for x in (q, k, v)), {n: x[:, i:i + 1] for n, x in features.items()})
+        outs.append(out)
+    np.testing.assert_allclose(jnp.concatenate(outs, 1), want, atol=2e-5, err_msg="decode")
+
+
+def test_path_fox_fixes_the_gate_scale():
+    from models.registry import make_scheme, table_row
+    assert make_scheme("path_fox", num_heads=4, head_dim=8).biases[0].logit_scale
+    assert not make_scheme("path+fox", num_heads=4, head_dim=8).biases[0].logit_scale
+    assert make_scheme("rope+fox", num_heads=4, head_dim=8, logit_scale=True).biases[0].logit_scale
+    with pytest.raises(ValueError, match="fixes option.*logit_scale.*choose another scheme"):
+        make_scheme("path_fox", num_heads=4, head_dim=8, logit_scale=False)
+    assert "logit_scale" not in table_row("path_fox") and "logit_scale" in table_row("fox")
 
 
 def test_bad_input_names_the_problem():
