@@ -12,7 +12,7 @@ MIXERS. The paper matches parameter counts and gives every model the same optimi
 and number of steps, and reports none of the sizes; here every mixer gets the same depth,
 heads, data order, steps and learning rate. The Transformer and Mamba2 get their own width (WIDTHS: the width whose
 parameter count is closest to Sessa's at width 64, `models.sessa.matched_width`; 72 and 88
-give 76.6K and 74.7K parameters against Sessa's 77.7K on SymbolSoup). The no-feedback ablation
+give 77.0K and 74.7K parameters against Sessa's 78.1K on SymbolSoup). The no-feedback ablation
 keeps Sessa's width, as in the paper ("feedback branch removed, rest unchanged"). The seed
 sets initialisation and data order; the task data sets themselves are fixed (task seed 0, as
 the official generator).
@@ -25,6 +25,12 @@ instead of 400 to 600 (the same layout, shorter blocks; `symbolsoup_full` keeps 
 20,000 examples, of which a run sees 16,000. Diffuse MQAR trains at lags 16 to 32 and is tested
 at 8 to 128 (4x the longest training lag). LM: bytes of the standard library, length 128.
 The test sets are smaller than the paper's 2,000 to keep evaluation under a minute.
+
+Parameters as the authors' code (LibratioAI/sessa) builds them: biases on the forward branch's
+q/k/v projections (`model.qkv_bias`) and PyTorch's default initialisation of every linear
+layer, weights and biases U(+-1/sqrt(fan_in)) (`model.init="torch"`), for every mixer alike.
+The choice the results before 2026-11-24 used is `--config.model.qkv_bias=False
+--config.model.init=normal` (N(0, 1/fan_in) weights, zero biases, no q/k/v biases).
 """
 
 from configs import default, parse_arg
@@ -49,7 +55,7 @@ def get_config(arg: str | None = None):
     task, mixer, seed = parse_arg(__file__, arg, FIELDS).values()
     c = default.get_config("rope")  # the forward branch's transport (Sessa's and the Transformer's)
     c.seed = seed
-    c.model.update(mixer=mixer, d_model=WIDTHS[mixer], num_layers=2, num_heads=4)
+    c.model.update(mixer=mixer, d_model=WIDTHS[mixer], num_layers=2, num_heads=4, qkv_bias=True, init="torch")
     c.batch_size = 16
     c.train.update(steps=STEPS[task], warmup_steps=50, lr=3e-3, log_every=50, checkpoint_every=500)
     if task == "lm":

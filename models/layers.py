@@ -17,6 +17,7 @@ from flax import nnx
 from models.registry import make_features, make_scheme
 
 
+INITS = ("normal", "torch")
 REMAT_POLICIES = {"none": None, "block": jax.checkpoint_policies.nothing_saveable,
                   "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
 
@@ -38,6 +39,9 @@ class ModelConfig:
     scale_tied_logits: bool = True
     qkv_bias: bool = False  # biases on the q, k, v projections (Qwen2)
     norm_eps: float = 1e-6  # RMSNorm epsilon
+    # Linear layers: "normal" weights N(0, 1/fan_in) and zero biases; "torch" PyTorch's nn.Linear
+    # default, weights and biases U(-1/sqrt(fan_in), 1/sqrt(fan_in)) (the Sessa authors' code).
+    init: str = "normal"
     attention_impl: str = "auto"  # or by name: "reference", "blockwise", "ring", "pallas", "cudnn", "splash"
     block_size: int = 512
     dtype: str = "float32"  # compute dtype; parameters stay float32
@@ -62,6 +66,8 @@ class ModelConfig:
         return cls(**d)
 
     def __post_init__(self):
+        if self.init not in INITS:
+            raise ValueError(f"model.init={self.init!r} is not an initialisation; valid: {', '.join(INITS)}")
         if self.remat not in REMAT_POLICIES:
             raise ValueError(f"model.remat={self.remat!r} is not a rematerialisation policy; valid: "
                              f"{', '.join(REMAT_POLICIES)}")
@@ -85,9 +91,17 @@ class ModelConfig:
         return self.mlp_dim or -(-8 * self.d_model // 3 // 64) * 64
 
 
+def _symmetric_uniform(bound: float):
+    return lambda key, shape, dtype=jnp.float32: jax.random.uniform(key, shape, dtype, -bound, bound)
+
+
 def linear(din, dout, cfg, rngs, bias: bool = False):
-    return nnx.Linear(din, dout, use_bias=bias, dtype=jnp.dtype(cfg.dtype), rngs=rngs,
-                      kernel_init=nnx.initializers.normal(stddev=din ** -0.5))
+    """A dense layer initialised as `cfg.init` says (ModelConfig.init)."""
+    if cfg.init == "torch":
+        inits = {"kernel_init": _symmetric_uniform(din ** -0.5), "bias_init": _symmetric_uniform(din ** -0.5)}
+    else:
+        inits = {"kernel_init": nnx.initializers.normal(stddev=din ** -0.5)}
+    return nnx.Linear(din, dout, use_bias=bias, dtype=jnp.dtype(cfg.dtype), rngs=rngs, **inits)
 
 
 def rms_norm(cfg: ModelConfig, rngs) -> nnx.RMSNorm:

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.layers import Attention
+from models.layers import Attention, linear
 from positional.feedback import decode_solve, feedback_solve, gain
 
 SESSA_DEFAULTS = {"gamma_max": 0.999, "feedback_dim": 0, "solve": "reference", "solve_block": 256}
@@ -47,11 +47,6 @@ def _options(cfg, defaults: dict) -> dict:
         raise ValueError(f"mixer {cfg.mixer!r} has no option(s) {sorted(unknown)}; its options: "
                          f"{sorted(defaults)}")
     return {**defaults, **options}
-
-
-def _dense(din, dout, cfg, rngs, bias=True):
-    return nnx.Linear(din, dout, use_bias=bias, dtype=jnp.dtype(cfg.dtype), rngs=rngs,
-                      kernel_init=nnx.initializers.normal(stddev=din ** -0.5))
 
 
 # ---- attention and Sessa -----------------------------------------------------------------------
@@ -69,8 +64,8 @@ class AttentionMixer(nnx.Module):
         self.gamma_max, self.solve = opts["gamma_max"], opts["solve"]
         self.solve_block = opts["solve_block"]
         self.feedback_dim = opts["feedback_dim"] or cfg.d_model
-        self.qk_b = _dense(cfg.d_model, 2 * self.feedback_dim, cfg, rngs)
-        self.w_g = _dense(cfg.d_model, 1, cfg, rngs, bias=False)
+        self.qk_b = linear(cfg.d_model, 2 * self.feedback_dim, cfg, rngs, bias=True)
+        self.w_g = linear(cfg.d_model, 1, cfg, rngs)
         self.b_g = nnx.Param(jnp.ones((), jnp.float32))  # gamma ~ 0.76 gamma_max at init
 
     def _feedback_inputs(self, abar):
@@ -167,7 +162,7 @@ class Mamba2Mixer(nnx.Module):
         self.heads, self.state_dim, self.chunk = h, opts["state_dim"], opts["chunk"]
         self.conv_width = opts["conv_width"]
         channels = d + 2 * self.state_dim
-        self.in_proj = _dense(d, channels + h, cfg, rngs)  # x, B, C and dt
+        self.in_proj = linear(d, channels + h, cfg, rngs, bias=True)  # x, B, C and dt
         self.conv_w = nnx.Param(jax.random.normal(rngs.params(), (self.conv_width, channels)) *
                                 self.conv_width ** -0.5)
         self.conv_b = nnx.Param(jnp.zeros((channels,)))
@@ -231,9 +226,9 @@ class MacroBlock(nnx.Module):
             raise ValueError(f"unknown mixer {cfg.mixer!r}; valid: attention, {', '.join(MIXERS)}")
         d, dtype = cfg.d_model, jnp.dtype(cfg.dtype)
         self.norm = nnx.LayerNorm(d, epsilon=1e-5, dtype=dtype, rngs=rngs)
-        self.in_proj = _dense(d, 2 * d, cfg, rngs)
+        self.in_proj = linear(d, 2 * d, cfg, rngs, bias=True)
         self.mixer = MIXERS[cfg.mixer](cfg, rngs)
-        self.out_proj = _dense(d, d, cfg, rngs)
+        self.out_proj = linear(d, d, cfg, rngs, bias=True)
 
     def _gate_inputs(self, x):
         a, g = jnp.split(self.in_proj(self.norm(x)), 2, axis=-1)

@@ -129,3 +129,32 @@ def test_bad_input_is_a_clear_error():
     model = DecoderLM(_config("sessa"), rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="too long for the cache.*larger max_len"):
         model.decode(jnp.zeros((1, 5), jnp.int32), model.init_cache(1, 4))
+
+
+def test_torch_init_is_pytorch_linear_default_and_sessa_config_uses_it():
+    """init="torch": every linear layer's weights and biases U(-1/sqrt(fan_in), 1/sqrt(fan_in))
+    (PyTorch's nn.Linear default, the authors' code), q/k/v biases in the forward branch; the
+    default stays N(0, 1/fan_in) weights and zero biases."""
+    from configs import sessa as sessa_configs
+    c = sessa_configs.get_config("symbolsoup/sessa/0")
+    assert (c.model.qkv_bias, c.model.init) == (True, "torch")
+    width = 64
+    torch_model = DecoderLM(dataclasses.replace(_config("sessa", init="torch", qkv_bias=True), d_model=width),
+                            rngs=nnx.Rngs(0))
+    mixer = torch_model.blocks[0].mixer
+    layers = {"W_in": torch_model.blocks[0].in_proj, "W_out": torch_model.blocks[0].out_proj, "q": mixer.attn.q,
+              "k": mixer.attn.k, "v": mixer.attn.v, "feedback q/k": mixer.qk_b}
+    for name, layer in layers.items():
+        bound = layer.kernel.shape[0] ** -0.5
+        for x in (layer.kernel[...], layer.bias[...]):
+            x = np.asarray(x)
+            assert np.abs(x).max() <= bound and np.abs(x).max() > 0.9 * bound, name
+        w = np.asarray(layer.kernel[...])  # U(-b, b): std b / sqrt(3), mean 0
+        assert abs(w.std() / (bound / math.sqrt(3)) - 1) < 0.1 and abs(w.mean()) < 0.1 * bound, name
+    assert mixer.w_g.bias is None and mixer.attn.o.bias is None  # bias-free there, as the authors' code
+    normal_block = DecoderLM(dataclasses.replace(_config("sessa"), d_model=width), rngs=nnx.Rngs(0)).blocks[0]
+    assert normal_block.mixer.attn.q.bias is None
+    np.testing.assert_array_equal(normal_block.in_proj.bias[...], 0.0)
+    assert abs(np.asarray(normal_block.in_proj.kernel[...]).std() * math.sqrt(width) - 1) < 0.1
+    with pytest.raises(ValueError, match="model.init='xavier' is not an initialisation; valid: normal, torch"):
+        _config("sessa", init="xavier")
