@@ -37,7 +37,6 @@ from __future__ import annotations
 import functools
 import json
 import math
-import os
 import re
 import time
 
@@ -46,6 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from lab import files
 from lab.lengths import checked, checked_list, eval_impl
 from lab.probes import check_memory
 from lab.runs import held_out_windows, named_runs, pyplot
@@ -329,7 +329,7 @@ def plot_maps(name: str, maps: list[dict], out: str) -> None:
         row[0].set_ylabel(f"layer {i}, head 0")
     fig.suptitle(f"{name}: window 0", fontsize=9)
     fig.tight_layout()
-    fig.savefig(os.path.join(out, f"maps_{_slug(name)}.png"), dpi=100)
+    files.save_figure(fig, files.join(out, f"maps_{_slug(name)}.png"), dpi=100)
     plt.close(fig)
 
 
@@ -346,7 +346,7 @@ def plot_curves(name: str, run: dict, out: str) -> None:
     axes[0, 0].legend(fontsize=7)
     fig.suptitle(f"{name}: positional curves (mean over windows)", fontsize=9)
     fig.tight_layout()
-    fig.savefig(os.path.join(out, f"curves_{_slug(name)}.png"), dpi=100)
+    files.save_figure(fig, files.join(out, f"curves_{_slug(name)}.png"), dpi=100)
     plt.close(fig)
 
 
@@ -370,7 +370,7 @@ def plot_perturbation(results: dict, out: str) -> None:
         ax.set_xlabel("gamma")
     fig.suptitle("change in perplexity", fontsize=9)
     fig.tight_layout()
-    fig.savefig(os.path.join(out, "perturbation.png"), dpi=100)
+    files.save_figure(fig, files.join(out, "perturbation.png"), dpi=100)
     plt.close(fig)
 
 
@@ -392,7 +392,7 @@ def plot_shift(results: dict, out: str) -> None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(os.path.join(out, "feature_shift.png"), dpi=120)
+    files.save_figure(fig, files.join(out, "feature_shift.png"), dpi=120)
     plt.close(fig)
 
 
@@ -424,14 +424,11 @@ SECTIONS = {"decompositions": decompositions_section, "perturbations": perturbat
 
 def write_analysis(results: dict, maps: dict, out: str, parts=PARTS, stem: str = "analysis") -> str:
     """<stem>.json, <stem>.md and the plots of the `parts`; returns the markdown."""
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, f"{stem}.json"), "w") as f:
-        json.dump(results, f, indent=1)
+    files.write_text(files.join(out, f"{stem}.json"), json.dumps(results, indent=1))
     if not results["runs"]:  # every run skipped (no attention): nothing to tabulate or plot
         parts = ()
     md = "\n\n".join(text for part in parts for text in SECTIONS[part](results, maps, out)) + "\n"
-    with open(os.path.join(out, f"{stem}.md"), "w") as f:
-        f.write(md)
+    files.write_text(files.join(out, f"{stem}.md"), md)
     return md
 
 

@@ -15,6 +15,8 @@ import jax.numpy as jnp
 import ml_collections
 import orbax.checkpoint as ocp
 
+from lab import files
+
 PARTIAL = ".orbax-checkpoint-tmp"  # in the name of a save orbax did not finish
 # What a run's checkpoints are of: the model and its data. Changing one of these fields on a
 # workdir's rerun would resume a different model, so it is refused (`check_identity`). Not:
@@ -30,7 +32,8 @@ def checkpoint_manager(directory: str, keep: int = 2, create: bool = True,
     `asynchronous` save copies the state to host memory, then writes while training goes on."""
     options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=create,
                                            enable_async_checkpointing=asynchronous)
-    return ocp.CheckpointManager(os.path.abspath(directory), options=options)
+    return ocp.CheckpointManager(os.path.abspath(directory) if files.is_local(directory) else directory,
+                                 options=options)
 
 
 def save(manager, state, loader_state: dict, meta: dict) -> None:
@@ -97,7 +100,7 @@ def restore_latest(manager, abstract_state, partial: bool = False, aside: str | 
                 return step, restored
             except Exception as e:  # noqa: BLE001 - any unreadable checkpoint is skipped, loudly
                 reason = (str(e).splitlines() or [type(e).__name__])[0][:200]
-                where = f"; moved to {set_aside(os.path.join(manager.directory, str(step)), aside)}" if aside else ""
+                where = f"; moved to {set_aside(files.join(manager.directory, str(step)), aside)}" if aside else ""
                 print(f"warning: skipping unreadable checkpoint at step {step} in {manager.directory}{where}: "
                       f"{reason}", file=sys.stderr)
         return None
@@ -108,12 +111,16 @@ def restore_latest(manager, abstract_state, partial: bool = False, aside: str | 
 
 def set_aside(path: str, aside: str) -> str:
     """Move `path` into the directory `aside` (made if missing) under a name not taken yet;
-    returns the new path. Nothing is deleted."""
-    os.makedirs(aside, exist_ok=True)
-    target = os.path.join(aside, f"{os.path.basename(path)}-{time.strftime('%Y%m%d-%H%M%S')}")
-    while os.path.exists(target):
+    returns the new path. Nothing is deleted. (In a bucket, a folder is moved by the storage
+    backend's rename: object by object.)"""
+    files.path(aside).mkdir(parents=True, exist_ok=True)
+    target = files.join(aside, f"{files.path(path).name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    while files.path(target).exists():
         target += "+"
-    shutil.move(str(path), target)
+    if files.is_local(path):
+        shutil.move(str(path), target)
+    else:
+        files.path(path).rename(target)
     return target
 
 
@@ -121,10 +128,10 @@ def set_aside_partial_saves(directory: str, aside: str) -> list[str]:
     """Move the unfinished saves a killed run left in a checkpoint `directory` aside, each
     reported in one warning line; returns their new paths."""
     moved = []
-    for name in sorted(os.listdir(directory)) if os.path.isdir(directory) else []:
+    for name in sorted(p.name for p in files.path(directory).iterdir()) if files.path(directory).is_dir() else []:
         if PARTIAL in name:
-            moved.append(set_aside(os.path.join(directory, name), aside))
-            print(f"warning: {os.path.join(directory, name)} is a save a stopped run did not finish; "
+            moved.append(set_aside(files.join(directory, name), aside))
+            print(f"warning: {files.join(directory, name)} is a save a stopped run did not finish; "
                   f"moved to {moved[-1]}", file=sys.stderr)
     return moved
 
@@ -134,9 +141,9 @@ def load_params(directory: str, abstract_params):
 
     `directory` is a run's workdir or its `checkpoints` folder.
     """
-    ckpt_dir = os.path.join(directory, "checkpoints")
-    ckpt_dir = ckpt_dir if os.path.isdir(ckpt_dir) else directory
-    if not os.path.isdir(ckpt_dir):
+    ckpt_dir = files.join(directory, "checkpoints")
+    ckpt_dir = ckpt_dir if files.path(ckpt_dir).is_dir() else directory
+    if not files.path(ckpt_dir).is_dir():
         raise FileNotFoundError(f"checkpoint directory {directory!r} does not exist")
     found = restore_latest(checkpoint_manager(ckpt_dir, create=False), {"params": abstract_params},
                            partial=True)
@@ -179,10 +186,9 @@ def stored_identity(manager, workdir: str) -> dict | None:
     meta = newest_meta(manager)
     if "identity" in meta:
         return meta["identity"]
-    path = os.path.join(workdir, "config.json")
-    if manager.all_steps() and os.path.isfile(path):
-        with open(path) as f:
-            return identity(ml_collections.ConfigDict(json.load(f)))
+    path = files.join(workdir, "config.json")
+    if manager.all_steps() and files.path(path).is_file():
+        return identity(ml_collections.ConfigDict(json.loads(files.read_text(path))))
     return None
 
 

@@ -26,12 +26,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 from typing import Any, Callable
 
 import jax
 
-from lab import analysis, lengths, probes, retrieval
+from lab import analysis, files, lengths, probes, retrieval
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,6 +103,6 @@ def in_training(evaluators: dict[str, dict], run, out: str, write: bool = True) 
         evaluator = EVALUATORS[name]
         outcome = evaluator.run([run], **options)
         if write:
-            evaluator.report(outcome, os.path.join(out, name))
+            evaluator.report(outcome, files.join(out, name))
         record.update({f"{name}/{key}": float(value) for key, value in evaluator.summary(outcome).items()})
     return record

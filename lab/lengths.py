@@ -14,7 +14,6 @@ from __future__ import annotations
 import functools
 import json
 import math
-import os
 import time
 
 import jax
@@ -24,7 +23,7 @@ import numpy as np
 from flax import nnx
 
 from data import tasks
-from lab import distributed
+from lab import distributed, files
 from lab.runs import held_out_documents, held_out_stream, named_runs, pyplot
 from models.lm import DecoderLM, token_nll
 
@@ -336,7 +335,7 @@ def task_plot(results: dict, path: str) -> None:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    files.save_figure(fig, path, dpi=120)
     plt.close(fig)
 
 
@@ -391,21 +390,18 @@ def plot(results: dict, path: str) -> None:
         ax.axvline(train_len, color="gray", ls="--", lw=1)
     axes[0].legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    files.save_figure(fig, path, dpi=120)
     plt.close(fig)
 
 
 def write_report(results: dict, out: str) -> str:
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "results.json"), "w") as f:
-        json.dump(results, f, indent=2)
+    files.write_text(files.join(out, "results.json"), json.dumps(results, indent=2))
     has_lm = bool(_runs(results, task=False))
     table = markdown_table(results) if has_lm else ""
     if _runs(results, task=True):
         table += ("\n" if table else "") + task_table(results)
-        task_plot(results, os.path.join(out, "tasks.png"))
-    with open(os.path.join(out, "results.md"), "w") as f:
-        f.write(table)
+        task_plot(results, files.join(out, "tasks.png"))
+    files.write_text(files.join(out, "results.md"), table)
     if has_lm:
-        plot(results, os.path.join(out, "results.png"))
+        plot(results, files.join(out, "results.png"))
     return table

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lab import files
 from lab.runs import held_out_windows, named_runs, pyplot
 from models.lm import attention_internals
 from positional.probes import transport
@@ -104,9 +105,7 @@ def probe_summary(results: dict) -> dict:
 def probe_report(results: dict, out: str) -> str:
     """probes.json, probes.md (one row per run and layer) and probes.png."""
     plt = pyplot()
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "probes.json"), "w") as f:
-        json.dump(results, f, indent=2)
+    files.write_text(files.join(out, "probes.json"), json.dumps(results, indent=2))
     lines = ["| run | layer | far mass (window: mass) | spectral gap min / median | "
              "norm of E[P_n], n = 16 / 128 | far value norm, transported / identity |",
              "|---|---|---|---|---|---|"]
@@ -135,12 +134,11 @@ def probe_report(results: dict, out: str) -> str:
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(os.path.join(out, "probes.png"), dpi=120)
+    files.save_figure(fig, files.join(out, "probes.png"), dpi=120)
     plt.close(fig)
     table = (f"Transport probes on {results['windows']} held-out windows of {results['length']} tokens; "
              "far mass over queries past the window.\n\n" + "\n".join(lines) + "\n")
-    with open(os.path.join(out, "probes.md"), "w") as f:
-        f.write(table)
+    files.write_text(files.join(out, "probes.md"), table)
     return table
 
 
@@ -199,9 +197,7 @@ def near_far_summary(results: dict) -> dict:
 def near_far_report(results: dict, out: str) -> str:
     """near_far.json, near_far.md and near_far.png (one histogram per run)."""
     plt = pyplot()
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "near_far.json"), "w") as f:
-        json.dump(results, f)
+    files.write_text(files.join(out, "near_far.json"), json.dumps(results))
     near, far = results["near"], results["far"]
     fig, ax = plt.subplots(figsize=(6, 4))
     lines = ["| run | mean | std | pairs |", "|---|---|---|---|"]
@@ -213,10 +209,9 @@ def near_far_report(results: dict, out: str) -> str:
            ylabel="density")
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(os.path.join(out, "near_far.png"), dpi=120)
+    files.save_figure(fig, files.join(out, "near_far.png"), dpi=120)
     plt.close(fig)
     table = (f"Near-minus-far logit differences on windows of {results['length']} tokens, pooled over "
              "layers and heads.\n\n" + "\n".join(lines) + "\n")
-    with open(os.path.join(out, "near_far.md"), "w") as f:
-        f.write(table)
+    files.write_text(files.join(out, "near_far.md"), table)
     return table

@@ -38,7 +38,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import os
 import string
 import time
 import zlib
@@ -50,7 +49,7 @@ from flax import nnx
 
 from data.pipeline import tokenizer as run_tokenizer
 from data.tasks import is_task
-from lab import distributed
+from lab import distributed, files
 from lab.lengths import checked, checked_list, eval_impl, eval_lengths
 from lab.runs import held_out_stream, named_runs, pyplot
 from models.lm import generate
@@ -407,7 +406,7 @@ def plot_heatmaps(results: dict, path: str) -> None:
     for ax in axes[-1]:
         ax.set_xlabel("length (tokens)", fontsize=7)
     fig.colorbar(image, ax=axes, shrink=0.8, label="accuracy")
-    fig.savefig(path, dpi=110)
+    files.save_figure(fig, path, dpi=110)
     plt.close(fig)
 
 
@@ -436,20 +435,17 @@ def plot_lengths(results: dict, path: str) -> None:
     axes[0][0].set_ylabel("exact match")
     axes[0][0].legend(fontsize=6)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    files.save_figure(fig, path, dpi=110)
     plt.close(fig)
 
 
 def report(results: dict, out: str) -> str:
     """retrieval.json, retrieval.md, retrieval_heatmaps.png and retrieval.png (the plots where a
     run was scored)."""
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "retrieval.json"), "w") as f:
-        json.dump(results, f, indent=2)
+    files.write_text(files.join(out, "retrieval.json"), json.dumps(results, indent=2))
     text = markdown(results)
-    with open(os.path.join(out, "retrieval.md"), "w") as f:
-        f.write(text)
+    files.write_text(files.join(out, "retrieval.md"), text)
     if results["runs"]:
-        plot_heatmaps(results, os.path.join(out, "retrieval_heatmaps.png"))
-        plot_lengths(results, os.path.join(out, "retrieval.png"))
+        plot_heatmaps(results, files.join(out, "retrieval_heatmaps.png"))
+        plot_lengths(results, files.join(out, "retrieval.png"))
     return text

@@ -17,6 +17,7 @@ import numpy as np
 from flax import nnx
 
 from data import pipeline
+from lab import files
 from lab.checkpoints import load_params
 from lab.state import init_state, make_mesh
 
@@ -26,12 +27,11 @@ matplotlib.use("Agg")  # reports are written to files; no display is needed or w
 def load_run(workdir: str, untrained: bool = False):
     """(config, model with the latest complete checkpoint's parameters, step) of a training run;
     with `untrained`, the model as its config initialises it (seed included), step 0."""
-    path = os.path.join(workdir, "config.json")
-    if not os.path.isfile(path):
+    path = files.join(workdir, "config.json")
+    if not files.path(path).is_file():
         raise FileNotFoundError(f"{workdir!r} is not a training run directory (no config.json); "
                                 "pass the --config.workdir of a train.py run")
-    with open(path) as f:
-        config = ml_collections.ConfigDict(json.load(f))
+    config = ml_collections.ConfigDict(json.loads(files.read_text(path)))
     config.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1))
     vocab = config.model.vocab_size or pipeline.tokenizer(config.data).vocab_size
     graphdef, rest, _, _, state = init_state(config, vocab, make_mesh(config))

@@ -36,7 +36,7 @@ from tqdm import tqdm
 from data import pipeline, tasks
 from lab.checkpoints import (checkpoint_manager, identity, identity_change, load_params, newest_meta, restore_latest,
                              save, set_aside_partial_saves, stored_identity)
-from lab import distributed
+from lab import distributed, files
 from lab.evaluators import configured, in_training
 from lab.lengths import perplexity_at, task_accuracy_at
 from lab.runs import Run
@@ -118,8 +118,14 @@ def workdir_lock(workdir: str):
     The lock is an flock, which the OS releases however its holder ends (SIGKILL included);
     the file names the holder (host, pid, start) for the message, and is emptied on release,
     so a holder still named in a free lock died holding it: that lock is taken over with a
-    warning. Every process takes it: a multi-host run (none exists yet) would leave it to process 0.
+    warning. Process 0 takes it for a run of several processes. A workdir in a bucket
+    (gs://...) has no lock, which a bucket cannot hold: a warning says so.
     """
+    if not files.is_local(workdir):
+        print(f"warning: {workdir} is not on a local filesystem and cannot be locked; make sure no other "
+              "trainer uses it", file=sys.stderr)
+        yield
+        return
     path = os.path.join(workdir, "lock")
     with open(path, "a+") as f:  # created if missing, not truncated before it is ours
         try:
@@ -151,7 +157,7 @@ def train(config: ml_collections.ConfigDict) -> dict:
     distributed.initialize(config.get("distributed"))
     distributed.check_same_config(config)
     workdir = workdir_of(config)
-    os.makedirs(workdir, exist_ok=True)
+    files.path(workdir).mkdir(parents=True, exist_ok=True)
     # One writer: process 0 holds the lock and writes the run's files; every process reads.
     with workdir_lock(workdir) if jax.process_index() == 0 else contextlib.nullcontext():
         return _train(config, workdir, evaluators)
@@ -159,7 +165,7 @@ def train(config: ml_collections.ConfigDict) -> dict:
 
 def _train(config, workdir, evaluators) -> dict:
     primary, multi = jax.process_index() == 0, jax.process_count() > 1
-    ckpt_dir, aside = (os.path.join(workdir, name) for name in ("checkpoints", "checkpoints.unreadable"))
+    ckpt_dir, aside = (files.join(workdir, name) for name in ("checkpoints", "checkpoints.unreadable"))
     manager = checkpoint_manager(ckpt_dir, config.train.keep_checkpoints, asynchronous=config.train.async_checkpoints)
     if imported := newest_meta(manager).get("imported_from"):
         raise TrainingError(
@@ -201,17 +207,16 @@ def _train(config, workdir, evaluators) -> dict:
             save(manager, state, loader_state(loader), {"step": 0, "loss": float("nan"), "identity": identity(config)})
     else:
         step0 = 0
-    metrics_path = os.path.join(workdir, "metrics.jsonl")
+    metrics_path = files.join(workdir, "metrics.jsonl")
     if primary:
         cut_metrics(metrics_path, step0)
-        with open(os.path.join(workdir, "config.json"), "w") as f:
-            f.write(config.to_json_best_effort(indent=2))
+        files.write_text(files.join(workdir, "config.json"), config.to_json_best_effort(indent=2))
 
     # A signal stops the run at the next step boundary with a checkpoint. Several processes
     # agree on that step through JAX's preemption sync (it hears SIGTERM; SIGINT kills).
     stop = _Stop()
     previous = {s: signal.signal(s, stop) for s in ((signal.SIGTERM, signal.SIGINT) if not multi else ())}
-    writer = SummaryWriter(os.path.join(workdir, "tensorboard")) if primary else None
+    writer = SummaryWriter(files.join(workdir, "tensorboard")) if primary else None
     steps = config.train.steps
     tokens_per_step = config.batch_size * config.seq_len
     progress = _progress(step0, steps)
@@ -239,7 +244,7 @@ def _train(config, workdir, evaluators) -> dict:
                 record.update(_validation(config, model))
                 # Every process evaluates (the parameters may be sharded over all of them); one writes.
                 record.update(in_training(evaluators, Run(workdir, config, model, step),
-                                          os.path.join(workdir, "evals", str(step)),
+                                          files.join(workdir, "evals", str(step)),
                                           write=jax.process_index() == 0))
             if primary:
                 try:
@@ -336,10 +341,9 @@ def cut_metrics(path: str, step: int) -> None:
     """Move the lines of a metrics file past `step` (from a run that stopped after its last
     checkpoint, which the resumed run logs again) or unreadable (cut off mid-write) to
     <name>.dropped.jsonl beside it, so each step is logged once; nothing is deleted."""
-    if not os.path.isfile(path):
+    if not files.path(path).is_file():
         return
-    with open(path) as f:
-        lines = f.readlines()
+    lines = files.read_text(path).splitlines(keepends=True)
 
     def kept(line):
         try:
@@ -351,11 +355,8 @@ def cut_metrics(path: str, step: int) -> None:
     if len(keep) == len(lines):
         return
     dropped = path.removesuffix(".jsonl") + ".dropped.jsonl"
-    with open(dropped, "a") as f:
-        f.writelines(line if line.endswith("\n") else line + "\n" for line in lines if not kept(line))
-    with open(path + ".tmp", "w") as f:
-        f.writelines(keep)
-    os.replace(path + ".tmp", path)
+    files.append_lines(dropped, [line if line.endswith("\n") else line + "\n" for line in lines if not kept(line)])
+    files.replace_text(path, "".join(keep))
     print(f"note: {len(lines) - len(keep)} lines of {path} after step {step}, where this run resumes, moved "
           f"to {dropped}", file=sys.stderr)
 
@@ -406,8 +407,7 @@ def _validation(config, model) -> dict:
 
 
 def _log(path, writer, record):
-    with open(path, "a") as f:
-        f.write(json.dumps(record) + "\n")
+    files.append_lines(path, [json.dumps(record) + "\n"])
     for k, v in record.items():
         if k not in ("step", "time"):
             writer.add_scalar(k, v, record["step"])
