@@ -282,6 +282,8 @@ def test_command_line_imports_and_eval_py_runs_on_it(tmp_path):
     out = cli("import_checkpoint.py", f"--source={os.path.join(FIXTURES, 'qwen2')}", f"--workdir={run}")
     assert out.returncode == 0, out.stderr[-2000:]
     assert f"into {run}" in out.stdout and "--config.init_from=" in out.stdout
+    assert "has no tokenizer (tokenizer.json, tokenizer.model or *.tiktoken): the run reads text as byte-level" in \
+        out.stderr
     evaluated = cli("eval.py", f"--workdirs={run}", "--max_multiplier=2", "--tokens=128", f"--out={tmp_path / 'eval'}")
     assert evaluated.returncode == 0, evaluated.stderr[-2000:]
     results = json.loads((tmp_path / "eval" / "results.json").read_text())

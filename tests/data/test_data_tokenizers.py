@@ -277,14 +277,14 @@ def test_a_missing_library_is_one_line_with_the_pip_command(monkeypatch, package
 
 
 def test_documents_start_with_bos_where_the_model_expects_it(corpus_config):
-    """The pipeline's documents with a pretrained tokenizer: its BOS, the library's ids of the text, its EOS."""
-    ids_of = library_ids("json")
+    """The pipeline's documents with a pretrained tokenizer (Llama 2's layout): <s>, the library's ids of the
+    text, </s>; the same in the training documents and the eval stream."""
+    sp = spm.SentencePieceProcessor(model_file=fixture("spm", "tokenizer.model"))
     config = corpus_config.copy_and_resolve_references()
-    config.update(tokenizer="hf", tokenizer_path=fixture("json"))
-    tok = get_tokenizer("hf", "", path=fixture("json"))
+    config.update(tokenizer="hf", tokenizer_path=fixture("spm"))
     source = local_text.open_split(config, "validation")
     first = min(range(len(source.records)), key=lambda i: source.records[i]["path"])
     text = source.records[first]["text"].decode("utf-8")
     doc = next(pipeline.eval_documents(config, "validation"))
-    np.testing.assert_array_equal(doc, [tok.bos_id, *ids_of(text), tok.eos_id])
+    np.testing.assert_array_equal(doc, [sp.piece_to_id("<s>"), *sp.encode(text), sp.piece_to_id("</s>")])
     assert pipeline.documents(config, "validation")[first].tolist() == doc.tolist()
