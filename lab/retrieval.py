@@ -5,12 +5,11 @@ generated deterministically from a seed and scored at every evaluation length an
 An example is (prompt, answer) tokens, exactly L tokens together: BOS where the run's tokenizer
 expects one (an imported model's), a haystack of the run's held-out text (its eval split, PAD,
 EOS and BOS removed, from a seeded offset) with the task's needles inserted, then a question
-that the answer completes. Its depth d is the fraction of the
-haystack before the anchor needle (the one asked about; the first of several values or of a
-variable chain): round(d * F) of the F haystack tokens come before it, so d = 0 puts it first
-and d = 1 right before the question. Other needles go at seeded haystack offsets (after the
-anchor, in order, for the tasks that ask for an order). Each task, `task(rng) -> (needles,
-question, answer, ordered)`:
+that the answer completes. Its depth d is the fraction of the haystack before the anchor
+needle (the one asked about; the first of several values or of a variable chain): round(d * F)
+of the F haystack tokens come before it, so d = 0 puts it first and d = 1 right before the
+question. Other needles go at seeded haystack offsets (after the anchor, in order, for the
+tasks that ask for an order). Each task, `task(rng) -> (needles, question, answer, ordered)`:
 
   passkey            "\\nThe pass key is 71432. Remember it.\\n" ... "\\nWhat is the pass key?
                      The pass key is " -> "71432"

@@ -207,6 +207,12 @@ def test_special_tokens_come_from_the_first_file_that_names_them(tmp_path):
     write_json(folder, "tokenizer.json", content)
     write_json(folder, "tokenizer_config.json", {"eos_token": "<|end_of_text|>"})
     assert ids() == (None, the("<|end_of_text|>"), the("<|end_of_text|>"), False)
+    os.remove(os.path.join(folder, "tokenizer_config.json"))  # nothing names an EOS, which documents end in
+    with pytest.raises(DataError) as error:
+        PretrainedTokenizer(folder)
+    assert one_line(error).startswith(f"{folder}/tokenizer.json: the model has no EOS token (no eos_token or "
+                                      "eos_token_id in any of tokenizer_config.json, special_tokens_map.json, "
+                                      "generation_config.json, config.json beside it, none in the tokenizer)")
 
 
 def test_a_tiktoken_file_takes_its_special_tokens_from_tokenizer_config(tmp_path):
