@@ -294,7 +294,8 @@ class PretrainedTokenizer:
     def __init__(self, path: str):
         self.path = find_tokenizer(path)
         if self.path is None:
-            why = "has no tokenizer.json, tokenizer.model or *.tiktoken file" if os.path.isdir(path) else "does not exist"
+            why = ("has no tokenizer.json, tokenizer.model or *.tiktoken file" if os.path.isdir(path)
+                   else "does not exist")
             raise DataError(f"tokenizer path {path} {why}; give a checkpoint directory that has one, or the file")
         folder = os.path.dirname(self.path)
         files = {name: _read_json(p) for name in SPECIAL_FILES if os.path.isfile(p := os.path.join(folder, name))}

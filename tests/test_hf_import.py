@@ -376,7 +376,8 @@ def with_tokenizer(tmp_path, name, vocab=560):
     """The qwen2 fixture with `vocab` embedding rows (its 260, then random ones; its head is tied) and the files
     of the tokenizer fixture `name` beside its config.json."""
     target = copy_fixture("qwen2", tmp_path)
-    arrays = {name: np.array(t.array()) for name, t in read_safetensors_header(str(target / "model.safetensors")).items()}
+    tensors = read_safetensors_header(str(target / "model.safetensors"))
+    arrays = {key: np.array(t.array()) for key, t in tensors.items()}
     embed = arrays["model.embed_tokens.weight"]
     extra = np.random.default_rng(0).normal(size=(vocab - len(embed), embed.shape[1]))
     arrays["model.embed_tokens.weight"] = np.concatenate([embed, extra]).astype(np.float32)

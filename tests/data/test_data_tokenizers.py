@@ -90,7 +90,8 @@ FIXTURES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__
 # Llama 3's pre-tokenizer pattern, which tiktoken files are read with (meta-llama/llama3, llama/tokenizer.py).
 LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
                   r"\s*[\r\n]+|\s+(?!\S)|\s+")
-UNSEEN = TEXTS + ["unseen characters: ∮ λ ⊕ and tabs\t\tnewlines\n", "<|end_of_text|> <s></s> spell special tokens",
+UNSEEN = TEXTS + ["unseen characters: ∮ λ ⊕ and tabs\t\tnewlines\n",
+                  "<|end_of_text|> <s></s> spell special tokens",
                   "x = {'naïve': [1, 2], \"größe\": None}\n\n    # 日本語 🎉\r\n"]
 
 
@@ -103,14 +104,15 @@ def library_ids(name: str):
     if name == "json":
         tokenizers = pytest.importorskip("tokenizers")
         tok = tokenizers.Tokenizer.from_file(fixture("json", "tokenizer.json"))
-        tok.encode_special_tokens = True  # a text that spells a special token is text, as for tiktoken's encode_ordinary
+        tok.encode_special_tokens = True  # a text that spells a special token is text (tiktoken's encode_ordinary)
         return lambda text: tok.encode(text, add_special_tokens=False).ids
     if name == "spm":
         return spm.SentencePieceProcessor(model_file=fixture("spm", "tokenizer.model")).encode
     tiktoken = pytest.importorskip("tiktoken")
     with open(fixture("tiktoken", "tokenizer.model"), "rb") as f:
         ranks = {base64.b64decode(token): int(rank) for token, rank in (line.split() for line in f)}
-    return tiktoken.Encoding("fixture", pat_str=LLAMA3_PATTERN, mergeable_ranks=ranks, special_tokens={}).encode_ordinary
+    encoding = tiktoken.Encoding("fixture", pat_str=LLAMA3_PATTERN, mergeable_ranks=ranks, special_tokens={})
+    return encoding.encode_ordinary
 
 
 @pytest.mark.parametrize("name", ["json", "spm", "tiktoken"])

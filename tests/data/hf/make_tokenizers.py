@@ -58,8 +58,9 @@ def make_json(folder: str) -> Tokenizer:
         pre_tokenizers.Split(Regex(LLAMA3_PATTERN), behavior="isolated"),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(TEXTS, trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                                       show_progress=False))
+    trainer = trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(TEXTS, trainer)
     tok.add_special_tokens(["<|begin_of_text|>", "<|end_of_text|>"])
     tok.post_processor = processors.Sequence([
         processors.ByteLevel(trim_offsets=False),
