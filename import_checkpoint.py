@@ -5,12 +5,14 @@ a run directory, which eval.py, lab.runs.load_run and train.py --config.init_fro
     python eval.py --workdirs=runs/llama32-1b --max_multiplier=4
 
 --source is a local directory with config.json and model.safetensors (or its shards and
-model.safetensors.index.json). Parameters load sharded over the devices (--fsdp, --tensor);
-bf16 checkpoints stay bf16. The work is done by lab/hf.py.
+model.safetensors.index.json); its tokenizer is copied, and the run reads text with it.
+Parameters load sharded over the devices (--fsdp, --tensor); bf16 checkpoints stay bf16. The
+work is done by lab/hf.py.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 
 from absl import app, flags
@@ -46,6 +48,9 @@ def main(argv):
     config, workdir = summary["config"], summary["workdir"]
     print(f"imported {summary['model_type']} ({summary['params']:,} parameters, {config.train.param_dtype}) "
           f"from {FLAGS.source} into {workdir}")
+    if tok := summary["tokenizer"]:
+        print(f"tokenizer: {os.path.basename(tok.path)} ({tok.kind}, {tok.vocab_size:,} tokens), BOS {tok.bos_id} "
+              f"{'before each document' if tok.add_bos else '(not prepended)'}, EOS {tok.eos_id}, PAD {tok.pad_id}")
     print(f"evaluate: python eval.py --workdirs={workdir}")
     print(f"train from it: python train.py --config configs/default.py --config.init_from={workdir} "
           + " ".join(train_flags(config)))

@@ -20,7 +20,10 @@ def default_data_config() -> ml_collections.ConfigDict:
         library corpus is always its *.py files).
       data_dir: where TFDS files and tokenizer models go: $POSITIONAL_DATA_DIR, else
         ~/.cache/positional.
-      tokenizer: 'byte' or 'sentencepiece' (trained on the train split, cached in data_dir).
+      tokenizer: 'byte', 'sentencepiece' (trained on the train split, cached in data_dir), or 'hf':
+        a pretrained model's own (`data.tokenizers.PretrainedTokenizer`), at tokenizer_path.
+      tokenizer_path: for 'hf': a checkpoint directory (tokenizer.json, else tokenizer.model, else
+        *.tiktoken, and the files naming its special tokens) or one tokenizer file.
       spm_vocab_size: vocabulary size of the sentencepiece model.
       streams: independent document streams the training batch is made of (`pipeline.Streams`);
         each process loads only the streams of its rows, so its rows must be whole streams (one
@@ -37,6 +40,7 @@ def default_data_config() -> ml_collections.ConfigDict:
                 "POSITIONAL_DATA_DIR", os.path.join(os.path.expanduser("~"), ".cache", "positional")
             ),
             tokenizer="byte",
+            tokenizer_path="",
             spm_vocab_size=8192,
             streams=1,
             task=ml_collections.ConfigDict({}),

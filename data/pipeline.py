@@ -3,7 +3,8 @@
 Every function takes `config`, the `data` section of an experiment config
 (`data.default_data_config()`).
 
-Packing is concatenate-then-split: documents (each ending in EOS) are laid end to end and
+Packing is concatenate-then-split: documents (each ending in EOS, and starting with BOS where the
+tokenizer's model expects one: `tokenizers.encode_document`) are laid end to end and
 cut into rows of `seq_len` tokens, so there is no padding. A document that does not fit in
 the rest of a row continues at the start of the next row. Positions count tokens from the
 start of each piece of a document within its row, so they restart at 0 in a continuation
@@ -36,7 +37,8 @@ READ_OPTIONS = grain.ReadOptions(num_threads=4, prefetch_buffer_size=32)
 
 def tokenizer(config: ml_collections.ConfigDict) -> tokenizers.Tokenizer:
     """The tokenizer `config` names; a sentencepiece model is trained on the train split the
-    first time and cached in `config.data_dir`. A synthetic task has its own symbol table.
+    first time and cached in `config.data_dir`; 'hf' reads `config.tokenizer_path`. A synthetic
+    task has its own symbol table.
     """
     if tasks.is_task(config):
         return tasks.tokenizer(tasks.get_task(config))
@@ -58,16 +60,17 @@ def tokenizer(config: ml_collections.ConfigDict) -> tokenizers.Tokenizer:
         corpus_id=local_text.open_split(config, "train").corpus_id if spm else "",
         train_texts=train_texts,
         vocab_size=config.spm_vocab_size,
+        path=config.get("tokenizer_path", ""),
     )
 
 
 def _tokenize(tok: tokenizers.Tokenizer, text_key: str, record: dict[str, Any]) -> np.ndarray:
-    ids = tok.encode(record[text_key])
-    return np.concatenate([ids, np.array([tok.eos_id], dtype=np.int32)])
+    return tokenizers.encode_document(tok, record[text_key])
 
 
 def documents(config: ml_collections.ConfigDict, split: str) -> grain.MapDataset:
-    """The documents of `split`, tokenized, each int32[n] ending in EOS, in stored order."""
+    """The documents of `split`, tokenized, each int32[n] ending in EOS (BOS first where the
+    tokenizer's model expects one), in stored order."""
     source = local_text.open_split(config, split)
     tokenize = functools.partial(_tokenize, tokenizer(config), source.text_key)
     return grain.MapDataset.source(source.records).map(tokenize)
@@ -215,7 +218,8 @@ class Streams:
 def eval_stream(
     config: ml_collections.ConfigDict, split: str = "validation", max_tokens: int | None = None
 ) -> np.ndarray:
-    """The documents of `split` tokenized and concatenated, each followed by EOS: int32[n].
+    """The documents of `split` tokenized and concatenated, each followed by EOS (and preceded by
+    BOS where the tokenizer's model expects one): int32[n].
 
     A fixed order (by path for local text, stored order for TFDS data sets), so the eval loop
     can slice the same windows out of it on every machine; reading stops after `max_tokens`.
@@ -230,7 +234,7 @@ def eval_stream(
 
 
 def eval_documents(config: ml_collections.ConfigDict, split: str = "validation") -> Iterator[np.ndarray]:
-    """The documents of `split` one by one, tokenized, each ending in EOS, in `eval_stream`'s order."""
+    """The documents of `split` one by one, tokenized as `documents` are, in `eval_stream`'s order."""
     source = local_text.open_split(config, split)
     tok = tokenizer(config)
     records = (source.records[i] for i in range(len(source.records)))

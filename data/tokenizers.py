@@ -1,17 +1,24 @@
-"""Tokenizers: bytes (default, nothing to train) and sentencepiece (trained on a train split).
+"""Tokenizers: bytes (default, nothing to train), sentencepiece (trained on a train split), and a
+pretrained model's own (tokenizer.json, a sentencepiece tokenizer.model, a tiktoken BPE-ranks file).
 
-Both share one interface: `encode(text) -> int32[n]` (no EOS added), `decode(ids) -> str`
-(PAD and EOS skipped), and the attributes `pad_id = 0`, `eos_id = 1`, `vocab_size`.
+All share one interface: `encode(text) -> int32[n]` (no special token added), `decode(ids) -> str`
+(special tokens skipped), and the attributes `pad_id`, `eos_id`, `bos_id` (None where there is
+none), `add_bos` (whether a document starts with BOS: `encode_document`) and `vocab_size`. The
+byte and trained sentencepiece tokenizers have PAD = 0, EOS = 1 and no BOS; a pretrained one has
+its model's ids.
 """
 
 from __future__ import annotations
 
+import base64
+import glob
 import io
 import itertools
+import json
 import os
 import re
 import tempfile
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, NamedTuple, Sequence
 
 import numpy as np
 import sentencepiece as spm
@@ -36,6 +43,8 @@ class ByteTokenizer:
 
     pad_id = PAD_ID
     eos_id = EOS_ID
+    bos_id = None
+    add_bos = False
     vocab_size = 256 + 2
 
     def encode(self, text: str | bytes) -> np.ndarray:
@@ -57,6 +66,8 @@ class SentencePieceTokenizer:
 
     pad_id = PAD_ID
     eos_id = EOS_ID
+    bos_id = None
+    add_bos = False
 
     def __init__(self, model_path: str):
         self.model_path = model_path
@@ -113,8 +124,213 @@ class SentencePieceTokenizer:
         return self._processor.decode(ids)
 
 
-Tokenizer = ByteTokenizer | SentencePieceTokenizer
-TOKENIZERS = ("byte", "sentencepiece")
+# Where a pretrained model names its special tokens, in the order they are looked up: the first file
+# beside the tokenizer that names one gives it. The first two name tokens (eos_token: "</s>"), the
+# others ids (eos_token_id: 2, or a list whose first is taken).
+SPECIAL_FILES = ("tokenizer_config.json", "special_tokens_map.json", "generation_config.json", "config.json")
+# Llama 3's pre-tokenizer pattern and special tokens (meta-llama/llama3, llama/tokenizer.py): a tiktoken
+# BPE-ranks file holds neither, so it is read with these; the 256 special tokens follow the ranks.
+LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+                  r"\s*[\r\n]+|\s+(?!\S)|\s+")
+LLAMA3_SPECIAL = ("<|begin_of_text|>", "<|end_of_text|>", *(f"<|reserved_special_token_{i}|>" for i in range(4)),
+                  "<|start_header_id|>", "<|end_header_id|>", "<|reserved_special_token_4|>", "<|eot_id|>",
+                  *(f"<|reserved_special_token_{i}|>" for i in range(5, 251)))
+
+
+class Backend(NamedTuple):
+    """A tokenizer file as its library reads it."""
+    encode: Callable[[str], list[int]]  # the text's ids, no special token added or read from the text
+    decode: Callable[[list[int]], str]
+    vocab_size: int  # the largest id + 1
+    token_id: Callable[[str], int | None]  # a token's id, None if the tokenizer has no such token
+    own: dict[str, int]  # the special tokens ('bos', 'eos', 'pad') the file itself defines
+    add_bos: bool  # whether the file's own pipeline prepends BOS
+    skip: frozenset  # ids decode must skip that the library would not (tiktoken's special tokens)
+
+
+def _missing(path: str, package: str) -> DataError:
+    return DataError(f"reading {path} needs the {package} package, which is not installed: pip install {package} "
+                     "(or pip install -e '.[hf]' for every pretrained tokenizer format)")
+
+
+def _tokenizers_backend(path: str, files: dict) -> Backend:
+    try:
+        import tokenizers
+    except ImportError:
+        raise _missing(path, "tokenizers") from None
+    try:
+        tok = tokenizers.Tokenizer.from_file(path)
+    except Exception as e:  # the library raises a bare Exception for a file it cannot read
+        raise DataError(f"{path} is not a tokenizer.json the tokenizers library reads ({e}); restore it from the "
+                        "checkpoint") from None
+    tok.encode_special_tokens = True  # special tokens come from the pipeline, never from the text
+    plain, full = tok.encode("a", add_special_tokens=False).ids, tok.encode("a").ids
+    prepended = full[0] if len(full) > len(plain) and full[1:len(plain) + 1] == plain else None
+    return Backend(lambda text: tok.encode(text, add_special_tokens=False).ids,
+                   lambda ids: tok.decode(ids, skip_special_tokens=True),
+                   max(tok.get_vocab(with_added_tokens=True).values()) + 1, tok.token_to_id,
+                   {} if prepended is None else {"bos": prepended}, prepended is not None, frozenset())
+
+
+def _sentencepiece_backend(path: str, files: dict) -> Backend:
+    try:
+        sp = spm.SentencePieceProcessor(model_file=path)
+    except RuntimeError as e:
+        raise DataError(f"{path} is neither a sentencepiece model nor a tiktoken BPE-ranks file ({e}); restore it "
+                        "from the checkpoint") from None
+    own = {name: i for name, i in (("bos", sp.bos_id()), ("eos", sp.eos_id()), ("pad", sp.pad_id())) if i >= 0}
+    return Backend(sp.encode, sp.decode, sp.get_piece_size(),
+                   lambda token: i if sp.id_to_piece(i := sp.piece_to_id(token)) == token else None,
+                   own, "bos" in own, frozenset())
+
+
+def _tiktoken_backend(path: str, files: dict) -> Backend:
+    ranks = {}
+    with open(path, "rb") as f:
+        for number, line in enumerate(f, 1):
+            try:
+                if line.strip():
+                    token, rank = line.split()
+                    ranks[base64.b64decode(token, validate=True)] = int(rank)
+            except ValueError:
+                raise DataError(f"{path}: line {number} is not '<base64 token> <rank>', as every line of a tiktoken "
+                                "BPE-ranks file is; restore it from the checkpoint") from None
+    try:
+        import tiktoken
+    except ImportError:
+        raise _missing(path, "tiktoken") from None
+    added = files.get("tokenizer_config.json", {}).get("added_tokens_decoder")
+    special = ({token["content"]: int(i) for i, token in added.items()} if added
+               else {token: len(ranks) + i for i, token in enumerate(LLAMA3_SPECIAL)})
+    enc = tiktoken.Encoding(os.path.basename(path), pat_str=LLAMA3_PATTERN, mergeable_ranks=ranks,
+                            special_tokens=special)
+    own = {name: special[token] for name, token in (("bos", "<|begin_of_text|>"), ("eos", "<|end_of_text|>"))
+           if token in special}
+    return Backend(enc.encode_ordinary, enc.decode, enc.max_token_value + 1,
+                   lambda token: special.get(token, ranks.get(token.encode("utf-8"))), own, "bos" in own,
+                   frozenset(special.values()))
+
+
+def find_tokenizer(path: str) -> str | None:
+    """The tokenizer file of `path`: `path` itself if it is a file, else the first of tokenizer.json,
+    tokenizer.model and the *.tiktoken files (sorted) in the directory `path`; None if there is none."""
+    if os.path.isfile(path):
+        return path
+    found = [os.path.join(path, name) for name in ("tokenizer.json", "tokenizer.model")]
+    found += sorted(glob.glob(os.path.join(glob.escape(path), "*.tiktoken")))
+    return next((p for p in found if os.path.isfile(p)), None)
+
+
+def tokenizer_files(directory: str) -> list[str]:
+    """The files a `PretrainedTokenizer` of `directory` reads (none where it has no tokenizer file)."""
+    found = find_tokenizer(directory)
+    if found is None:
+        return []
+    return [found, *(p for name in SPECIAL_FILES if os.path.isfile(p := os.path.join(directory, name)))]
+
+
+def tokenizer_kind(path: str) -> str:
+    """The library that reads the tokenizer file `path`: 'tokenizers' (a .json file), 'tiktoken' (lines of
+    '<base64 token> <rank>'), else 'sentencepiece' (a protobuf; whether it parses is for sentencepiece to say)."""
+    if path.endswith(".json"):
+        return "tokenizers"
+    with open(path, "rb") as f:
+        head = f.readline(1024)
+    return "tiktoken" if re.fullmatch(rb"[A-Za-z0-9+/]+=* \d+\r?\n?", head) else "sentencepiece"
+
+
+def _read_json(path: str) -> dict:
+    try:
+        with open(path) as f:
+            content = json.load(f)
+    except ValueError as e:
+        raise DataError(f"{path} is not JSON ({e}); restore it from the checkpoint") from None
+    if not isinstance(content, dict):
+        raise DataError(f"{path} holds a JSON {type(content).__name__}, not an object; restore it from the checkpoint")
+    return content
+
+
+def _special_id(name: str, files: dict[str, dict], backend: Backend, path: str) -> int | None:
+    """The id of special token `name` ('bos', 'eos' or 'pad'): from the first of `files` (SPECIAL_FILES
+    found beside the tokenizer file `path`, {name: content}) that names it, else the tokenizer's own."""
+    for file, fields in files.items():
+        where = os.path.join(os.path.dirname(path), file)
+        if file in SPECIAL_FILES[:2]:
+            token = fields.get(f"{name}_token")
+            token = token.get("content") if isinstance(token, dict) else token
+            if token is None:
+                continue
+            found = backend.token_id(token) if isinstance(token, str) else None
+            if found is None:
+                raise DataError(f"{where}: {name}_token {token!r} is not a token of {path}; correct it or remove it")
+            return found
+        found = fields.get(f"{name}_token_id")
+        found = (found or [None])[0] if isinstance(found, list) else found
+        if found is None:
+            continue
+        if type(found) is not int or not 0 <= found < backend.vocab_size:
+            raise DataError(f"{where}: {name}_token_id={found!r} is not a token id of {path} (0 to "
+                            f"{backend.vocab_size - 1}); correct it or remove it")
+        return found
+    return backend.own.get(name)
+
+
+class PretrainedTokenizer:
+    """A pretrained model's own tokenizer: a checkpoint directory's tokenizer.json (the tokenizers
+    library), tokenizer.model (sentencepiece, or a tiktoken BPE-ranks file as Llama 3's original
+    checkpoints ship it) or *.tiktoken file (`find_tokenizer`), or one such file. A tiktoken file holds
+    only ranks: it is split by Llama 3's pattern, and its special tokens are tokenizer_config.json's
+    added_tokens_decoder where the directory has one, else Llama 3's 256 after the ranks.
+
+    encode(text) gives the text's ids as the model's tokenizer does, without special tokens (a text
+    that spells one, "<|endoftext|>", is text); decode skips special tokens and ids outside the
+    tokenizer's vocabulary (a model's embedding may have more rows). bos_id, eos_id and pad_id are the
+    model's: from the first of SPECIAL_FILES beside the tokenizer file that names each, else the file's
+    own (pad: EOS where the model has none; bos: None). add_bos: the model reads BOS before each document
+    (tokenizer_config.json's add_bos_token, else what the tokenizer does: a tokenizer.json whose
+    post-processor prepends a token, a sentencepiece or tiktoken model that has a BOS).
+    """
+
+    def __init__(self, path: str):
+        self.path = find_tokenizer(path)
+        if self.path is None:
+            why = ("has no tokenizer.json, tokenizer.model or *.tiktoken file" if os.path.isdir(path)
+                   else "does not exist")
+            raise DataError(f"tokenizer path {path} {why}; give a checkpoint directory that has one, or the file")
+        folder = os.path.dirname(self.path)
+        files = {name: _read_json(p) for name in SPECIAL_FILES if os.path.isfile(p := os.path.join(folder, name))}
+        self.kind = tokenizer_kind(self.path)
+        backend = {"tokenizers": _tokenizers_backend, "sentencepiece": _sentencepiece_backend,
+                   "tiktoken": _tiktoken_backend}[self.kind](self.path, files)
+        self._encode, self._decode, self.vocab_size = backend.encode, backend.decode, backend.vocab_size
+        self.bos_id, self.eos_id, self.pad_id = (_special_id(name, files, backend, self.path)
+                                                 for name in ("bos", "eos", "pad"))
+        if self.eos_id is None:
+            raise DataError(f"{self.path}: the model has no EOS token (no eos_token or eos_token_id in any of "
+                            f"{', '.join(SPECIAL_FILES)} beside it, none in the tokenizer): add one to "
+                            "tokenizer_config.json; documents end in it")
+        self.pad_id = self.eos_id if self.pad_id is None else self.pad_id
+        add_bos = files.get("tokenizer_config.json", {}).get("add_bos_token", backend.add_bos)
+        self.add_bos = bool(add_bos) and self.bos_id is not None
+        self._skip = {self.bos_id, self.eos_id, self.pad_id, *backend.skip}
+
+    def encode(self, text: str | bytes) -> np.ndarray:
+        """Returns int32[n]."""
+        return np.asarray(self._encode(_as_str(text)), dtype=np.int32)
+
+    def decode(self, ids: Sequence[int] | np.ndarray) -> str:
+        ids = [int(i) for i in np.asarray(ids).reshape(-1)]
+        return self._decode([i for i in ids if 0 <= i < self.vocab_size and i not in self._skip])
+
+
+def encode_document(tokenizer, text: str | bytes) -> np.ndarray:
+    """A document as a model reads it: BOS where it expects one (`add_bos`), the text's ids, EOS: int32[n]."""
+    bos = [tokenizer.bos_id] if tokenizer.add_bos else []
+    return np.concatenate([bos, tokenizer.encode(text), [tokenizer.eos_id]]).astype(np.int32)
+
+
+Tokenizer = ByteTokenizer | SentencePieceTokenizer | PretrainedTokenizer
+TOKENIZERS = ("byte", "sentencepiece", "hf")
 
 
 def _write_atomically(path: str, content: bytes) -> None:
@@ -143,14 +359,21 @@ def get_tokenizer(
     corpus_id: str = "",
     train_texts: Callable[[], Iterable[str]] | None = None,
     vocab_size: int = 8192,
+    path: str = "",
 ) -> Tokenizer:
-    """Returns the tokenizer `name` ('byte' or 'sentencepiece').
+    """Returns the tokenizer `name` ('byte', 'sentencepiece' or 'hf').
 
     A sentencepiece model is cached as `<data_dir>/tokenizers/spm-<corpus_id>-<vocab_size>.model`
-    and trained on `train_texts()` (the corpus' train split) the first time it is asked for.
+    and trained on `train_texts()` (the corpus' train split) the first time it is asked for. 'hf' is
+    the `PretrainedTokenizer` of `path` (a checkpoint directory or its tokenizer file).
     """
     if name == "byte":
         return ByteTokenizer()
+    if name == "hf":
+        if not path:
+            raise DataError("data.tokenizer='hf' reads a pretrained model's tokenizer: set data.tokenizer_path to its "
+                            "checkpoint directory or tokenizer file")
+        return PretrainedTokenizer(path)
     if name == "sentencepiece":
         safe_id = re.sub(r"[^A-Za-z0-9_.-]+", "_", corpus_id) or "corpus"
         model_path = os.path.join(data_dir, "tokenizers", f"spm-{safe_id}-{vocab_size}.model")

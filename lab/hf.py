@@ -21,6 +21,11 @@ kernels [in, out] (transposed). rope_scaling types: linear -> "pi", dynamic -> "
 yarn -> "yarn" with HF's index ramp and attention factor, llama3 -> "llama3"
 (positional/rope.py). bf16 checkpoints stay bf16 (`train.param_dtype`), others load as fp32;
 compute is fp32 (`model.dtype`, not part of a run's identity, so config.json may change it).
+
+The checkpoint's tokenizer (tokenizer.json, else tokenizer.model, else *.tiktoken, with the files
+that name its special tokens: `data.tokenizers.tokenizer_files`) is copied into <workdir>/tokenizer
+and the run's data config reads text with it (`data.tokenizer="hf"`), so evaluation sees text as
+the model was trained on it; a checkpoint without one keeps the default byte-level tokens.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from configs import default
+from data.tokenizers import PretrainedTokenizer, tokenizer_files
 from lab.checkpoints import checkpoint_manager, identity, save
 from lab.state import check_config, init_state, make_mesh
 
@@ -208,7 +214,8 @@ def run_config(hf: dict, where: str, workdir: str, seq_len: int = 0,
                param_dtype: str = "float32") -> ml_collections.ConfigDict:
     """The run config of an imported checkpoint: configs/default.py with the checkpoint's model,
     training length `seq_len` (0: its max_position_embeddings) and parameter dtype. The data
-    config stays the default (byte-level tokens of the embedded corpus)."""
+    config is the default (the embedded corpus in byte-level tokens); `import_checkpoint` sets
+    the checkpoint's own tokenizer where it has one."""
     config = default.get_config("rope")
     try:
         fields = model_fields(hf, where)
@@ -290,6 +297,14 @@ def import_checkpoint(source: str, workdir: str, *, seq_len: int = 0, param_dtyp
     tensors = tensor_index(source)
     config = run_config(hf, where, workdir, seq_len, param_dtype or checkpoint_dtype(tensors))
     check_config(config)
+    files = tokenizer_files(source)
+    tokenizer = PretrainedTokenizer(files[0]) if files else None
+    if tokenizer is not None:
+        if tokenizer.vocab_size > config.model.vocab_size:
+            raise ValueError(f"{tokenizer.path} has {tokenizer.vocab_size} tokens, more than the model's embedding "
+                             f"rows ({where}: vocab_size {config.model.vocab_size}); these tokenizer files are not "
+                             "this model's: replace them with the checkpoint's own")
+        config.data.update(tokenizer="hf", tokenizer_path=os.path.join(workdir, "tokenizer"))
     placement = ml_collections.ConfigDict(dict(mesh=dict(data=1, fsdp=fsdp, tensor=tensor, sequence=1)))
     mesh = make_mesh(placement)
     _, _, _, _, abstract = init_state(config, config.model.vocab_size, mesh, abstract=True)
@@ -304,6 +319,10 @@ def import_checkpoint(source: str, workdir: str, *, seq_len: int = 0, param_dtyp
              {"step": 0, "loss": float("nan"), "identity": identity(config), "imported_from": os.path.abspath(source)})
         manager.wait_until_finished()
         manager.close()
+        if files:
+            os.makedirs(os.path.join(partial, "tokenizer"))
+            for file in files:
+                shutil.copy(file, os.path.join(partial, "tokenizer"))
         with open(os.path.join(partial, "config.json"), "w") as f:
             f.write(config.to_json_best_effort(indent=2))
         if os.path.isdir(workdir):
@@ -313,20 +332,25 @@ def import_checkpoint(source: str, workdir: str, *, seq_len: int = 0, param_dtyp
         shutil.rmtree(partial, ignore_errors=True)
         raise
     notes = caveats(hf)
-    if config.model.vocab_size < 258:
-        notes.append(f"its vocabulary ({config.model.vocab_size}) does not cover the byte-level tokens (258) of the "
-                     "run's default data config: eval.py cannot score held-out text with it")
-    return {"workdir": workdir, "config": config, "model_type": hf["model_type"],
+    if tokenizer is None:
+        notes.append(f"{source} has no tokenizer (tokenizer.json, tokenizer.model or *.tiktoken): the run reads text "
+                     "as byte-level tokens, which the model was not trained on")
+        if config.model.vocab_size < 258:
+            notes.append(f"its vocabulary ({config.model.vocab_size}) does not cover the byte-level tokens (258): "
+                         "eval.py cannot score held-out text with it")
+    return {"workdir": workdir, "config": config, "model_type": hf["model_type"], "tokenizer": tokenizer,
             "params": sum(math.prod(x.shape) for x in jax.tree.leaves(params)), "caveats": notes}
 
 
 def train_flags(config) -> list[str]:
     """The train.py flags that rebuild the model of an imported run's `config` on
-    configs/default.py (for `--config.init_from`)."""
+    configs/default.py (for `--config.init_from`) and read text with its tokenizer."""
     base = default.get_config(config.model.scheme).model
     flags = [f"--config.model.{k}={v}" for k, v in config.model.items()
              if k != "scheme_options" and base.get(k) != v]
     flags += [f"--config.model.scheme_options.{k}={v}" for k, v in config.model.scheme_options.items()]
     if config.train.param_dtype != "float32":
         flags.append(f"--config.train.param_dtype={config.train.param_dtype}")
+    if config.data.tokenizer == "hf":
+        flags += ["--config.data.tokenizer=hf", f"--config.data.tokenizer_path={config.data.tokenizer_path}"]
     return flags

@@ -2,14 +2,14 @@
 generated deterministically from a seed and scored at every evaluation length and depth (the
 "retrieval" evaluator, lab/evaluators.py).
 
-An example is (prompt, answer) tokens, exactly L tokens together: a haystack of the run's
-held-out text (its eval split, EOS removed, from a seeded offset) with the task's needles
-inserted, then a question that the answer completes. Its depth d is the fraction of the
-haystack before the anchor needle (the one asked about; the first of several values or of a
-variable chain): round(d * F) of the F haystack tokens come before it, so d = 0 puts it first
-and d = 1 right before the question. Other needles go at seeded haystack offsets (after the
-anchor, in order, for the tasks that ask for an order). Each task, `task(rng) -> (needles,
-question, answer, ordered)`:
+An example is (prompt, answer) tokens, exactly L tokens together: BOS where the run's tokenizer
+expects one (an imported model's), a haystack of the run's held-out text (its eval split, PAD,
+EOS and BOS removed, from a seeded offset) with the task's needles inserted, then a question
+that the answer completes. Its depth d is the fraction of the haystack before the anchor
+needle (the one asked about; the first of several values or of a variable chain): round(d * F)
+of the F haystack tokens come before it, so d = 0 puts it first and d = 1 right before the
+question. Other needles go at seeded haystack offsets (after the anchor, in order, for the
+tasks that ask for an order). Each task, `task(rng) -> (needles, question, answer, ordered)`:
 
   passkey            "\\nThe pass key is 71432. Remember it.\\n" ... "\\nWhat is the pass key?
                      The pass key is " -> "71432"
@@ -153,14 +153,15 @@ def make_example(task: str, tokenizer, text: np.ndarray, length: int, depth: flo
     needles, question, answer, ordered = TASKS[task](rng)
     needles = [tokenizer.encode(n) for n in needles]
     question, answer = tokenizer.encode(question), tokenizer.encode(answer)
-    free = length - len(question) - len(answer) - sum(map(len, needles))
+    bos = [tokenizer.bos_id] if tokenizer.add_bos else []
+    free = length - len(bos) - len(question) - len(answer) - sum(map(len, needles))
     if free < 0:
         return None
     start = rng.integers(0, len(text) - free + 1)
     haystack, anchor = text[start:start + free], round(depth * free)
     others = rng.integers(anchor if ordered else 0, free + 1, len(needles) - 1)
     offsets = [anchor, *map(int, np.sort(others) if ordered else others)]  # haystack tokens before each needle
-    pieces, spans, taken, at = [], [None] * len(needles), 0, 0
+    pieces, spans, taken, at = [bos], [None] * len(needles), 0, len(bos)
     for i in sorted(range(len(needles)), key=lambda i: (offsets[i], i)):
         pieces += [haystack[taken:offsets[i]], needles[i]]
         at += offsets[i] - taken
@@ -170,9 +171,10 @@ def make_example(task: str, tokenizer, text: np.ndarray, length: int, depth: flo
 
 
 def haystack_text(config, tokenizer, longest: int) -> np.ndarray:
-    """The run's held-out tokens without PAD and EOS (documents run on), at least `longest`."""
+    """The run's held-out tokens without PAD, EOS and BOS (documents run on), at least `longest`."""
     stream = held_out_stream(config, max(2 * longest, 1 << 16))
-    text = stream[(stream != tokenizer.pad_id) & (stream != tokenizer.eos_id)]
+    separators = [i for i in (tokenizer.pad_id, tokenizer.eos_id, tokenizer.bos_id) if i is not None]
+    text = stream[~np.isin(stream, separators)]
     if len(text) < longest:
         raise ValueError(f"the held-out split has {len(text)} tokens; retrieval at length {longest} needs "
                          f"{longest}. Lower the longest retrieval length, or use a larger corpus")

@@ -21,8 +21,11 @@ from flax import nnx
 from lab.checkpoints import checkpoint_manager, identity, stored_identity
 from configs import default
 from lab.cli import run_cli
-from lab.hf import import_checkpoint, model_fields, caveats, read_safetensors_header, tensor_index
-from lab.runs import load_run
+from data import DataError, local_text, pipeline
+from lab import retrieval
+from lab.hf import import_checkpoint, model_fields, caveats, read_safetensors_header, tensor_index, train_flags
+from lab.lengths import evaluate_runs
+from lab.runs import held_out_stream, load_run
 from lab.training import TrainingError, train
 from models.lm import generate
 from positional.rope import dynamic_frequencies, rope_frequencies
@@ -279,6 +282,8 @@ def test_command_line_imports_and_eval_py_runs_on_it(tmp_path):
     out = cli("import_checkpoint.py", f"--source={os.path.join(FIXTURES, 'qwen2')}", f"--workdir={run}")
     assert out.returncode == 0, out.stderr[-2000:]
     assert f"into {run}" in out.stdout and "--config.init_from=" in out.stdout
+    assert "has no tokenizer (tokenizer.json, tokenizer.model or *.tiktoken): the run reads text as byte-level" in \
+        out.stderr
     evaluated = cli("eval.py", f"--workdirs={run}", "--max_multiplier=2", "--tokens=128", f"--out={tmp_path / 'eval'}")
     assert evaluated.returncode == 0, evaluated.stderr[-2000:]
     results = json.loads((tmp_path / "eval" / "results.json").read_text())
@@ -360,3 +365,112 @@ def test_parameters_load_sharded_each_device_reading_its_slice(tmp_path):
     assert all(math.prod(whole) == 8 * math.prod(part) for whole, part in result["reads"])
     assert all("fsdp" in spec for spec in result["specs"])
     assert result["error"] < 1e-4
+
+
+# ---- the checkpoint's tokenizer (tests/data/hf/tokenizers/, written by make_tokenizers.py) -------------
+
+TOKENIZERS = os.path.join(FIXTURES, "tokenizers")
+
+
+def with_tokenizer(tmp_path, name, vocab=560):
+    """The qwen2 fixture with `vocab` embedding rows (its 260, then random ones; its head is tied) and the files
+    of the tokenizer fixture `name` beside its config.json."""
+    target = copy_fixture("qwen2", tmp_path)
+    tensors = read_safetensors_header(str(target / "model.safetensors"))
+    arrays = {key: np.array(t.array()) for key, t in tensors.items()}
+    embed = arrays["model.embed_tokens.weight"]
+    extra = np.random.default_rng(0).normal(size=(vocab - len(embed), embed.shape[1]))
+    arrays["model.embed_tokens.weight"] = np.concatenate([embed, extra]).astype(np.float32)
+    header, blobs, offset = {}, [], 0
+    for key, array in arrays.items():  # the safetensors layout lab/hf.py reads
+        blobs.append(np.ascontiguousarray(array, "<f4").tobytes())
+        header[key] = {"dtype": "F32", "shape": list(array.shape), "data_offsets": [offset, offset + len(blobs[-1])]}
+        offset += len(blobs[-1])
+    head = json.dumps(header).encode()
+    (target / "model.safetensors").write_bytes(len(head).to_bytes(8, "little") + head + b"".join(blobs))
+    edit_config(target, vocab_size=vocab)
+    for file in os.listdir(os.path.join(TOKENIZERS, name)):
+        shutil.copy(os.path.join(TOKENIZERS, name, file), target)
+    return target
+
+
+def first_held_out_text(config) -> str:
+    """The text of the first document of the run's held-out split, in eval_stream's order (by path)."""
+    records = local_text.open_split(config.data, config.eval.split).records
+    return min((records[i] for i in range(len(records))), key=lambda r: r["path"])["text"].decode("utf-8")
+
+
+@pytest.mark.parametrize("name", ["json", "spm", "tiktoken"])
+def test_the_import_copies_the_tokenizer_and_reads_text_with_it(tmp_path, name):
+    """The tokenizer files land in <run>/tokenizer, the run's data config reads them, and its held-out stream is
+    the library's ids of each document between the model's BOS and EOS (spm: special_tokens_map.json's; json:
+    tokenizer_config.json's; tiktoken alone: Llama 3's after its 300 ranks, the json fixture's ids)."""
+    pytest.importorskip({"json": "tokenizers", "spm": "sentencepiece", "tiktoken": "tiktoken"}[name])
+    source = with_tokenizer(tmp_path, name)
+    summary = import_checkpoint(str(source), str(tmp_path / "run"))
+    run = tmp_path / "run"
+    # The checkpoint's config.json too: its special token ids (null in the qwen2 fixture's) are the model's.
+    assert sorted(os.listdir(run / "tokenizer")) == sorted([*os.listdir(os.path.join(TOKENIZERS, name)), "config.json"])
+    for file in os.listdir(run / "tokenizer"):
+        assert (run / "tokenizer" / file).read_bytes() == (source / file).read_bytes()
+    config = load_run(str(run))[0]
+    assert (config.data.tokenizer, config.data.tokenizer_path) == ("hf", str(run / "tokenizer"))
+    assert f"--config.data.tokenizer_path={run / 'tokenizer'}" in train_flags(config)
+    assert summary["tokenizer"].kind == {"json": "tokenizers", "spm": "sentencepiece", "tiktoken": "tiktoken"}[name]
+    text = first_held_out_text(config)
+    if name == "spm":
+        import sentencepiece
+        sp = sentencepiece.SentencePieceProcessor(model_file=str(source / "tokenizer.model"))
+        expected = [sp.piece_to_id("<s>"), *sp.encode(text), sp.piece_to_id("</s>")]
+    else:
+        tokenizers = pytest.importorskip("tokenizers")
+        lib = tokenizers.Tokenizer.from_file(os.path.join(TOKENIZERS, "json", "tokenizer.json"))
+        lib.encode_special_tokens = True
+        expected = [lib.token_to_id("<|begin_of_text|>"), *lib.encode(text, add_special_tokens=False).ids,
+                    lib.token_to_id("<|end_of_text|>")]
+    np.testing.assert_array_equal(held_out_stream(config, len(expected)), expected)
+
+
+def test_eval_and_retrieval_read_text_with_the_imported_tokenizer(tmp_path):
+    """Perplexity and the retrieval tasks on an import with a tokenizer.json: prompts start with its BOS,
+    needles, questions and answers are the library's ids, the haystack holds no BOS or EOS."""
+    tokenizers = pytest.importorskip("tokenizers")
+    lib = tokenizers.Tokenizer.from_file(os.path.join(TOKENIZERS, "json", "tokenizer.json"))
+    bos, eos = lib.token_to_id("<|begin_of_text|>"), lib.token_to_id("<|end_of_text|>")
+    ids = lambda text: lib.encode(text, add_special_tokens=False).ids  # noqa: E731
+    run = import_checkpoint(str(with_tokenizer(tmp_path, "json")), str(tmp_path / "run"))["workdir"]
+    lengths = evaluate_runs([run], max_multiplier=2, tokens=128, log=lambda *_: None)
+    assert all(np.isfinite(r["ppl"]) for r in lengths["runs"]["run"]["results"])
+    results = retrieval.retrieval_runs([run], tasks="passkey", lengths=[128], depths=[0.0, 1.0], examples=1,
+                                       decode_max_length=128, log=lambda *_: None)
+    for record in results["runs"]["run"]["tasks"]["passkey"]["records"]:
+        assert record["answer"] == ids(record["answer_text"]) and len(record["answer_text"]) == 5
+        assert "generated_text" in record
+    config = load_run(run)[0]
+    tok = pipeline.tokenizer(config.data)
+    text = retrieval.haystack_text(config, tok, 128)
+    assert bos not in text and eos not in text
+    example = retrieval.make_example("passkey", tok, text, 128, 0.0, [0])
+    assert example.prompt[0] == bos and len(example.prompt) + len(example.answer) == 128
+    start, n = example.needles[0]
+    value = lib.decode(example.answer.tolist())
+    assert example.prompt[start:start + n].tolist() == ids(f"\nThe pass key is {value}. Remember it.\n")
+    assert start == 1  # depth 0: right after BOS
+    question = ids("\nWhat is the pass key? The pass key is ")
+    assert example.prompt[-len(question):].tolist() == question
+
+
+def test_a_tokenizer_that_is_not_the_models_is_refused_in_one_line(tmp_path, capsys):
+    pytest.importorskip("tokenizers")
+    source = with_tokenizer(tmp_path, "json", vocab=300)  # the tokenizer has 302 tokens
+    run = tmp_path / "run"
+    with pytest.raises(SystemExit):
+        run_cli(lambda: import_checkpoint(str(source), str(run)))
+    assert capsys.readouterr().err == (f"error: {source / 'tokenizer.json'} has 302 tokens, more than the model's "
+                                       f"embedding rows ({source / 'config.json'}: vocab_size 300); these tokenizer "
+                                       "files are not this model's: replace them with the checkpoint's own\n")
+    (source / "tokenizer.json").write_text("{")
+    with pytest.raises(DataError, match=rf"^{source / 'tokenizer.json'} is not a tokenizer.json the tokenizers "
+                                        r"library reads \(.*\); restore it from the checkpoint$"):
+        import_checkpoint(str(source), str(run))
+    assert not run.exists() and os.listdir(tmp_path) == ["qwen2"]  # nothing written

@@ -63,6 +63,13 @@ APIS = [
     ("sentencepiece", "SentencePieceTrainer.train(sentence_iterator=..., model_writer=...) (oldest checked)",
      r"\bmodel_writer=", "0.1.99"),
     ("pyarrow", "pyarrow.parquet.ParquetFile.iter_batches", r"\.iter_batches\(", "3.0"),
+    # 0.15.0 has no encode_special_tokens; up to 0.19.1 a tokenizer.json whose merges are pairs
+    # (as 0.20 and later write them: the fixtures, recent checkpoints) does not parse.
+    ("tokenizers", "Tokenizer.encode_special_tokens", r"\.encode_special_tokens = ", "0.15.1"),
+    ("tokenizers", "Tokenizer.from_file of a tokenizer.json with merges as pairs", r"\bTokenizer\.from_file\(",
+     "0.20.0"),
+    ("tiktoken", "tiktoken.Encoding(pat_str=..., mergeable_ranks=..., special_tokens=...), encode_ordinary "
+     "(oldest checked)", r"\btiktoken\.Encoding\(", "0.3.0"),
 ]
 
 # Bounds raised above the APIs' needs so that the declared minimums install together:
@@ -97,6 +104,8 @@ IMPORT_NAMES = {
     "scipy": "scipy",
     "torch": "torch",  # the fixtures extra: tests/data/hf/make_fixtures.py
     "transformers": "transformers",
+    "tokenizers": "tokenizers",  # the hf extra: data/tokenizers.py
+    "tiktoken": "tiktoken",
 }
 
 # Declared but never imported: (file, regex) where each is needed.
