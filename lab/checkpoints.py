@@ -20,9 +20,11 @@ from lab import files
 PARTIAL = ".orbax-checkpoint-tmp"  # in the name of a save orbax did not finish
 # What a run's checkpoints are of: the model and its data. Changing one of these fields on a
 # workdir's rerun would resume a different model, so it is refused (`check_identity`). Not:
-# how attention is computed or tiled, the compute dtype, rematerialisation, or where data caches.
+# how attention is computed or tiled, the compute dtype, rematerialisation, where data caches, or
+# where a pretrained tokenizer's files are (a run directory moved elsewhere keeps its identity).
 IDENTITY = ("model.", "data.", "train.param_dtype")
-NOT_IDENTITY = ("model.attention_impl", "model.block_size", "model.dtype", "model.remat", "data.data_dir")
+NOT_IDENTITY = ("model.attention_impl", "model.block_size", "model.dtype", "model.remat", "data.data_dir",
+                "data.tokenizer_path")
 
 
 def checkpoint_manager(directory: str, keep: int = 2, create: bool = True,

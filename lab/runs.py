@@ -32,6 +32,10 @@ def load_run(workdir: str, untrained: bool = False):
         raise FileNotFoundError(f"{workdir!r} is not a training run directory (no config.json); "
                                 "pass the --config.workdir of a train.py run")
     config = ml_collections.ConfigDict(json.loads(files.read_text(path)))
+    own = files.join(workdir, "tokenizer")  # an imported run's copy of its tokenizer, where it now is
+    if config.data.get("tokenizer") == "hf" and not files.path(config.data.tokenizer_path).exists() \
+            and files.path(own).exists():
+        config.data.tokenizer_path = own
     config.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1))
     vocab = config.model.vocab_size or pipeline.tokenizer(config.data).vocab_size
     graphdef, rest, _, _, state = init_state(config, vocab, make_mesh(config))

@@ -429,6 +429,8 @@ def test_the_import_copies_the_tokenizer_and_reads_text_with_it(tmp_path, name):
         expected = [lib.token_to_id("<|begin_of_text|>"), *lib.encode(text, add_special_tokens=False).ids,
                     lib.token_to_id("<|end_of_text|>")]
     np.testing.assert_array_equal(held_out_stream(config, len(expected)), expected)
+    os.rename(run, tmp_path / "moved")  # a moved run reads its own copy
+    assert load_run(str(tmp_path / "moved"))[0].data.tokenizer_path == str(tmp_path / "moved" / "tokenizer")
 
 
 def test_eval_and_retrieval_read_text_with_the_imported_tokenizer(tmp_path):
