@@ -476,3 +476,20 @@ def test_a_tokenizer_that_is_not_the_models_is_refused_in_one_line(tmp_path, cap
                                         r"library reads \(.*\); restore it from the checkpoint$"):
         import_checkpoint(str(source), str(run))
     assert not run.exists() and os.listdir(tmp_path) == ["qwen2"]  # nothing written
+
+
+def test_analyze_py_runs_the_diagnostics_on_an_import(tmp_path):
+    """The position-generalization analysis (3-axis and fake-distance fits, explicit f+g, perturbations,
+    feature shift) runs on an imported checkpoint with its own tokenizer, in one command."""
+    pytest.importorskip("tokenizers")
+    run = import_checkpoint(str(with_tokenizer(tmp_path, "json")), str(tmp_path / "run"))["workdir"]
+    out = tmp_path / "analysis"
+    done = cli("analyze.py", f"--workdirs={run}", f"--out={out}", "--length=32", "--windows=2", "--perturb_windows=2",
+               "--gammas=0.1", "--l_max=5", "--shift_multiplier=2", "--shift_windows=2")
+    assert done.returncode == 0, done.stderr[-2000:]
+    (run_results,) = json.loads((out / "analysis.json").read_text())["runs"].values()
+    assert (run_results["scheme"], run_results["length"], len(run_results["layers"])) == ("rope", 32, 2)
+    assert np.isfinite(run_results["perturbation"]["clean_ppl"]) and run_results["feature_shift"]["kl"]
+    headings = [line for line in (out / "analysis.md").read_text().splitlines() if line.startswith("## ")]
+    for part in ("Logit decompositions", "Observation 1", "Perturbation 'positions'", "Feature shift"):
+        assert any(h.startswith(f"## {part}") for h in headings), part
