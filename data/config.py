@@ -28,6 +28,9 @@ def default_data_config() -> ml_collections.ConfigDict:
       streams: independent document streams the training batch is made of (`pipeline.Streams`);
         each process loads only the streams of its rows, so its rows must be whole streams (one
         per row always works). The batch depends on it, not on how many processes load it.
+      retrieval_mix: the fraction of training rows replaced by a retrieval example (passkey or
+        needles in the row's own text: `data.needles.mix_row`), 0 for none.
+      retrieval_tasks: comma-separated tasks of that mix (`data.needles.TASKS`).
       task: a synthetic task's options (`data.tasks.default_options(name)` lists them all;
         missing ones take their defaults).
     """
@@ -43,6 +46,8 @@ def default_data_config() -> ml_collections.ConfigDict:
             tokenizer_path="",
             spm_vocab_size=8192,
             streams=1,
+            retrieval_mix=0.0,
+            retrieval_tasks="passkey",
             task=ml_collections.ConfigDict({}),
         )
     )

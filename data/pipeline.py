@@ -20,13 +20,14 @@ iterator below; its state is two JSON numbers on top of grain's.
 from __future__ import annotations
 
 import functools
+import zlib
 from typing import Any, Iterator
 
 import grain
 import ml_collections
 import numpy as np
 
-from data import DataError, local_text, tasks, tokenizers
+from data import DataError, local_text, needles, tasks, tokenizers
 
 # Sentencepiece trains on at most this many characters of the train split (taken in the
 # split's stored order): more costs minutes and changes little.
@@ -157,7 +158,25 @@ def train_loader(
     docs = documents(config, "train")[shard_index::num_shards]
     _check_fills_a_row(docs, seq_len, config, shard_index, num_shards)
     rows = PackIterDataset(docs.shuffle(seed).repeat().to_iter_dataset(READ_OPTIONS), seq_len)
+    if mix := retrieval_mix(config):  # each stream its own draws, exact on resume (grain's random_map)
+        rows = rows.random_map(functools.partial(needles.mix_row, tokenizer(config), *mix),
+                               seed=zlib.crc32(f"retrieval mix {seed} {shard_index}".encode()))
     return iter(rows.batch(batch_size, drop_remainder=True))
+
+
+def retrieval_mix(config: ml_collections.ConfigDict) -> tuple[float, tuple[str, ...]] | None:
+    """(fraction, tasks) of `data.retrieval_mix` / `data.retrieval_tasks`, None for no mix;
+    DataError naming the field for a bad value."""
+    fraction = config.get("retrieval_mix", 0.0)
+    if not 0 <= fraction <= 1:
+        raise DataError(f"data.retrieval_mix={fraction} is the fraction of training rows that are retrieval "
+                        "examples; valid: 0 (none) to 1")
+    tasks = tuple(t.strip() for t in config.get("retrieval_tasks", "passkey").split(",") if t.strip())
+    unknown = [t for t in tasks if t not in needles.TASKS]
+    if unknown or not tasks:
+        raise DataError(f"data.retrieval_tasks={config.retrieval_tasks!r} names no task or unknown ones "
+                        f"{unknown}; valid: one or more of {', '.join(needles.TASKS)}, comma-separated")
+    return (fraction, tasks) if fraction else None
 
 
 def _check_fills_a_row(docs: grain.MapDataset, seq_len: int, config: ml_collections.ConfigDict,

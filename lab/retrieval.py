@@ -35,18 +35,16 @@ eval.blockwise_from); longer lengths get the teacher-forced scores only.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
-import string
 import time
-import zlib
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from data.needles import TASKS, Example, example_seed, make_example, separators
 from data.pipeline import tokenizer as run_tokenizer
 from data.tasks import is_task
 from lab import distributed, files
@@ -55,126 +53,12 @@ from lab.runs import held_out_stream, named_runs, pyplot
 from models.lm import generate
 
 DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
-NEEDLES = 4  # needles of the multi-needle tasks; hops of the variable chain
-
-
-# ---- the tasks: (needles, the anchor first; question; answer; whether the needles keep their order) ----
-
-def _number(rng, digits: int) -> str:
-    return str(rng.integers(10 ** (digits - 1), 10 ** digits))
-
-
-def _word(rng, letters=string.ascii_lowercase, size: int = 6) -> str:
-    return "".join(map(str, rng.choice(list(letters), size)))
-
-
-def _distinct(draw, n: int) -> list[str]:
-    out = []
-    while len(out) < n:
-        x = draw()
-        if x not in out:
-            out.append(x)
-    return out
-
-
-def _magic(key: str, value: str) -> str:
-    return f"\nThe special magic number for {key} is {value}.\n"
-
-
-def _ask(key: str) -> str:
-    return f"\nWhat is the special magic number for {key}? The special magic number for {key} is "
-
-
-def passkey(rng):
-    value = _number(rng, 5)
-    return [f"\nThe pass key is {value}. Remember it.\n"], "\nWhat is the pass key? The pass key is ", value, False
-
-
-def single(rng):
-    key, value = _word(rng), _number(rng, 7)
-    return [_magic(key, value)], _ask(key), value, False
-
-
-def multikey(rng):
-    keys = _distinct(lambda: _word(rng), NEEDLES)
-    values = [_number(rng, 7) for _ in keys]
-    return [_magic(k, v) for k, v in zip(keys, values)], _ask(keys[0]), values[0], False
-
-
-def multivalue(rng):
-    key, values = _word(rng), _distinct(lambda: _number(rng, 7), NEEDLES)
-    question = f"\nWhat are all the special magic numbers for {key}? The special magic numbers for {key} are "
-    return [_magic(key, v) for v in values], question, ", ".join(values), True
-
-
-def distractor(rng):
-    key = _word(rng)
-
-    def similar():  # one letter of the key changed
-        i = rng.integers(len(key))
-        return key[:i] + str(rng.choice([c for c in string.ascii_lowercase if c != key[i]])) + key[i + 1:]
-
-    keys = [key, *_distinct(similar, NEEDLES - 1)]
-    values = _distinct(lambda: _number(rng, 7), NEEDLES)
-    return [_magic(k, v) for k, v in zip(keys, values)], _ask(key), values[0], False
-
-
-def variable_tracking(rng):
-    names, value = _distinct(lambda: _word(rng, string.ascii_uppercase, 5), NEEDLES), _number(rng, 5)
-    needles = [f"\nVAR {b} = {a}.\n" for a, b in zip([value, *names], names)]
-    return needles, f"\nWhich variables equal {value}? They are: ", " ".join(names), True
-
-
-TASKS = {task.__name__: task for task in (passkey, single, multikey, multivalue, distractor, variable_tracking)}
-
-
-# ---- examples ---------------------------------------------------------------------------------
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class Example:
-    """prompt int32[P] and answer int32[A], P + A = L; needles: (start, length) in the prompt of
-    each needle, the anchor first; free: the haystack tokens (round(depth * free) before the anchor)."""
-    prompt: np.ndarray
-    answer: np.ndarray
-    needles: tuple
-    free: int
-
-
-def example_seed(seed: int, task: str, length: int, depth: float, index: int) -> list[int]:
-    """The example's own seed: the same example whatever else is generated beside it."""
-    return [seed, zlib.crc32(task.encode()), length, round(depth * 10 ** 6), index]
-
-
-def make_example(task: str, tokenizer, text: np.ndarray, length: int, depth: float, seed) -> Example | None:
-    """One example of `task`, exactly `length` tokens, its anchor needle at `depth`, its haystack
-    from `text` (int32[n] tokens, n >= length); None where its needles, question and answer
-    alone are longer than `length`."""
-    rng = np.random.default_rng(seed)
-    needles, question, answer, ordered = TASKS[task](rng)
-    needles = [tokenizer.encode(n) for n in needles]
-    question, answer = tokenizer.encode(question), tokenizer.encode(answer)
-    bos = [tokenizer.bos_id] if tokenizer.add_bos else []
-    free = length - len(bos) - len(question) - len(answer) - sum(map(len, needles))
-    if free < 0:
-        return None
-    start = rng.integers(0, len(text) - free + 1)
-    haystack, anchor = text[start:start + free], round(depth * free)
-    others = rng.integers(anchor if ordered else 0, free + 1, len(needles) - 1)
-    offsets = [anchor, *map(int, np.sort(others) if ordered else others)]  # haystack tokens before each needle
-    pieces, spans, taken, at = [bos], [None] * len(needles), 0, len(bos)
-    for i in sorted(range(len(needles)), key=lambda i: (offsets[i], i)):
-        pieces += [haystack[taken:offsets[i]], needles[i]]
-        at += offsets[i] - taken
-        spans[i], taken, at = (at, len(needles[i])), offsets[i], at + len(needles[i])
-    prompt = np.concatenate([*pieces, haystack[taken:], question]).astype(np.int32)
-    return Example(prompt, answer.astype(np.int32), tuple(spans), free)
 
 
 def haystack_text(config, tokenizer, longest: int) -> np.ndarray:
     """The run's held-out tokens without PAD, EOS and BOS (documents run on), at least `longest`."""
     stream = held_out_stream(config, max(2 * longest, 1 << 16))
-    separators = [i for i in (tokenizer.pad_id, tokenizer.eos_id, tokenizer.bos_id) if i is not None]
-    text = stream[~np.isin(stream, separators)]
+    text = stream[~np.isin(stream, separators(tokenizer))]
     if len(text) < longest:
         raise ValueError(f"the held-out split has {len(text)} tokens; retrieval at length {longest} needs "
                          f"{longest}. Lower the longest retrieval length, or use a larger corpus")

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+import re
 
 import grain
 import numpy as np
 import pytest
 
-from data import local_text, pipeline
+from data import DataError, local_text, pipeline
 from data.tokenizers import ByteTokenizer
 
 EOS = ByteTokenizer().eos_id
@@ -178,3 +179,51 @@ def test_each_process_loads_its_own_streams_and_together_the_batch(corpus_config
     again = pipeline.Streams(corpus_config, rows=range(4, 8), **kw)
     again.set_state(state)
     np.testing.assert_array_equal(next(again)["tokens"], next(halves[1])["tokens"])
+
+
+def test_retrieval_mix_replaces_a_fraction_of_rows_with_examples_and_resumes_exactly(corpus_config):
+    """data.retrieval_mix: about that fraction of rows become one-document retrieval examples of the
+    row's length (needle, haystack, question, then the answer the needle holds); the other rows are
+    the rows without the mix, unchanged; a loader resumed from any state gives the same batches."""
+    mixed = corpus_config.copy_and_resolve_references()
+    mixed.update(retrieval_mix=0.5, retrieval_tasks="passkey,multikey")
+    plain = stack(take(pipeline.train_loader(corpus_config, seed=2, batch_size=4, seq_len=320), 10))
+    loader = pipeline.train_loader(mixed, seed=2, batch_size=4, seq_len=320)
+    batches, states = [], []
+    for _ in range(10):
+        batches.append(next(loader))
+        states.append(json.loads(json.dumps(loader.get_state())))
+    rows, examples = stack(batches), 0
+    for i, tokens in enumerate(rows["tokens"]):
+        if np.array_equal(tokens, plain["tokens"][i]):
+            assert all(np.array_equal(rows[k][i], plain[k][i]) for k in rows)
+            continue
+        examples += 1
+        np.testing.assert_array_equal(rows["segment_ids"][i], 1)
+        np.testing.assert_array_equal(rows["positions"][i], np.arange(320))
+        text = ByteTokenizer().decode(tokens)
+        if "pass key" in text:
+            asked = re.search(r"What is the pass key\? The pass key is (\d{5})$", text).group(1)
+            assert f"The pass key is {asked}. Remember it." in text
+        else:
+            key, value = re.search(r"What is the special magic number for (\w+)\? The special magic number for \1 "
+                                   r"is (\d{7})$", text).groups()
+            assert f"The special magic number for {key} is {value}." in text
+    assert 10 <= examples <= 30  # of 40 rows, at one half (binomial: 3 standard deviations)
+    for resume_after in (1, 4, 9):
+        resumed = pipeline.train_loader(mixed, seed=2, batch_size=4, seq_len=320)
+        resumed.set_state(states[resume_after - 1])
+        for expected in batches[resume_after:]:
+            got = next(resumed)
+            assert all(np.array_equal(got[k], expected[k]) for k in expected)
+
+
+@pytest.mark.parametrize("field, value, error", [
+    ("retrieval_mix", 1.5, "data.retrieval_mix=1.5 is the fraction of training rows that are retrieval examples"),
+    ("retrieval_tasks", "passkey,nope", "data.retrieval_tasks='passkey,nope' names no task or unknown ones ['nope']"),
+])
+def test_bad_retrieval_mix_is_one_line(corpus_config, field, value, error):
+    bad = corpus_config.copy_and_resolve_references()
+    bad.update({"retrieval_mix": 0.5, field: value})
+    with pytest.raises(DataError, match=re.escape(error)):
+        pipeline.train_loader(bad, seed=0, batch_size=2, seq_len=64)
