@@ -51,8 +51,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         # The NaN guard also stops a loss above this many times the median of the last 50
         # logged, so no checkpoint of a blown-up state is kept; 0 turns that part off.
         explode_factor=10.0,
-        param_dtype="float32",
-        async_checkpoints=True,  # a save is written while training goes on  # parameters' storage: "bfloat16" halves them (optimizer state stays fp32)
+        param_dtype="float32",  # parameters' storage: "bfloat16" halves them (optimizer state stays fp32)
+        async_checkpoints=True,  # a save is written while training goes on
+        # Weight decay on the position schemes' learned matrices too (lab.state.decayed); every
+        # result in docs/results/ so far trained with it. False exempts them like norms' scales.
+        decay_position_params=True,
     ))
     # Continue from another run's parameters (fresh optimizer and step counter): the
     # pretrain-then-extend workflow. A directory of checkpoints; its latest complete one is used.

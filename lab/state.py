@@ -84,12 +84,23 @@ def make_mesh(config) -> jax.sharding.Mesh:
 def make_optimizer(cfg) -> tuple[optax.GradientTransformation, optax.Schedule]:
     schedule = optax.warmup_cosine_decay_schedule(
         0.0, cfg.lr, cfg.warmup_steps, max(cfg.steps, cfg.warmup_steps + 1), cfg.lr * cfg.min_lr_ratio)
-    # Decay matrices only: norms' scales and 1-D parameters keep their values.
     return optax.chain(
         optax.clip_by_global_norm(cfg.grad_clip),
         optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay,
-                    mask=lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)),
+                    mask=functools.partial(decayed, position=cfg.get("decay_position_params", True))),
     ), schedule
+
+
+def decayed(params, position: bool = True):
+    """Which parameters weight decay pulls towards 0 (a tree of bools): matrices only, not norms'
+    scales or other 1-D parameters; and, only with `position`, the matrices of the position
+    schemes' features modules (learned step tables, FoX gate and PaTH projections, ESPR
+    generators: the `features` of an attention layer), which decay would pull towards a fixed
+    scheme (a step table towards RoPE's constant angles)."""
+    def decay(path, x):
+        names = {getattr(k, "key", getattr(k, "name", None)) for k in path}
+        return x.ndim >= 2 and (position or "features" not in names)
+    return jax.tree_util.tree_map_with_path(decay, params)
 
 
 PARAM_DTYPES = ("float32", "bfloat16")

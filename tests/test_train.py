@@ -270,3 +270,30 @@ def test_one_initialisation_path_abstract_and_built(tmp_path, scheme):
                                        nnx.Param))
     for x, y in zip(jax.tree.leaves(state["params"]), jax.tree.leaves(eager)):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+@pytest.mark.parametrize("position", [True, False])
+def test_weight_decay_takes_matrices_and_position_matrices_only_when_asked(position):
+    """One AdamW step with zero gradients is the decay alone: matrices shrink by lr * weight_decay,
+    norms' scales do not, and the learned step table of so2_learned_qkv (an attention layer's
+    `features`) shrinks only with train.decay_position_params."""
+    from flax import nnx
+
+    from configs import default
+    from lab.state import make_optimizer
+    from models.lm import DecoderLM, ModelConfig
+    cfg = default.get_config().train
+    cfg.update(lr=0.1, warmup_steps=0, weight_decay=0.5, decay_position_params=position)
+    model = DecoderLM(ModelConfig(vocab_size=30, d_model=32, num_layers=1, num_heads=2, scheme="so2_learned_qkv"),
+                      rngs=nnx.Rngs(0))
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    params["blocks"][0]["attn"]["features"]["table"] = jnp.ones((30, 8))  # initialised at 0
+    tx, schedule = make_optimizer(cfg)
+    updates, _ = tx.update(jax.tree.map(jnp.zeros_like, params), tx.init(params), params)
+    new = jax.tree.map(lambda p, u: p + u, params, updates)
+    layer, old = new["blocks"][0], params["blocks"][0]
+    shrink = 1 - float(schedule(0)) * 0.5
+    assert shrink == pytest.approx(0.95)
+    np.testing.assert_allclose(layer["attn"]["q"]["kernel"], shrink * old["attn"]["q"]["kernel"], rtol=1e-6)
+    np.testing.assert_array_equal(layer["attn_norm"]["scale"], old["attn_norm"]["scale"])
+    np.testing.assert_allclose(layer["attn"]["features"]["table"], shrink if position else 1.0, rtol=1e-6)
