@@ -39,7 +39,7 @@ def main(argv):
         length=FLAGS.length, windows=FLAGS.windows, gammas=FLAGS.gammas, l_max=FLAGS.l_max,
         perturb_windows=FLAGS.perturb_windows, shift_multiplier=FLAGS.shift_multiplier,
         shift_windows=FLAGS.shift_windows))
-    runs = cli.run_cli(lambda: cli.scheme_runs(FLAGS.workdirs))
+    runs = cli.run_cli(lambda: cli.scheme_runs(FLAGS.workdirs, FLAGS.scheme, FLAGS.scheme_options))
     print(cli.run_cli(lambda: evaluate("analysis", runs, FLAGS.out, untrained=FLAGS.untrained, **options)))
     print(f"wrote {FLAGS.out}/analysis.json, analysis.md and the plots")
 

@@ -92,7 +92,7 @@ def main(argv):
     cli.run_cli(lambda: cli.require_workdirs(FLAGS.workdirs))
     cli.run_cli(cli.start_processes)  # several processes: each scores its windows, process 0 writes
     options = cli.run_cli(checked_options)
-    runs = cli.run_cli(lambda: cli.scheme_runs(FLAGS.workdirs))
+    runs = cli.run_cli(lambda: cli.scheme_runs(FLAGS.workdirs, FLAGS.scheme, FLAGS.scheme_options))
     for name, option in options.items():
         print(cli.run_cli(lambda: evaluate(name, runs, FLAGS.out, **option)))
     print(f"wrote {', '.join(chosen())} reports into {FLAGS.out}")

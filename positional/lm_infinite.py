@@ -74,10 +74,10 @@ class LMInfinite(Rope):
 
         def score(qb, kb, qi, kj):  # qb [B, tq, K, G, D], kb [B, tk, K, D], rotated by their positions
             dtype = jnp.promote_types(qb.dtype, kb.dtype)
-            near = matmul("btkgd,bskd->bkgts", qb, kb, dtype)
+            near = matmul("btkgd,bskd->bkgts", qb, kb, dtype) * scale  # RoPE's logit, as block_scores has it
             q_far = rotate(qb, rope_angles(window - qi, theta)[:, None], layout)  # angles [tq, 1, 1, D/2]
             k_far = rotate(kb, rope_angles(-kj, theta), layout)  # [tk, 1, D/2]
-            far = matmul("btkgd,bskd->bkgts", q_far, k_far, dtype)
-            return jnp.where(qi[:, None] - kj[None, :] < window, near, far) * scale
+            far = matmul("btkgd,bskd->bkgts", q_far, k_far, dtype) * scale
+            return jnp.where(qi[:, None] - kj[None, :] < window, near, far)
 
         return score
