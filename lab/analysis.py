@@ -182,10 +182,11 @@ def feature_shift(model, config, tokens, dims: int = 16, traces: int = 0) -> dic
         if traces:
             plane = lambda x: np.round((x.reshape(-1, x.shape[-1]) - ref.mean(0)) @ basis[:, :2], 4)  # noqa: E731
             queries = np.linspace(train_len, t - 1, traces).astype(int)
-            outputs = window_outputs(model.blocks[i].attn, layer, half, queries, train_len)
-            out.setdefault("pca", []).append({"cloud": plane(ref)[:PCA_POINTS].tolist(), "queries": queries.tolist(),
-                               "beyond": plane(o[half:, buckets[-1][0]:buckets[-1][1]])[:PCA_POINTS].tolist(),
-                               "traces": [plane(x).tolist() for x in np.asarray(outputs, np.float64)]})
+            outputs = np.asarray(window_outputs(model.blocks[i].attn, layer, half, queries, train_len), np.float64)
+            lo, hi = buckets[-1]
+            out.setdefault("pca", []).append({
+                "cloud": plane(ref)[:PCA_POINTS].tolist(), "beyond": plane(o[half:, lo:hi])[:PCA_POINTS].tolist(),
+                "queries": queries.tolist(), "traces": [plane(x).tolist() for x in outputs]})
     return out
 
 
