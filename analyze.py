@@ -27,6 +27,7 @@ flags.DEFINE_integer("perturb_windows", 8, "windows of the training length for t
 flags.DEFINE_integer("shift_multiplier", 8, "feature-shift windows are this many training lengths "
                      "(a power of two)")
 flags.DEFINE_integer("shift_windows", 8, "windows for the feature shift")
+cli.define_scheme_flags()
 FLAGS = flags.FLAGS
 
 
@@ -38,8 +39,8 @@ def main(argv):
         length=FLAGS.length, windows=FLAGS.windows, gammas=FLAGS.gammas, l_max=FLAGS.l_max,
         perturb_windows=FLAGS.perturb_windows, shift_multiplier=FLAGS.shift_multiplier,
         shift_windows=FLAGS.shift_windows))
-    print(cli.run_cli(lambda: evaluate("analysis", FLAGS.workdirs, FLAGS.out, untrained=FLAGS.untrained,
-                                       **options)))
+    runs = cli.run_cli(lambda: cli.scheme_runs(FLAGS.workdirs, FLAGS.scheme, FLAGS.scheme_options))
+    print(cli.run_cli(lambda: evaluate("analysis", runs, FLAGS.out, untrained=FLAGS.untrained, **options)))
     print(f"wrote {FLAGS.out}/analysis.json, analysis.md and the plots")
 
 

@@ -3,9 +3,12 @@
     python eval.py --workdirs=runs/rope,runs/alibi --out=runs/compare --max_multiplier=16
     python eval.py --workdirs=runs/rope --evals=lengths,transport --probe_length=1024
     python eval.py --workdirs=runs/rope --evals=retrieval --retrieval_tasks=passkey,multikey
+    python eval.py --workdirs=runs/rope --scheme=rope_lm_infinite --out=runs/rope_lm_infinite
 
 --evals picks the evaluators (default: lengths, i.e. perplexity by length, or task accuracy for
-runs trained on a synthetic task); each writes its JSON, markdown and plots into --out. For
+runs trained on a synthetic task); each writes its JSON, markdown and plots into --out.
+--scheme evaluates the runs zero-shot under another scheme with their own parameters
+(--scheme_options its options; LM-Infinite's window defaults to the run's training length). For
 compatibility, --probe_length alone runs `transport`, and with --near_far `near_far`. Training
 runs the same evaluators on its live model when its `config.evals` names them.
 """
@@ -41,6 +44,7 @@ flags.DEFINE_integer("retrieval_seed", 0, "retrieval: the seed the examples are 
 flags.DEFINE_integer("decode_max_length", -1, "retrieval: longest length also scored by greedy decoding "
                      "(0: none; -1: the run's eval.blockwise_from)")
 cli.define_distributed_flags()
+cli.define_scheme_flags()
 FLAGS = flags.FLAGS
 
 
@@ -88,8 +92,9 @@ def main(argv):
     cli.run_cli(lambda: cli.require_workdirs(FLAGS.workdirs))
     cli.run_cli(cli.start_processes)  # several processes: each scores its windows, process 0 writes
     options = cli.run_cli(checked_options)
+    runs = cli.run_cli(lambda: cli.scheme_runs(FLAGS.workdirs, FLAGS.scheme, FLAGS.scheme_options))
     for name, option in options.items():
-        print(cli.run_cli(lambda: evaluate(name, FLAGS.workdirs, FLAGS.out, **option)))
+        print(cli.run_cli(lambda: evaluate(name, runs, FLAGS.out, **option)))
     print(f"wrote {', '.join(chosen())} reports into {FLAGS.out}")
 
 

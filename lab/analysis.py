@@ -48,7 +48,7 @@ from flax import nnx
 from lab import files
 from lab.lengths import checked, checked_list, eval_impl
 from lab.probes import check_memory
-from lab.runs import held_out_windows, named_runs, pyplot
+from lab.runs import held_out_windows, named_runs, pyplot, with_scheme
 from models.lm import attention_internals, token_nll
 from positional.probes import logits as lp
 from positional.probes import perturb
@@ -145,7 +145,7 @@ def shift_buckets(train_len: int, multiplier: int) -> list[tuple[int, int]]:
     return [(0, train_len)] + [(int(a * train_len), int(b * train_len)) for a, b in zip(edges, edges[1:])]
 
 
-def feature_shift(model, config, tokens, dims: int = 16) -> dict:
+def feature_shift(model, config, tokens, dims: int = 16, traces: int = 0) -> dict:
     """KL(attention outputs in a bucket || within the training length) per layer, and the mean
     next-token NLL (log-perplexity) per bucket, on windows tokens [B, T + 1].
 
@@ -154,6 +154,12 @@ def feature_shift(model, config, tokens, dims: int = 16) -> dict:
     so the control KL is the floor that sampling alone gives. Outputs are projected on the
     reference's top `dims` principal directions first: a full-covariance fit in d_model
     dimensions from a few hundred samples is mostly estimation bias (about d^2 / 2n).
+
+    With `traces` > 0 (schemes without per-token features), also 'pca' per layer, the paper's
+    Figure 6 on the reference's top two principal directions: 'cloud', the reference outputs;
+    'beyond', the outputs in the last bucket; 'traces', `traces` queries of the first compared
+    window each attending to the sliding key/value windows [i, i + L_train) of that window
+    (`window_outputs`), i every L_train / 4 tokens. At most PCA_POINTS points per cloud.
     """
     train_len, t = config.seq_len, tokens.shape[1] - 1
     buckets = shift_buckets(train_len, t // train_len)
@@ -166,14 +172,40 @@ def feature_shift(model, config, tokens, dims: int = 16) -> dict:
     out = {"buckets": buckets, "dims": dims,
            "log_ppl": [float(nll[half:, lo:hi].mean()) for lo, hi in buckets],
            "kl": [], "kl_control": []}
-    for layer in layers:
+    for i, layer in enumerate(layers):
         o = np.asarray(layer["out"], np.float64)
         ref = o[:half, :train_len].reshape(-1, o.shape[-1])
         basis = np.linalg.svd(ref - ref.mean(0), full_matrices=False)[2][:dims].T  # [d_model, dims]
         kl = lambda x: float(lp.gaussian_kl(jnp.asarray(x @ basis), jnp.asarray(ref @ basis)))  # noqa: E731
         out["kl"].append([kl(o[half:, lo:hi]) for lo, hi in buckets[1:]])
         out["kl_control"].append(kl(o[half:, :train_len]))
+        if traces:
+            plane = lambda x: np.round((x.reshape(-1, x.shape[-1]) - ref.mean(0)) @ basis[:, :2], 4)  # noqa: E731
+            queries = np.linspace(train_len, t - 1, traces).astype(int)
+            outputs = np.asarray(window_outputs(model.blocks[i].attn, layer, half, queries, train_len), np.float64)
+            lo, hi = buckets[-1]
+            out.setdefault("pca", []).append({
+                "cloud": plane(ref)[:PCA_POINTS].tolist(), "beyond": plane(o[half:, lo:hi])[:PCA_POINTS].tolist(),
+                "queries": queries.tolist(), "traces": [plane(x).tolist() for x in outputs]})
     return out
+
+
+PCA_POINTS = 512
+
+
+def window_outputs(attn, layer: dict, row: int, queries, length: int) -> jax.Array:
+    """The attention sublayer's output for the query of each position in `queries` (of window
+    `row`) attending, under the layer's own scheme, to the keys and values of the same window at
+    [i, i + length), at distances length - 1 .. 0, for i = 0, length / 4, ... (the paper's
+    Figure 6): [len(queries), windows, d_model]. `layer` is attention_internals' record."""
+    q, k, v = (layer[name][row] for name in ("q", "k", "v"))
+    starts = np.arange(0, k.shape[0] - length + 1, max(1, length // 4))
+    rows = np.repeat(np.asarray(queries), len(starts))  # query-major: [queries x windows]
+    window = np.tile(starts, len(queries))[:, None] + np.arange(length)  # [rows, length] key indices
+    positions = jnp.broadcast_to(jnp.arange(length), window.shape)
+    out = attn.scheme.attend(jnp.broadcast_to(q[rows][:, None], (len(rows), length, *q.shape[1:])), k[window],
+                             v[window], positions=positions)[:, -1]  # the query sits at the last slot
+    return attn.o(out.reshape(len(queries), len(starts), -1))
 
 
 # ---- running and reporting ---------------------------------------------------------------------
@@ -211,8 +243,13 @@ def analyze_runs(runs, *, parts=PARTS, untrained=False, length=0, windows=4, gam
             rec["perturbation"] = perturbation_grid(
                 model, held_out_windows(config, perturb_windows, train_len + 1), gammas, l_maxes)
         if "feature_shift" in parts:
-            rec["feature_shift"] = feature_shift(
-                model, config, held_out_windows(config, shift_windows, shift_multiplier * train_len + 1))
+            tokens = held_out_windows(config, shift_windows, shift_multiplier * train_len + 1)
+            rope = config.model.scheme == "rope"
+            rec["feature_shift"] = feature_shift(model, config, tokens, traces=3 if rope else 0)
+            if rope:  # Table 2's other row: the same parameters under LM-Infinite (window: train_len)
+                lm = with_scheme(run, "rope_lm_infinite").model
+                options = {key: getattr(lm.blocks[0].attn.scheme, key) for key in ("window", "global_tokens")}
+                rec["feature_shift"]["lm_infinite"] = {**options, **feature_shift(lm, config, tokens)}
         rec["seconds"] = time.perf_counter() - start
         results["runs"][name] = rec
         log(f"analysed {name} in {rec['seconds']:.0f} s")
@@ -293,14 +330,27 @@ def perturbation_table(results: dict, mode: str) -> str:
     return "\n".join(lines)
 
 
+def shift_rows(results: dict) -> list[tuple[str, dict, int]]:
+    """(label, feature-shift record, training length) of every run, each RoPE run followed by
+    its LM-Infinite arm (the paper's Table 2 rows)."""
+    rows = []
+    for name, run in results["runs"].items():
+        s = run["feature_shift"]
+        rows.append((name, s, run["train_len"]))
+        if "lm_infinite" in s:
+            lm = s["lm_infinite"]
+            rows.append((f"{name} + LM-Infinite (window {lm['window']}, {lm['global_tokens']} starting tokens)",
+                         lm, run["train_len"]))
+    return rows
+
+
 def shift_table(results: dict) -> str:
     first = next(iter(results["runs"].values()))["feature_shift"]["buckets"]
     names = [f"{lo}-{hi}" for lo, hi in first]
     lines = ["| run | control KL | " + " | ".join(f"KL {b}" for b in names[1:]) + " | "
              + " | ".join(f"log-ppl {b}" for b in names) + " |",
              "|---|---|" + "---|" * (2 * len(names) - 1)]
-    for name, run in results["runs"].items():
-        s = run["feature_shift"]
+    for name, s, _ in shift_rows(results):
         kl = np.mean(s["kl"], axis=0)  # mean over layers
         cells = [f"{np.mean(s['kl_control']):.3f}"] + [f"{x:.3f}" for x in (*kl, *s["log_ppl"])]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
@@ -377,9 +427,8 @@ def plot_perturbation(results: dict, out: str) -> None:
 def plot_shift(results: dict, out: str) -> None:
     plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for i, (name, run) in enumerate(results["runs"].items()):
-        s = run["feature_shift"]
-        centres = [(lo + hi) / 2 / run["train_len"] for lo, hi in s["buckets"]]
+    for i, (name, s, train_len) in enumerate(shift_rows(results)):
+        centres = [(lo + hi) / 2 / train_len for lo, hi in s["buckets"]]
         style = {"marker": "o", "label": name, "color": plt.cm.tab20(i % 20), "ls": ("-", "--")[i // 20 % 2]}
         # The first point is the control: within-length outputs of other documents.
         axes[0].plot(centres, [np.mean(s["kl_control"]), *np.mean(s["kl"], axis=0)], **style)
@@ -393,6 +442,24 @@ def plot_shift(results: dict, out: str) -> None:
         ax.legend(fontsize=7)
     fig.tight_layout()
     files.save_figure(fig, files.join(out, "feature_shift.png"), dpi=120)
+    plt.close(fig)
+
+
+def plot_pca(name: str, pca: list[dict], out: str) -> None:
+    """The paper's Figure 6 per layer: in-length outputs as a cloud, those past the training
+    length, and each query's outputs over sliding windows as a trace."""
+    plt = pyplot()
+    fig, axes = plt.subplots(1, len(pca), figsize=(4.2 * len(pca), 4), squeeze=False)
+    for i, (ax, layer) in enumerate(zip(axes[0], pca)):
+        ax.scatter(*np.asarray(layer["cloud"]).T, s=3, alpha=0.3, color="tab:blue", label="within the training length")
+        ax.scatter(*np.asarray(layer["beyond"]).T, s=3, alpha=0.3, color="tab:gray", label="last bucket (vanilla)")
+        for t, trace in zip(layer["queries"], layer["traces"]):
+            ax.plot(*np.asarray(trace).T, "--", marker=".", lw=1, label=f"query {t} over sliding windows")
+        ax.set(title=f"layer {i}", xlabel="PC 1", ylabel="PC 2")
+    axes[0, 0].legend(fontsize=6)
+    fig.suptitle(f"{name}: attention outputs on the top two principal directions of the in-length ones", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, f"pca_{_slug(name)}.png"), dpi=100)
     plt.close(fig)
 
 
@@ -414,6 +481,9 @@ def perturbations_section(results: dict, maps: dict, out: str) -> list[str]:
 
 def feature_shift_section(results: dict, maps: dict, out: str) -> list[str]:
     plot_shift(results, out)
+    for name, run in results["runs"].items():
+        if "pca" in run["feature_shift"]:
+            plot_pca(name, run["feature_shift"]["pca"], out)
     return ["## Feature shift: KL of attention outputs to those within the training length "
             "(layer mean), and log-perplexity per query-position bucket", shift_table(results)]
 

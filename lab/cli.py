@@ -3,6 +3,7 @@ check, one readable line for expected failures (bad flags included), and quiet l
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import os
 import signal
@@ -15,6 +16,7 @@ from ml_collections import config_flags
 from data import DataError
 from lab import distributed
 from lab.distributed import StartupError
+from lab.runs import Run, load_run, with_scheme
 from lab.training import TrainingError
 
 
@@ -55,6 +57,35 @@ def define_distributed_flags() -> None:
                         "--process_id, on every host)")
     flags.DEFINE_integer("num_processes", 0, "several processes: how many (0: detected, or one)")
     flags.DEFINE_integer("process_id", -1, "several processes: this one's id (-1: detected)")
+
+
+def define_scheme_flags() -> None:
+    """--scheme and --scheme_options: evaluate runs zero-shot under another scheme (`scheme_runs`;
+    analyze.py --untrained's copy keeps the run's own scheme)."""
+    flags.DEFINE_string("scheme", "", "evaluate every run zero-shot under this registered scheme, with its own "
+                        "parameters (e.g. rope_lm_infinite on a rope run); '': each run's own")
+    flags.DEFINE_list("scheme_options", [], "--scheme's options as name=value, e.g. window=128,global_tokens=4 "
+                      "(the run's own scheme options are kept unless named)")
+
+
+def scheme_runs(workdirs, scheme: str, option_texts) -> list:
+    """The runs the evaluators take (from --workdirs, --scheme, --scheme_options): `workdirs`, or
+    with a scheme each run loaded and rebuilt under it (`lab.runs.with_scheme`; all of them in
+    memory at once), its options given as name=value texts."""
+    options = {}
+    for text in option_texts:
+        name, _, value = text.partition("=")
+        if not name or not value:
+            raise ValueError(f"--scheme_options={text} is not name=value; valid: e.g. window=128,global_tokens=4")
+        try:
+            options[name] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):  # a word: a string option (scaling=yarn)
+            options[name] = value
+    if not scheme:
+        if options:
+            raise ValueError("--scheme_options sets options of --scheme; pass --scheme=<registered scheme> too")
+        return list(workdirs)
+    return [with_scheme(Run(w, *load_run(w)), scheme, options) for w in workdirs]
 
 
 def start_processes() -> None:

@@ -19,7 +19,8 @@ from flax import nnx
 from data import pipeline
 from lab import files
 from lab.checkpoints import load_params
-from lab.state import init_state, make_mesh
+from lab.state import init_state, make_mesh, model_config
+from models.lm import DecoderLM
 
 matplotlib.use("Agg")  # reports are written to files; no display is needed or wanted
 
@@ -55,6 +56,34 @@ class Run:
     config: ml_collections.ConfigDict
     model: nnx.Module
     step: int
+
+
+def with_scheme(run: Run, scheme: str, options: dict | None = None) -> Run:
+    """`run` zero-shot under another position scheme: its config with model.scheme = `scheme`
+    and its scheme options updated by `options`, its parameters in the model that config
+    builds (LM-Infinite's window, unless given, is the run's training length: `model_config`).
+    A scheme whose model has other parameters than the run's is refused, one line."""
+    config = ml_collections.ConfigDict(run.config.to_dict())
+    config.model.scheme = scheme
+    config.model.scheme_options = {**config.model.get("scheme_options", {}), **(options or {})}
+    cfg = model_config(config, run.model.cfg.vocab_size)
+    graphdef, wanted = nnx.split(nnx.eval_shape(lambda: DecoderLM(cfg, rngs=nnx.Rngs(0))))
+    state = nnx.state(run.model)
+    have, need = _shapes(state), _shapes(wanted)
+    if have != need:
+        path = min(set(have.items()) ^ set(need.items()))[0]
+        why = (f"{path} is {have[path]} in the run, {need[path]} under it" if path in have and path in need else
+               f"it needs {path} {need[path]}, which the run lacks" if path in need else
+               f"it has no place for the run's {path}")
+        raise ValueError(f"{run.workdir}: scheme {scheme!r} does not fit the run's parameters ({why}); a zero-shot "
+                         "scheme must take them as they are")
+    return Run(run.workdir, config, nnx.merge(graphdef, state), run.step)
+
+
+def _shapes(state) -> dict:
+    """{'blocks/0/attn/q/kernel': shape} of a model's state."""
+    return {"/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path[:-1]): tuple(x.shape)
+            for path, x in jax.tree_util.tree_leaves_with_path(state)}
 
 
 def named_runs(runs, untrained: bool = False):

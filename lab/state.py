@@ -18,6 +18,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from models import sharding
 from models.lm import DecoderLM, ModelConfig
+from models.registry import get_entry
 
 
 def workdir_of(config) -> str:
@@ -56,7 +57,11 @@ def check_config(config) -> None:
 
 
 def model_config(config, vocab_size: int) -> ModelConfig:
+    """The ModelConfig of a run config; the scheme's `train_len_options` it leaves unset take the
+    training length, config.seq_len (LM-Infinite's window)."""
     d = config.model.to_dict()
+    lengths = {name: config.seq_len for name in get_entry(d["scheme"]).scheme_cls.train_len_options}
+    d["scheme_options"] = {**lengths, **d.get("scheme_options", {})}
     if d["vocab_size"] and d["vocab_size"] < vocab_size:
         raise ValueError(f"model.vocab_size={d['vocab_size']} is smaller than the tokenizer's vocabulary "
                          f"({vocab_size}): embeddings and per-token tables (learned step angles) must "

@@ -23,6 +23,7 @@ from positional.espr import Espr, EsprRF
 from positional.fox import Fox
 from positional.householder import Path
 from positional.kerple import KerpleLog
+from positional.lm_infinite import LMInfinite
 from positional.nope import NoPE
 from positional.prope import PRope
 from positional.rope import Rope
@@ -181,3 +182,7 @@ register("kerple_log", Entry(KerpleLog, features=KerpleParameters,
                              doc="KERPLE-log: learned bias -r1 log(1 + r2 distance), r1, r2 > 0 per head"))
 register("p_rope", Entry(PRope, doc="p-RoPE: RoPE whose lowest-frequency pairs do not rotate (the highest "
                                    "`fraction` p of frequencies kept; 1 is RoPE, 0 NoPE)"))
+register("rope_lm_infinite", Entry(LMInfinite, fixed={"rotate_values": False},
+                                   doc="LM-Infinite: RoPE read at distance min(i-j, `window`) under a Lambda mask (the "
+                                       "document's first `global_tokens` keys and the last `window`); for a RoPE run "
+                                       "zero-shot, `window` defaulting to its training length"))

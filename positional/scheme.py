@@ -38,6 +38,8 @@ What a scheme can do is declared on its class (never inferred elsewhere), as cla
   probes           the probe families that apply, from PROBE_FAMILIES (the attention-mass probes
                    apply to every scheme and are not listed)
   config_defaults  model config fields this scheme sets by default (configs/default.py)
+  train_len_options  options that default to the training length of the run whose config builds
+                   the model (config.seq_len, lab/state.py `model_config`): LM-Infinite's window
 
 From those the base class derives the parallel form `attend` and an exact decode form
 (`init_cache` / `decode_step`) whose cache holds keys and values already transformed. Schemes
@@ -92,6 +94,7 @@ class Scheme:
     relative = True
     probes = ()
     config_defaults = {}  # read only: copied where applied
+    train_len_options = ()
     #: attention implementations this scheme runs on.
     impls = ("auto", *IMPLEMENTATIONS)
 

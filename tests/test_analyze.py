@@ -39,15 +39,26 @@ def test_analysis_of_a_trained_and_an_untrained_model(tiny_run, tmp_path):
         assert [tuple(b) for b in shift["buckets"]] == [(0, 32), (32, 48), (48, 64)]
         assert np.asarray(shift["kl"]).shape == (2, 2) and (np.asarray(shift["kl"]) > 0).all()
         assert len(shift["log_ppl"]) == 3
+        # Table 2's LM-Infinite row: the same parameters, window 32; within it nothing changes.
+        lm = shift["lm_infinite"]
+        assert (lm["window"], lm["global_tokens"], np.shape(lm["kl"])) == (32, 10, (2, 2))
+        np.testing.assert_allclose(lm["kl_control"], shift["kl_control"], rtol=1e-5)
+        np.testing.assert_allclose(lm["log_ppl"][0], shift["log_ppl"][0], rtol=1e-6)
+        assert lm["log_ppl"][1:] != shift["log_ppl"][1:]
+        # Figure 6: per layer the in-length cloud, the last bucket, 3 queries over windows every 8 tokens.
+        pca = shift["pca"]
+        assert len(pca) == 2 and np.shape(pca[0]["cloud"]) == (64, 2) and np.shape(pca[0]["beyond"]) == (32, 2)
+        assert np.shape(pca[1]["traces"]) == (3, 5, 2) and pca[1]["queries"] == [32, 47, 63]
     # The trained model predicts better than the untrained one at every length.
     trained, fresh = (results["runs"][n]["feature_shift"]["log_ppl"] for n in ("rope", "rope (untrained)"))
     assert all(a < b for a, b in zip(trained, fresh))
     md = write_analysis(results, maps, str(tmp_path))
     assert "| rope (untrained) | rope |" in md and "## Perturbation 'keys'" in md
+    assert "| rope + LM-Infinite (window 32, 10 starting tokens) |" in md
     assert "| rope | 1 | 1 |" in md  # Observation 1: layer 1, head 1
     assert json.load(open(tmp_path / "analysis.json"))["gammas"] == [0.0, 0.5]
     for png in ("maps_rope.png", "curves_rope.png", "maps_rope_untrained_.png", "perturbation.png",
-                "feature_shift.png"):
+                "feature_shift.png", "pca_rope.png", "pca_rope_untrained_.png"):
         assert (tmp_path / png).stat().st_size > 5_000, png
 
 
