@@ -459,7 +459,7 @@ def plot_pca(name: str, pca: list[dict], out: str) -> None:
     axes[0, 0].legend(fontsize=6)
     fig.suptitle(f"{name}: attention outputs on the top two principal directions of the in-length ones", fontsize=9)
     fig.tight_layout()
-    fig.savefig(os.path.join(out, f"pca_{_slug(name)}.png"), dpi=100)
+    files.save_figure(fig, files.join(out, f"pca_{_slug(name)}.png"), dpi=100)
     plt.close(fig)
 
 
