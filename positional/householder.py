@@ -39,23 +39,14 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from positional.attention import attention
+from positional.attention import attention, choose, per_platform_choice
+from positional.kernels.flash import refusal as fused_refusal
+from positional.kernels.path import check_transport, path_attention
 from positional.softmax import MASKED, check_shapes
 from positional.linalg import unit_lower_inverse
 from positional.scheme import Scheme
 
 HIGHEST = jax.lax.Precision.HIGHEST
-
-
-def check_transport(k, w, beta) -> None:
-    """Shapes always; beta's range [0, 2] where its values are known (not under jit)."""
-    if w.shape != k.shape:
-        raise ValueError(f"Householder vectors w{w.shape} must have the keys' shape k{k.shape}")
-    if beta.shape != k.shape[:3]:
-        raise ValueError(f"Householder gains beta{beta.shape} must be [B, T, K] = {k.shape[:3]}")
-    if not isinstance(beta, jax.core.Tracer) and not bool(jnp.all((beta >= 0) & (beta <= 2))):
-        raise ValueError(f"Householder gains must lie in [0, 2] (H = I - beta w w^T is then a contraction); "
-                         f"got beta in [{float(beta.min())}, {float(beta.max())}]")
 
 
 # ---- dense references ------------------------------------------------------------------------
@@ -473,6 +464,7 @@ class Path(Scheme):
     solve_chunk: int = 64  # impl "reference": tokens per UT solve in the logits (0: one solve over T)
 
     relative = False  # routes depend on the tokens between, not on positions
+    impls = ("auto", "reference", "blockwise", "pallas")
     has_score = needs_features = default_key = True
     probes = ("householder",)
     # The reference form materialises the logits with one UT solve per 64 tokens (the fastest at
@@ -502,11 +494,25 @@ class Path(Scheme):
         return {"w": w * jax.lax.rsqrt(jnp.sum(w * w, -1, keepdims=True)), "beta": jnp.ones(k.shape[:3], jnp.float32)}
 
     def attention(self, q, k, v, features, *, positions=None, segment_ids=None, q_offset=0, impl="reference",
-                  block_size=512):
-        check_transport(k, features["w"], features["beta"])
+                  block_size=512, platform=None):
+        w, beta = features["w"], features["beta"]
+        check_transport(k, w, beta)
+        bias = self.score_bias(features, positions)
+        if impl == "auto":  # on CPU what the generic auto picks (by length), elsewhere the kernel
+            def pick(platform):
+                chosen, why = choose(q, k, v, platform="cpu")
+                if platform != "cpu":
+                    why_not = fused_refusal(bias, None, 0)
+                    chosen, why = ("pallas", "PaTH's kernel") if why_not is None else ("blockwise", f"no fused path: {why_not}")
+                return chosen, why, lambda q, k, v: self.attention(
+                    q, k, v, features, positions=positions, segment_ids=segment_ids, impl=chosen,
+                    block_size=block_size, platform=platform)
+            return per_platform_choice(pick, q, k, v, label=type(self).__name__)
         if impl == "blockwise":
-            return chunked_attention(q, k, v, features["w"], features["beta"], segment_ids=segment_ids,
-                                     bias_fn=self.score_bias(features, positions), chunk=block_size)
+            return chunked_attention(q, k, v, w, beta, segment_ids=segment_ids, bias_fn=bias, chunk=block_size)
+        if impl == "pallas":  # the Pallas interpreter on CPU, with block_size-token chunks
+            return path_attention(q, k, v, w, beta, bias_fn=bias, segment_ids=segment_ids, block_size=block_size,
+                                  platform=platform)
         return super().attention(q, k, v, features, positions=positions, segment_ids=segment_ids)
 
     def init_cache(self, batch, max_len, num_kv_heads, dtype=jnp.float32):
