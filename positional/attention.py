@@ -17,7 +17,8 @@ the bias and score hooks):
   "auto"       the fastest of them that can take the call, for the platform being lowered for
                (`choose`): ring on a sequence mesh; on CPU reference up to REFERENCE_MAX keys,
                blockwise past it; on GPU cuDNN for plain softmax, on TPU splash, else the fused
-               kernel, else blockwise. Each choice is logged once (logger "positional.attention").
+               kernel, else blockwise. Each choice is logged once (logger "positional.attention");
+               `per_platform_choice` does the same for a scheme with its own attention (PaTH).
 
 This module sits above every implementation it names, so none of them imports it.
 """

@@ -454,7 +454,10 @@ class Path(Scheme):
 
     impl "reference" materialises the T x T logits (`path_scores`, one UT solve per
     `solve_chunk` tokens), "blockwise" is the flash-style chunked form with `block_size` tokens
-    per chunk and O(T * D) memory, training included (`chunked_attention`). The decode cache
+    per chunk and O(T * D) memory, training included (`chunked_attention`), "pallas" the same
+    algorithm as a Pallas kernel (positional/kernels/path.py; the interpreter on CPU, with
+    `block_size`-token chunks there), and "auto" the kernel on GPU and TPU, on CPU the reference
+    up to attention.REFERENCE_MAX keys and blockwise past it. The decode cache
     holds keys already carried to the latest token; each new token applies its H_t to all of
     them (O(T * D) per token).
     """

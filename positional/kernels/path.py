@@ -36,9 +36,10 @@ in the interpreter, a program loops over whole-sequence refs (blocks loaded as n
 chain is an extra output it writes and reads back); on TPU (Mosaic, `stream`) the chunk walk
 is the grid's last, sequential dimension, each step gets its chunk by BlockSpec, and the
 running state and the chain live in VMEM scratch. The TPU backward keeps its key-side
-accumulators and the chain resident in VMEM: about 20 MiB at T = 8192 with D <= 128 (twice
-the accumulators, which are double-buffered output blocks, plus the chain), so it asks for
-that much more than VMEM_LIMIT; lengths past about 32K do not fit.
+accumulators and the chain resident in VMEM: 36 MiB at T = 8192 with D <= 128 and c = 128
+(the accumulators twice, as double-buffered output blocks, and the chain), which it asks for
+on top of VMEM_LIMIT: 68 MiB at 8K, within a v5e's, v5p's or v6e's VMEM; past about 16K
+tokens it does not fit (not run on a TPU here: lowered only).
 
 Transport arithmetic and softmax statistics are fp32 at full fp32 precision whatever the input
 dtype; P . V and dO . V^T take V's dtype (P cast to it), as flash attention does.
@@ -73,7 +74,7 @@ VMEM_LIMIT = 32 * 2 ** 20
 NN = (((1,), (0,)), ((), ()))  # a . b
 NT = (((1,), (1,)), ((), ()))  # a . b^T
 TN = (((0,), (0,)), ((), ()))  # a^T . b
-# The arrays the kernels read, by side; a k-side row array ([1, T]) has its sequence on axis 3.
+# The key side's per-slot numbers are rows [1, T] (sequence last: lane-dense on TPU).
 ROWS = ("seg", "values")
 
 
@@ -95,7 +96,7 @@ class _Static:
     heads: int  # query heads
     scale: float
     stream: bool  # the chunk walk on the grid with VMEM state (TPU) vs a loop over whole refs
-    interpret: bool
+    interpret: bool | str  # "tpu": Pallas's TPU interpreter
     backend: str
 
 
@@ -246,8 +247,10 @@ def _call(st, kernel, grid, arrays, specs, outputs, out_specs, scratch=(), seman
         outs = jax.tree.unflatten(jax.tree.structure(outputs), refs[n_in:n_in + n_out])
         kernel(ins, outs, refs[n_in + n_out:])
 
+    # The TPU interpreter fills uninitialised memory with NaN: a block read before written shows.
+    interpret = pltpu.InterpretParams(uninitialized_memory="nan") if st.interpret == "tpu" else st.interpret
     out = pl.pallas_call(body, grid=grid, in_specs=_leaves(specs), out_specs=_leaves(out_specs),
-                         out_shape=jax.tree.leaves(outputs), interpret=st.interpret, **params)(*jax.tree.leaves(arrays))
+                         out_shape=jax.tree.leaves(outputs), interpret=interpret, **params)(*jax.tree.leaves(arrays))
     return jax.tree.unflatten(jax.tree.structure(outputs), out)
 
 
@@ -256,7 +259,7 @@ def _call(st, kernel, grid, arrays, specs, outputs, out_specs, scratch=(), seman
 #          "k": {"k", "ke" (k_end), "v", "w" [B, K, T, D], "u" [B, K, T, c],
 #                "seg" [B, 1, 1, T], "values" {name: [B, H, 1, T]}}}; T padded to whole chunks.
 def _forward(st: _Static, arrays: dict):
-    b, h, t, dq = arrays["q"]["q"].shape
+    b, h, t, d = arrays["q"]["q"].shape
     c, n_chunks = st.chunk, t // st.chunk
     v = arrays["k"]["v"]
     f32 = jnp.float32
@@ -307,10 +310,9 @@ def _forward(st: _Static, arrays: dict):
         k_specs = _specs(st, "k", arrays["k"], lambda name: own(name) if name == "k" else
                          lambda n, j: jnp.where(j == 0, n, jnp.maximum(n - j, 0)))
         grid = (b, h, n_chunks, n_chunks)
+        scratch = [pltpu.VMEM(shape, f32) for shape in ((c, v.shape[-1]), (c, 1), (c, 1), (c, d))]
     else:
-        k_specs, grid = _specs(st, "k", arrays["k"], lambda name: None), (b, h, n_chunks)
-    scratch = [pltpu.VMEM((c, v.shape[-1]), f32), pltpu.VMEM((c, 1), f32), pltpu.VMEM((c, 1), f32),
-               pltpu.VMEM((c, dq), f32)]
+        k_specs, grid, scratch = _specs(st, "k", arrays["k"], lambda name: None), (b, h, n_chunks), ()
     out = _call(st, kernel, grid, arrays, {"q": _specs(st, "q", arrays["q"], own), "k": k_specs}, outputs,
                 _specs(st, "q", outputs, own), scratch, ("parallel", "parallel", "parallel", "arbitrary"))
     return out["o"], out["lse"]
@@ -472,7 +474,7 @@ _path.defvjp(_path_fwd, _path_bwd)
 
 # ---- the public function ------------------------------------------------------------------------
 def path_attention(q, k, v, w, beta, *, bias_fn: Bias | None = None, segment_ids=None, scale: float | None = None,
-                   chunk: int | None = None, block_size: int | None = None, interpret: bool | None = None,
+                   chunk: int | None = None, block_size: int | None = None, interpret: bool | str | None = None,
                    stream: bool | None = None, platform: str | None = None) -> jax.Array:
     """PaTH attention, q [B, T, H, D]; k, v, w [B, T, K, D] (w unit vectors); beta [B, T, K] in
     [0, 2]; bias_fn a `positional.logits.Bias` or None; segment_ids [B, T] -> [B, T, H, D] in
@@ -482,8 +484,10 @@ def path_attention(q, k, v, w, beta, *, bias_fn: Bias | None = None, segment_ids
     `block_size` where given (the plain-JAX paths' block, so a model's CPU tests run the kernel
     over several chunks). `interpret`: None lowers for the platform being lowered for (the
     Pallas interpreter on CPU, Triton on cuda, Mosaic on tpu: `positional.kernels.per_platform`);
-    True interprets everywhere. `stream`: None streams on TPU only; True/False forces it (the
-    interpreter runs both). `platform` ("cpu", "cuda", "tpu"): build that platform's kernel alone.
+    True interprets everywhere; "tpu" runs the TPU form in Pallas's TPU interpreter (slower; it
+    checks the streamed blocks as Mosaic moves them). `stream`: None streams on TPU only;
+    True/False forces it (the interpreter runs both). `platform` ("cpu", "cuda", "tpu"): build
+    that platform's kernel alone.
     """
     check_shapes(q, k, v, segment_ids)
     check_transport(k, w, beta)
@@ -499,14 +503,23 @@ def path_attention(q, k, v, w, beta, *, bias_fn: Bias | None = None, segment_ids
         values[name] = jnp.broadcast_to(jnp.asarray(x, jnp.float32), (b, t, h))
 
     def settings(backend: str, interpret: bool) -> _Static:
-        c = chunk or (block_size if interpret and block_size else DEFAULT_CHUNK["interpret" if interpret else backend])
+        c = chunk if chunk is not None else (block_size if interpret and block_size else
+                                             DEFAULT_CHUNK["interpret" if interpret else backend])
         check_tile("PaTH", "chunk", c, backend, interpret)
+        if stream and backend == "gpu" and not interpret:
+            raise ValueError("PaTH kernel stream=True is the TPU form (VMEM scratch); Triton (GPU) takes "
+                             "stream=False or None")
         return _Static(bias=bias_fn.fn if bias_fn is not None else None, chunk=c, heads=h,
                        scale=d ** -0.5 if scale is None else float(scale),
                        stream=backend == "tpu" and not interpret if stream is None else bool(stream),
                        interpret=interpret, backend=backend)
 
     seg = jnp.zeros((b, t), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
+    if interpret == "tpu":
+        return _padded(dataclasses.replace(settings("tpu", True), stream=True, interpret="tpu"), q, k, v, w, beta,
+                       values, seg)
+    if interpret not in (None, True, False):
+        raise ValueError(f"PaTH kernel interpret={interpret!r} must be None, True, False or 'tpu'")
     return per_platform(settings, _padded, (q, k, v, w, beta, values, seg), interpret, platform)
 
 
