@@ -39,7 +39,11 @@ running state and the chain live in VMEM scratch. The TPU backward keeps its key
 accumulators and the chain resident in VMEM: 36 MiB at T = 8192 with D <= 128 and c = 128
 (the accumulators twice, as double-buffered output blocks, and the chain), which it asks for
 on top of VMEM_LIMIT: 68 MiB at 8K, within a v5e's, v5p's or v6e's VMEM; past about 16K
-tokens it does not fit (not run on a TPU here: lowered only).
+tokens it does not fit. The GPU backward reads back, in the same program, chain rows and
+accumulators it wrote to global memory a step before; that relies on Triton giving each load
+the layout of the store it reads (the same shape and slicing). Neither form has run on an
+accelerator yet: both run in the interpreter (the TPU form also in Pallas's TPU interpreter)
+and lower for cuda and tpu.
 
 Transport arithmetic and softmax statistics are fp32 at full fp32 precision whatever the input
 dtype; P . V and dO . V^T take V's dtype (P cast to it), as flash attention does.
