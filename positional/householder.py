@@ -40,8 +40,8 @@ import jax
 import jax.numpy as jnp
 
 from positional.attention import attention, choose, per_platform_choice
-from positional.kernels.flash import refusal as fused_refusal
-from positional.kernels.path import check_transport, path_attention
+from positional.kernels.path import check_transport, path_attention, refusal
+from positional.ring import ring_active
 from positional.softmax import MASKED, check_shapes
 from positional.linalg import unit_lower_inverse
 from positional.scheme import Scheme
@@ -456,8 +456,9 @@ class Path(Scheme):
     `solve_chunk` tokens), "blockwise" is the flash-style chunked form with `block_size` tokens
     per chunk and O(T * D) memory, training included (`chunked_attention`), "pallas" the same
     algorithm as a Pallas kernel (positional/kernels/path.py; the interpreter on CPU, with
-    `block_size`-token chunks there), and "auto" the kernel on GPU and TPU, on CPU the reference
-    up to attention.REFERENCE_MAX keys and blockwise past it. The decode cache
+    `block_size`-token chunks there), and "auto" the kernel on GPU and TPU (blockwise where the
+    kernel refuses the call, and on a sequence mesh), on CPU the reference up to
+    attention.REFERENCE_MAX keys and blockwise past it. The decode cache
     holds keys already carried to the latest token; each new token applies its H_t to all of
     them (O(T * D) per token).
     """
@@ -504,9 +505,9 @@ class Path(Scheme):
         if impl == "auto":  # on CPU what the generic auto picks (by length), elsewhere the kernel
             def pick(platform):
                 chosen, why = choose(q, k, v, platform="cpu")
-                if platform != "cpu":
-                    why_not = fused_refusal(bias, None, 0)
-                    chosen, why = ("pallas", "PaTH's kernel") if why_not is None else ("blockwise", f"no fused path: {why_not}")
+                if platform != "cpu":  # on a sequence mesh the kernel would run on gathered keys: no PaTH ring yet
+                    why_not = "a sequence mesh" if ring_active() else refusal(bias, k, platform)
+                    chosen, why = ("pallas", "PaTH's kernel") if why_not is None else ("blockwise", f"not the kernel: {why_not}")
                 return chosen, why, lambda q, k, v: self.attention(
                     q, k, v, features, positions=positions, segment_ids=segment_ids, impl=chosen,
                     block_size=block_size, platform=platform)

@@ -5,6 +5,7 @@ FoX gates; lowered for cuda and tpu; what impl="auto" picks; bad input. The conf
 runs impl "pallas" for path and path_fox at the layer."""
 
 import functools
+import logging
 import re
 
 import jax
@@ -172,6 +173,26 @@ def test_auto_runs_the_kernel_on_gpu_and_tpu(name, platform, call):
     assert text.count(call) == 2 and t_by_t(text, 2048) == []
 
 
+@pytest.mark.parametrize("t,ring,want", [
+    (256, False, {"cpu": "reference", "cuda": "pallas", "tpu": "pallas"}),
+    (16384, False, {"cpu": "blockwise", "cuda": "pallas", "tpu": "blockwise"}),  # TPU: VMEM
+    (256, True, {"cpu": "reference", "cuda": "blockwise", "tpu": "blockwise"}),  # a sequence mesh
+])
+def test_auto_choices(t, ring, want, caplog, monkeypatch):
+    """What PaTH's auto picks per platform (the dispatcher's log records; traced, not run): on
+    CPU what it picked before the kernel, by length; the kernel on GPU and TPU, except where the
+    TPU backward's resident VMEM would pass RESIDENT_MAX, or on a sequence mesh."""
+    monkeypatch.setattr(hh, "ring_active", lambda: ring)
+    scheme = make_scheme("path_fox", num_heads=4, head_dim=64)
+    x = jax.ShapeDtypeStruct((1, t, 4, 64), jnp.bfloat16)
+    with caplog.at_level(logging.DEBUG, logger="positional.attention"):
+        jax.eval_shape(lambda q: scheme.attend(q, q, q, positions=None, impl="auto", key=jax.random.key(0)), x)
+    records = [r for r in caplog.records if getattr(r, "label", None) == "Path"]
+    assert {r.platform: r.impl for r in records} == want
+    if t > 8192:
+        assert "MiB of VMEM for 16384 tokens" in next(r.why for r in records if r.platform == "tpu")
+
+
 def test_a_chunk_one_platform_refuses_fails_only_its_lowering():
     """chunk=64 suits Triton, not Mosaic (multiples of 128): cuda lowers, and only lowering for
     tpu fails, naming the field; a chunk no platform takes fails at once."""
@@ -186,6 +207,11 @@ def test_a_chunk_one_platform_refuses_fails_only_its_lowering():
         path_attention(q, k, v, w, beta, chunk=48, interpret=False)
     with pytest.raises(ValueError, match="stream=True is the TPU form"):
         lowered(functools.partial(path_attention, stream=True), q, k, v, w, beta)
+    long = [jax.ShapeDtypeStruct((1, 16384, *x.shape[2:]), x.dtype) for x in (q, k, v, w, beta)]
+    assert TRITON in lowered(path_attention, *long)
+    # 16384 rows of 128 fp32 lanes are 8 MiB: the chain, and twice the accumulators of k_end, v, w and U
+    with pytest.raises(ValueError, match="on TPU its backward would keep 72 MiB of VMEM for 16384 tokens"):
+        lowered(path_attention, *long, platforms=["tpu"])
 
 
 def test_bad_input_is_one_line_naming_the_field():

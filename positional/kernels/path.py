@@ -38,12 +38,12 @@ is the grid's last, sequential dimension, each step gets its chunk by BlockSpec,
 running state and the chain live in VMEM scratch. The TPU backward keeps its key-side
 accumulators and the chain resident in VMEM: 36 MiB at T = 8192 with D <= 128 and c = 128
 (the accumulators twice, as double-buffered output blocks, and the chain), which it asks for
-on top of VMEM_LIMIT: 68 MiB at 8K, within a v5e's, v5p's or v6e's VMEM; past about 16K
-tokens it does not fit. The GPU backward reads back, in the same program, chain rows and
-accumulators it wrote to global memory a step before; that relies on Triton giving each load
-the layout of the store it reads (the same shape and slicing). Neither form has run on an
-accelerator yet: both run in the interpreter (the TPU form also in Pallas's TPU interpreter)
-and lower for cuda and tpu.
+on top of VMEM_LIMIT: 68 MiB at 8K, within a v5e's, v5p's or v6e's VMEM. Past RESIDENT_MAX
+(about 14K tokens) lowering for TPU is refused (`refusal`; auto runs blockwise there). The GPU
+backward reads back, in the same program, chain rows and accumulators it wrote to global
+memory a step before; that relies on Triton giving each load the layout of the store it reads
+(the same shape and slicing). Neither form has run on an accelerator yet: both run in the
+interpreter (the TPU form also in Pallas's TPU interpreter) and lower for cuda and tpu.
 
 Transport arithmetic and softmax statistics are fp32 at full fp32 precision whatever the input
 dtype; P . V and dO . V^T take V's dtype (P cast to it), as flash attention does.
@@ -73,8 +73,10 @@ from positional.logits import Bias
 from positional.softmax import MASKED, check_shapes
 
 DEFAULT_CHUNK = {"gpu": 64, "tpu": 128, "interpret": 64}
-# TPU backward: the scoped VMEM asked for on top of its resident accumulators and chain.
+# TPU backward: the scoped VMEM asked for on top of its resident accumulators and chain, and the
+# most of those it takes (with VMEM_LIMIT, 96 MiB: within a v5e's or v6e's 128 MiB).
 VMEM_LIMIT = 32 * 2 ** 20
+RESIDENT_MAX = 64 * 2 ** 20
 NN = (((1,), (0,)), ((), ()))  # a . b
 NT = (((1,), (1,)), ((), ()))  # a . b^T
 TN = (((0,), (0,)), ((), ()))  # a^T . b
@@ -426,8 +428,7 @@ def _backward(st: _Static, arrays: dict):
         grid = (b, h, n_chunks, 2 * n_chunks - 1)
         scratch = [pltpu.VMEM((t, d), f32), pltpu.VMEM((c, d), f32)]
         scratch += [pltpu.VMEM((c, 1), f32) for _ in jax.tree.leaves(arrays["q"]["values"])]
-        resident = jax.tree.leaves({name: outputs["k"][name] for name in ACCUMULATED})
-        vmem = _vmem_bytes([jax.ShapeDtypeStruct((1, 1, t, d), f32)]) + 2 * _vmem_bytes(resident)
+        vmem = _resident(t, d, c, len(jax.tree.leaves(arrays["q"]["values"])))
     else:
         whole = lambda name: None  # noqa: E731
         specs = {side: _specs(st, side, arrays[side], whole) for side in ("q", "k")}
@@ -439,9 +440,30 @@ def _backward(st: _Static, arrays: dict):
     return out["q"], out["k"]
 
 
-def _vmem_bytes(shapes) -> int:
-    """VMEM of fp32 buffers [B, heads, rows, cols] (one block each), laid out in (8, 128) tiles."""
-    return sum(4 * (-(-x.shape[-2] // 8) * 8) * (-(-x.shape[-1] // 128) * 128) for x in shapes)
+def _resident(t, d, c, n_values) -> int:
+    """Bytes of VMEM the TPU backward keeps for the whole sequence (t padded, d the padded head
+    dimension): the chain, and twice (double-buffered output blocks) the accumulators of
+    k_end, v, w ([t, d]), U ([t, c]) and the bias values ([1, t] each); fp32 in (8, 128) tiles."""
+    def size(rows, cols):
+        return 4 * (-(-rows // 8) * 8) * (-(-cols // 128) * 128)
+    return size(t, d) + 2 * (3 * size(t, d) + size(t, c) + n_values * size(1, t))
+
+
+def refusal(bias_fn, k, platform: str, chunk: int | None = None) -> str | None:
+    """Why the kernel cannot take keys k [B, T, K, D] and this bias when lowered for `platform`
+    ("cpu", "cuda", "tpu"), or None: a bias that is not a `Bias`; on TPU, a sequence whose
+    backward would keep more than RESIDENT_MAX of VMEM (about 14K tokens)."""
+    if bias_fn is not None and not isinstance(bias_fn, Bias):
+        return (f"bias_fn must be a positional.logits.Bias (a function of per-slot values) to be fused; "
+                f"got {type(bias_fn).__name__}")
+    if platform == "tpu":
+        c = chunk or DEFAULT_CHUNK["tpu"]
+        need = _resident(-(-k.shape[1] // c) * c, max(16, pl.next_power_of_2(k.shape[3])), c,
+                         len(bias_fn.values) if bias_fn is not None else 0)
+        if need > RESIDENT_MAX:
+            return (f"on TPU its backward would keep {need / 2 ** 20:.0f} MiB of VMEM for {k.shape[1]} tokens "
+                    f"(at most {RESIDENT_MAX // 2 ** 20} MiB, about 14K tokens)")
+    return None
 
 
 # ---- custom VJP -------------------------------------------------------------------------------
@@ -495,9 +517,9 @@ def path_attention(q, k, v, w, beta, *, bias_fn: Bias | None = None, segment_ids
     """
     check_shapes(q, k, v, segment_ids)
     check_transport(k, w, beta)
-    if bias_fn is not None and not isinstance(bias_fn, Bias):
-        raise ValueError(f"PaTH kernel: bias_fn must be a positional.logits.Bias (a function of per-slot values) "
-                         f"to be fused; got {type(bias_fn).__name__}; use impl='blockwise'")
+    why = refusal(bias_fn, k, "cpu")
+    if why:
+        raise ValueError(f"PaTH kernel: {why}; use impl='blockwise'")
     b, t, h, d = q.shape
     values = {}
     for name, x in (bias_fn.values if bias_fn is not None else {}).items():
@@ -513,6 +535,9 @@ def path_attention(q, k, v, w, beta, *, bias_fn: Bias | None = None, segment_ids
         if stream and backend == "gpu" and not interpret:
             raise ValueError("PaTH kernel stream=True is the TPU form (VMEM scratch); Triton (GPU) takes "
                              "stream=False or None")
+        why = None if interpret else refusal(bias_fn, k, backend, c)
+        if why:
+            raise ValueError(f"PaTH kernel: {why}; use impl='blockwise'")
         return _Static(bias=bias_fn.fn if bias_fn is not None else None, chunk=c, heads=h,
                        scale=d ** -0.5 if scale is None else float(scale),
                        stream=backend == "tpu" and not interpret if stream is None else bool(stream),
