@@ -15,8 +15,8 @@ It prints
   - each attention call site: the scheme's class, the impl "auto" chose for the platform and
     why (the DEBUG records of logger "positional.attention", identical lines counted once,
     with the layers they came from; a trace JAX reuses, as remat's for the blocks after the
-    first, is one call site); schemes with their own attention (path, path_fox, espr_rf)
-    resolve "auto" themselves, by length, and say so;
+    first, is one call site); a scheme with its own attention and no "auto" of its own
+    (espr_rf) resolves it by length, and says so;
   - the fused-kernel custom calls of one step: Triton (Pallas on GPU), Mosaic (tpu_custom_call:
     Pallas and splash on TPU) and cuDNN flash attention, counted apart, a call inside a
     function counted once per call of that function (and the count in the text, where other);

@@ -17,7 +17,8 @@ the bias and score hooks):
   "auto"       the fastest of them that can take the call, for the platform being lowered for
                (`choose`): ring on a sequence mesh; on CPU reference up to REFERENCE_MAX keys,
                blockwise past it; on GPU cuDNN for plain softmax, on TPU splash, else the fused
-               kernel, else blockwise. Each choice is logged once (logger "positional.attention").
+               kernel, else blockwise. Each choice is logged once (logger "positional.attention");
+               `per_platform_choice` does the same for a scheme with its own attention (PaTH).
 
 This module sits above every implementation it names, so none of them imports it.
 """
@@ -76,23 +77,36 @@ def auto_attention(q, k, v, *, label: str = "", bias_fn=None, score_fn=None, seg
     if ring_active():
         return mesh_ring_attention(q, k, v, block_size=block_size, **kwargs)
 
-    def branch(platform):
+    def pick(platform):
         impl, why = choose(q, k, v, platform=platform, bias_fn=bias_fn, score_fn=score_fn,
                            segment_ids=segment_ids, q_offset=q_offset)
+        if impl == "cudnn":
+            return impl, why, lambda q, k, v: cudnn_call(q, k, v, segment_ids=segment_ids, q_offset=q_offset,
+                                                         scale=scale)
+        if impl == "splash":
+            return impl, why, lambda q, k, v: splash_call(q, k, v, segment_ids=segment_ids, scale=scale,
+                                                          block_size=block_size)
+        if impl == "pallas":
+            return impl, why, lambda q, k, v: fused_attention(q, k, v, platform=platform, **kwargs)
+        return impl, why, lambda q, k, v: attention(q, k, v, impl=impl, block_size=block_size, **kwargs)
+
+    return per_platform_choice(pick, q, k, v, label=label)
+
+
+def per_platform_choice(pick, *args, label: str = ""):
+    """fn(*args) for the platform being lowered for (`jax.lax.platform_dependent`), with
+    (impl, why, fn) = pick(platform) for "cpu", "cuda" and "tpu"; each choice is logged (DEBUG on
+    every trace, INFO once per line). Auto for a scheme that brings its own attention (PaTH)."""
+    def branch(platform):
+        impl, why, fn = pick(platform)
         line = f"attention impl auto{f' ({label})' if label else ''} on {platform}: {impl}, {why}"
         LOG.debug(line, extra={"platform": platform, "impl": impl, "why": why, "label": label})
         if line not in _LOGGED:
             _LOGGED.add(line)
             LOG.info(line)
-        if impl == "cudnn":
-            return lambda q, k, v: cudnn_call(q, k, v, segment_ids=segment_ids, q_offset=q_offset, scale=scale)
-        if impl == "splash":
-            return lambda q, k, v: splash_call(q, k, v, segment_ids=segment_ids, scale=scale, block_size=block_size)
-        if impl == "pallas":
-            return lambda q, k, v: fused_attention(q, k, v, platform=platform, **kwargs)
-        return lambda q, k, v: attention(q, k, v, impl=impl, block_size=block_size, **kwargs)
+        return fn
 
-    return jax.lax.platform_dependent(q, k, v, cpu=branch("cpu"), cuda=branch("cuda"), tpu=branch("tpu"))
+    return jax.lax.platform_dependent(*args, cpu=branch("cpu"), cuda=branch("cuda"), tpu=branch("tpu"))
 
 
 def attention(q, k, v, *, impl: str = "reference", **kwargs) -> jax.Array:

@@ -45,23 +45,14 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from positional.attention import attention
+from positional.attention import attention, choose, per_platform_choice
+from positional.kernels.path import check_transport, path_attention, refusal
+from positional.ring import ring_active
 from positional.softmax import MASKED, check_shapes
 from positional.linalg import unit_lower_inverse
 from positional.scheme import Scheme
 
 HIGHEST = jax.lax.Precision.HIGHEST
-
-
-def check_transport(k, w, beta) -> None:
-    """Shapes always; beta's range [0, 2] where its values are known (not under jit)."""
-    if w.shape != k.shape:
-        raise ValueError(f"Householder vectors w{w.shape} must have the keys' shape k{k.shape}")
-    if beta.shape != k.shape[:3]:
-        raise ValueError(f"Householder gains beta{beta.shape} must be [B, T, K] = {k.shape[:3]}")
-    if not isinstance(beta, jax.core.Tracer) and not bool(jnp.all((beta >= 0) & (beta <= 2))):
-        raise ValueError(f"Householder gains must lie in [0, 2] (H = I - beta w w^T is then a contraction); "
-                         f"got beta in [{float(beta.min())}, {float(beta.max())}]")
 
 
 # ---- dense references ------------------------------------------------------------------------
@@ -469,7 +460,11 @@ class Path(Scheme):
 
     impl "reference" materialises the T x T logits (`path_scores`, one UT solve per
     `solve_chunk` tokens), "blockwise" is the flash-style chunked form with `block_size` tokens
-    per chunk and O(T * D) memory, training included (`chunked_attention`). The decode cache
+    per chunk and O(T * D) memory, training included (`chunked_attention`), "pallas" the same
+    algorithm as a Pallas kernel (positional/kernels/path.py; the interpreter on CPU, with
+    `block_size`-token chunks there), and "auto" the kernel on GPU and TPU (blockwise where the
+    kernel refuses the call, and on a sequence mesh), on CPU the reference up to
+    attention.REFERENCE_MAX keys and blockwise past it. The decode cache
     holds keys already carried to the latest token; each new token applies its H_t to all of
     them (O(T * D) per token).
     """
@@ -479,6 +474,7 @@ class Path(Scheme):
     solve_chunk: int = 64  # impl "reference": tokens per UT solve in the logits (0: one solve over T)
 
     relative = False  # routes depend on the tokens between, not on positions
+    impls = ("auto", "reference", "blockwise", "pallas")
     has_score = needs_features = default_key = True
     probes = ("householder",)
     # The reference form materialises the logits with one UT solve per 64 tokens (the fastest at
@@ -508,11 +504,25 @@ class Path(Scheme):
         return {"w": w * jax.lax.rsqrt(jnp.sum(w * w, -1, keepdims=True)), "beta": jnp.ones(k.shape[:3], jnp.float32)}
 
     def attention(self, q, k, v, features, *, positions=None, segment_ids=None, q_offset=0, impl="reference",
-                  block_size=512):
-        check_transport(k, features["w"], features["beta"])
+                  block_size=512, platform=None):
+        w, beta = features["w"], features["beta"]
+        check_transport(k, w, beta)
+        bias = self.score_bias(features, positions)
+        if impl == "auto":  # on CPU what the generic auto picks (by length), elsewhere the kernel
+            def pick(platform):
+                chosen, why = choose(q, k, v, platform="cpu")
+                if platform != "cpu":  # on a sequence mesh the kernel would run on gathered keys: no PaTH ring yet
+                    why_not = "a sequence mesh" if ring_active() else refusal(bias, k, platform)
+                    chosen, why = ("pallas", "PaTH's kernel") if why_not is None else ("blockwise", f"not the kernel: {why_not}")
+                return chosen, why, lambda q, k, v: self.attention(
+                    q, k, v, features, positions=positions, segment_ids=segment_ids, impl=chosen,
+                    block_size=block_size, platform=platform)
+            return per_platform_choice(pick, q, k, v, label=type(self).__name__)
         if impl == "blockwise":
-            return chunked_attention(q, k, v, features["w"], features["beta"], segment_ids=segment_ids,
-                                     bias_fn=self.score_bias(features, positions), chunk=block_size)
+            return chunked_attention(q, k, v, w, beta, segment_ids=segment_ids, bias_fn=bias, chunk=block_size)
+        if impl == "pallas":  # the Pallas interpreter on CPU, with block_size-token chunks
+            return path_attention(q, k, v, w, beta, bias_fn=bias, segment_ids=segment_ids, block_size=block_size,
+                                  platform=platform)
         return super().attention(q, k, v, features, positions=positions, segment_ids=segment_ids)
 
     def init_cache(self, batch, max_len, num_kv_heads, dtype=jnp.float32):

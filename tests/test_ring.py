@@ -86,6 +86,7 @@ def test_ring_is_for_schemes_with_the_generic_attention():
         generic = type(scheme).attention is Scheme.attention
         assert ("ring" in scheme.impls) == generic, name
     x = jnp.zeros((1, 8, 2, 8))
-    for name in ("path", "path_fox", "espr_rf"):
-        with pytest.raises(ValueError, match="has no attention impl 'ring'.*valid: reference, blockwise$"):
+    for name, valid in (("path", "auto, reference, blockwise, pallas"), ("path_fox", "auto, reference, blockwise, pallas"),
+                        ("espr_rf", "reference, blockwise")):
+        with pytest.raises(ValueError, match=f"has no attention impl 'ring'.*valid: {valid}$"):
             make_scheme(name, num_heads=2, head_dim=8).attend(x, x, x, None, positions=None, impl="ring")

@@ -1,0 +1,585 @@
+"""PaTH attention in Pallas, forward and a recomputing backward: no T x T buffer, and no D x D
+product per token. The semantics of PaTH's reference (positional/householder.py: causal,
+grouped-query heads, segment ids), with a per-slot score `Bias` (positional/logits.py; FoX's
+gates) fused into the tiles as positional/kernels/flash.py fuses it.
+
+    s_ij = q_i^T H_i ... H_{j+1} k_j / sqrt(D),   H_t = I - beta_t w_t w_t^T
+
+q [B, T, H, D]; k, v, w [B, T, K, D]; beta [B, T, K] (H % K == 0: a query head reads the
+transport of its kv head). The sequence is cut into chunks of c tokens. A chunk's product is
+I - W^T U W with U its UT matrix (c x c, one unit-lower-triangular inverse), and any range of
+steps inside the chunk uses the diagonal block of the same U. So for query chunk n and key
+chunk m < n the route splits as (prefix of n up to i) x P_{n-1} ... P_{m+1} x (suffix of m
+after j): the queries carried back to their chunk's start, then past one chunk per step, and
+the keys carried to their chunk's end (k_end).
+
+Per chunk, in plain JAX (differentiated by autodiff, O(T * c) memory): U and k_end. The rest
+is the kernels', which read q, k, v, w, U, k_end, the bias's per-slot values and segment ids:
+
+  forward, a program per (batch, query head, query chunk n): the in-chunk logits and the
+    queries at the chunk's start (from q, k, w, U of chunk n), then key chunks m = n-1 .. 0:
+    logits x . k_end_m, online softmax, x <- x (I - W_m^T U_m W_m). Writes out and the row
+    log-sum-exp (the backward's only residuals besides the inputs).
+  backward, a program per (batch, query head), query chunks in order. For chunk n the query
+    chain (x at every earlier key chunk, [n * c, D]) is recomputed and kept; then the key
+    chunks are walked from the farthest to the nearest, each tile recomputed (P = exp(logits -
+    lse), dS = P (dP - delta)), the chain's adjoint g carried the other way (g <- g (I - W_m^T
+    U_m W_m)^T + dS k_end_m, with dW_m, dU_m on the way); last, the in-chunk tile and the
+    chunk's own pieces give dq, dk, dw, dU of chunk n. The chain cannot be run backwards (H_t
+    is singular at beta_t = 1), hence kept; the key side's gradients (dk_end, dv, dw, dU and the
+    bias values read at key slots) accumulate over the query chunks in whole-sequence buffers
+    the program owns (O(T * D) per head). This is householder._far_bwd with groups of one
+    chunk, run per head; parallel over batch and heads only.
+
+Two loop structures share the tile functions (as in flash.py): on GPU (Triton) and by default
+in the interpreter, a program loops over whole-sequence refs (blocks loaded as needed; the
+chain is an extra output it writes and reads back); on TPU (Mosaic, `stream`) the chunk walk
+is the grid's last, sequential dimension, each step gets its chunk by BlockSpec, and the
+running state and the chain live in VMEM scratch. The TPU backward keeps its key-side
+accumulators and the chain resident in VMEM: 36 MiB at T = 8192 with D <= 128 and c = 128
+(the accumulators twice, as double-buffered output blocks, and the chain), which it asks for
+on top of VMEM_LIMIT: 68 MiB at 8K, within a v5e's, v5p's or v6e's VMEM. Past RESIDENT_MAX
+(about 14K tokens) lowering for TPU is refused (`refusal`; auto runs blockwise there). The GPU
+backward reads back, in the same program, chain rows and accumulators it wrote to global
+memory a step before; that relies on Triton giving each load the layout of the store it reads
+(the same shape and slicing). Neither form has run on an accelerator yet: both run in the
+interpreter (the TPU form also in Pallas's TPU interpreter) and lower for cuda and tpu.
+
+Transport arithmetic and softmax statistics are fp32 at full fp32 precision whatever the input
+dtype; P . V and dO . V^T take V's dtype (P cast to it), as flash attention does.
+
+Chunk c: on GPU a power of two >= 16 (default 64), on TPU a multiple of 128 (default 128), in
+the interpreter any size >= 1 (default 64, or the caller's block_size); the platform is the one
+being lowered for (`positional.kernels.per_platform`). The length is padded to whole chunks
+(beta 0: H = I), the head dimension to a power of two >= 16 (zeros change no dot product).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from jax.experimental.pallas import triton as plgpu
+
+from positional.kernels import check_tile, per_platform
+from positional.linalg import unit_lower_inverse
+from positional.logits import Bias
+from positional.softmax import MASKED, check_shapes
+
+DEFAULT_CHUNK = {"gpu": 64, "tpu": 128, "interpret": 64}
+# TPU backward: the scoped VMEM asked for on top of its resident accumulators and chain, and the
+# most of those it takes (with VMEM_LIMIT, 96 MiB: within a v5e's or v6e's 128 MiB).
+VMEM_LIMIT = 32 * 2 ** 20
+RESIDENT_MAX = 64 * 2 ** 20
+NN = (((1,), (0,)), ((), ()))  # a . b
+NT = (((1,), (1,)), ((), ()))  # a . b^T
+TN = (((0,), (0,)), ((), ()))  # a^T . b
+# The key side's per-slot numbers are rows [1, T] (sequence last: lane-dense on TPU).
+ROWS = ("seg", "values")
+
+
+def check_transport(k, w, beta) -> None:
+    """Shapes always; beta's range [0, 2] where its values are known (not under jit)."""
+    if w.shape != k.shape:
+        raise ValueError(f"Householder vectors w{w.shape} must have the keys' shape k{k.shape}")
+    if beta.shape != k.shape[:3]:
+        raise ValueError(f"Householder gains beta{beta.shape} must be [B, T, K] = {k.shape[:3]}")
+    if not isinstance(beta, jax.core.Tracer) and not bool(jnp.all((beta >= 0) & (beta <= 2))):
+        raise ValueError(f"Householder gains must lie in [0, 2] (H = I - beta w w^T is then a contraction); "
+                         f"got beta in [{float(beta.min())}, {float(beta.max())}]")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    bias: Callable | None  # the Bias's fn(q values, k values, qi, kj), or None
+    chunk: int
+    heads: int  # query heads
+    scale: float
+    stream: bool  # the chunk walk on the grid with VMEM state (TPU) vs a loop over whole refs
+    interpret: bool | str  # "tpu": Pallas's TPU interpreter
+    backend: str
+
+
+# ---- tiles: 2-D arrays of one chunk ([c, D], [c, c]), fp32 --------------------------------------
+def _dot(a, b, dims=NN):
+    precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+    return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
+
+
+def _iota(c, axis):
+    return lax.broadcasted_iota(jnp.int32, (c, c), axis)
+
+
+def _in_chunk(q, k, w, u):
+    """(A, B, AU, in-chunk dots, q_start) of one chunk: q, k, w [c, D], u [c, c] fp32.
+
+    A_is = q_i . w_s (s <= i) and B_tj = w_t . k_j (t > j) select the steps on each route
+    (j, i] from the chunk's U; q_start: the queries carried to the chunk's start."""
+    c = q.shape[0]
+    row, col = _iota(c, 0), _iota(c, 1)
+    a = jnp.where(col <= row, _dot(q, w, NT), 0.0)
+    b = jnp.where(row > col, _dot(w, k, NT), 0.0)
+    au = _dot(a, u)
+    return a, b, au, _dot(q, k, NT) - _dot(au, b), q - _dot(au, w)
+
+
+def _in_chunk_bwd(q, k, w, u, a, b, au, d_dots, g):
+    """(dq, dk, dw, du) of `_in_chunk` given d(in-chunk dots) and g = d q_start."""
+    c = q.shape[0]
+    row, col = _iota(c, 0), _iota(c, 1)
+    d_au = -_dot(d_dots, b, NT) - _dot(g, w, NT)
+    d_a = jnp.where(col <= row, _dot(d_au, u, NT), 0.0)
+    d_b = jnp.where(row > col, -_dot(au, d_dots, TN), 0.0)
+    dq = g + _dot(d_dots, k) + _dot(d_a, w)
+    dk = _dot(d_dots, q, TN) + _dot(d_b, w, TN)
+    dw = _dot(d_a, q, TN) + _dot(d_b, k) - _dot(au, g, TN)
+    return dq, dk, dw, _dot(a, d_au, TN)
+
+
+def _carry(x, w, u):
+    """Query rows x [c, D] carried back past a whole chunk: x (I - W^T U W)."""
+    return x - _dot(_dot(_dot(x, w, NT), u), w)
+
+
+def _carry_bwd(x, w, u, g):
+    """(dx, dw, du) of `_carry` given g = d(its output)."""
+    xw = _dot(x, w, NT)
+    d_y = -_dot(g, w, NT)
+    d_xw = _dot(d_y, u, NT)
+    dw = _dot(d_xw, x, TN) - _dot(_dot(xw, u), g, TN)
+    return g + _dot(d_xw, w), dw, _dot(xw, d_y, TN)
+
+
+def _logits(st, dots, q_values, k_values, qb, kb, n, m):
+    """Scaled, biased, masked logits of query chunk n against key chunk m: dots [c, c]."""
+    c = st.chunk
+    qi = n * c + lax.broadcasted_iota(jnp.int32, (c, 1), 0)
+    kj = m * c + lax.broadcasted_iota(jnp.int32, (1, c), 1)
+    s = dots * st.scale
+    if st.bias is not None:
+        s = s + st.bias(q_values, k_values, qi, kj)
+    return jnp.where((kj <= qi) & (qb["seg"] == kb["seg"]), s, MASKED)
+
+
+def _softmax_step(state, s, v):
+    o, m, row_sum = state
+    m_new = jnp.maximum(m, s.max(axis=1, keepdims=True))
+    p = jnp.exp(s - m_new)
+    corr = jnp.exp(m - m_new)
+    return o * corr + _dot(p.astype(v.dtype), v), m_new, row_sum * corr + p.sum(axis=1, keepdims=True)
+
+
+def _tile_bwd(st, dots, qb, kb, n, m):
+    """(d dots, d q values, d k values, dv) of one tile, by dS = P (dP - delta)."""
+    s, vjp = jax.vjp(lambda d, a, b: _logits(st, d, a, b, qb, kb, n, m), dots, qb["values"], kb["values"])
+    p = jnp.exp(s - qb["lse"])
+    dp = _dot(qb["do"], kb["v"], NT)
+    d_dots, dqv, dkv = vjp(p * (dp - qb["delta"]))
+    return d_dots, dqv, dkv, _dot(p.astype(qb["do"].dtype), qb["do"], TN)
+
+
+# ---- refs: whole sequences or one chunk ---------------------------------------------------------
+def _span(m, c):
+    return pl.ds(pl.multiple_of(m * c, c), c)
+
+
+def _at(ref, m, c, row: bool):
+    """Chunk m of a whole-sequence ref ([T, w], or [1, T] for a row)."""
+    return ref[:, _span(m, c)] if row else ref[_span(m, c), :]
+
+
+def _put(ref, m, c, row: bool, x, add=False):
+    """Write (or add) x at chunk m of a whole-sequence ref; m None: the ref is that chunk."""
+    if m is None:
+        ref[...] = x
+        return
+    idx = (slice(None), _span(m, c)) if row else (_span(m, c), slice(None))
+    ref[idx] = ref[idx] + x if add else x
+
+
+def _load(refs: dict, side: str, m, c) -> dict:
+    """A side's arrays at chunk m of whole-sequence refs, or (m None) refs of one chunk."""
+    return {name: jax.tree.map(lambda r, n=name: r[...] if m is None else _at(r, m, c, side == "k" and n in ROWS),
+                               group) for name, group in refs.items()}
+
+
+def _spec(x, row: bool, heads: int, index: Callable | None, c: int):
+    """BlockSpec of x [B, heads of x, ., .] on a grid (B, H, ...): one chunk at index(*grid[2:])
+    along the sequence (axis 3 for a row, else 2), or the whole sequence (index None)."""
+    shape = list(x.shape[2:])
+    axis = 1 if row else 0
+    if index is not None:
+        shape[axis] = c
+
+    def index_map(b, h, *rest):
+        pos = [0, 0]
+        if index is not None:
+            pos[axis] = index(*rest)
+        return (b, h // (heads // x.shape[1]), *pos)
+
+    return pl.BlockSpec((None, None, *shape), index_map)
+
+
+def _specs(st, side: str, arrays: dict, index: Callable) -> dict:
+    """Specs of a side's arrays; index(name): the chunk index map of that array (a function of
+    grid[2:]), or None for the whole sequence."""
+    return {name: jax.tree.map(lambda x, n=name: _spec(x, side == "k" and n in ROWS, st.heads, index(n), st.chunk),
+                               group) for name, group in arrays.items()}
+
+
+def _leaves(tree):
+    return jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, pl.BlockSpec))
+
+
+def _call(st, kernel, grid, arrays, specs, outputs, out_specs, scratch=(), semantics=(), vmem=0):
+    params = {}
+    if st.stream:
+        params["scratch_shapes"] = list(scratch)
+        if not st.interpret:
+            params["compiler_params"] = pltpu.CompilerParams(dimension_semantics=semantics,
+                                                             vmem_limit_bytes=VMEM_LIMIT + vmem)
+    elif not st.interpret and st.backend == "gpu":
+        params["compiler_params"] = plgpu.CompilerParams()
+    n_in, n_out = len(jax.tree.leaves(arrays)), len(jax.tree.leaves(outputs))
+
+    def body(*refs):
+        ins = jax.tree.unflatten(jax.tree.structure(arrays), refs[:n_in])
+        outs = jax.tree.unflatten(jax.tree.structure(outputs), refs[n_in:n_in + n_out])
+        kernel(ins, outs, refs[n_in + n_out:])
+
+    # The TPU interpreter fills uninitialised memory with NaN: a block read before written shows.
+    interpret = pltpu.InterpretParams(uninitialized_memory="nan") if st.interpret == "tpu" else st.interpret
+    out = pl.pallas_call(body, grid=grid, in_specs=_leaves(specs), out_specs=_leaves(out_specs),
+                         out_shape=jax.tree.leaves(outputs), interpret=interpret, **params)(*jax.tree.leaves(arrays))
+    return jax.tree.unflatten(jax.tree.structure(outputs), out)
+
+
+# ---- forward ----------------------------------------------------------------------------------
+# arrays: {"q": {"q" [B, H, T, D], "seg" [B, 1, T, 1], "values" {name: [B, H, T, 1]}},
+#          "k": {"k", "ke" (k_end), "v", "w" [B, K, T, D], "u" [B, K, T, c],
+#                "seg" [B, 1, 1, T], "values" {name: [B, H, 1, T]}}}; T padded to whole chunks.
+def _forward(st: _Static, arrays: dict):
+    b, h, t, d = arrays["q"]["q"].shape
+    c, n_chunks = st.chunk, t // st.chunk
+    v = arrays["k"]["v"]
+    f32 = jnp.float32
+
+    def kernel(ins, outs, scratch):
+        n = pl.program_id(2)
+        qb = _load(ins["q"], "q", None, c)
+        q = qb["q"].astype(f32)
+
+        def near(kb):  # -> (softmax state, queries at the chunk's start)
+            *_, dots, x = _in_chunk(q, kb["k"].astype(f32), kb["w"], kb["u"])
+            state = (jnp.zeros((c, v.shape[-1]), f32), jnp.full((c, 1), MASKED, f32), jnp.zeros((c, 1), f32))
+            return _softmax_step(state, _logits(st, dots, qb["values"], kb["values"], qb, kb, n, n), kb["v"]), x
+
+        def far(state, x, kb, m):
+            s = _logits(st, _dot(x, kb["ke"], NT), qb["values"], kb["values"], qb, kb, n, m)
+            return _softmax_step(state, s, kb["v"]), _carry(x, kb["w"], kb["u"])
+
+        def finish(state):
+            o, m, row_sum = state
+            outs["o"][...] = (o / row_sum).astype(outs["o"].dtype)
+            outs["lse"][...] = m + jnp.log(row_sum)
+
+        if not st.stream:
+            def body(j, carry):
+                return far(*carry, _load(ins["k"], "k", n - 1 - j, c), n - 1 - j)
+            finish(lax.fori_loop(0, n, body, near(_load(ins["k"], "k", n, c)))[0])
+            return
+        # Streamed: step j = 0 the in-chunk tile, j = 1 .. n key chunk n - j; later steps idle.
+        j, kb = pl.program_id(3), _load(ins["k"], "k", None, c)
+
+        def read():
+            o, m, row_sum, x = (r[...] for r in scratch)
+            return (o, m, row_sum), x
+
+        def write(carry):
+            for ref, x in zip(scratch, jax.tree.leaves(carry)):
+                ref[...] = x
+
+        pl.when(j == 0)(lambda: write(near(kb)))
+        pl.when((j >= 1) & (j <= n))(lambda: write(far(*read(), kb, n - j)))
+        pl.when(j == n_chunks - 1)(lambda: finish(read()[0]))
+
+    outputs = {"o": jax.ShapeDtypeStruct((b, h, t, v.shape[-1]), v.dtype),
+               "lse": jax.ShapeDtypeStruct((b, h, t, 1), f32)}
+    own = lambda name: lambda n, *j: n  # noqa: E731  the program's query chunk
+    if st.stream:  # past chunk 0 the index stays at 0: no copy
+        k_specs = _specs(st, "k", arrays["k"], lambda name: own(name) if name == "k" else
+                         lambda n, j: jnp.where(j == 0, n, jnp.maximum(n - j, 0)))
+        grid = (b, h, n_chunks, n_chunks)
+        scratch = [pltpu.VMEM(shape, f32) for shape in ((c, v.shape[-1]), (c, 1), (c, 1), (c, d))]
+    else:
+        k_specs, grid, scratch = _specs(st, "k", arrays["k"], lambda name: None), (b, h, n_chunks), ()
+    out = _call(st, kernel, grid, arrays, {"q": _specs(st, "q", arrays["q"], own), "k": k_specs}, outputs,
+                _specs(st, "q", outputs, own), scratch, ("parallel", "parallel", "parallel", "arbitrary"))
+    return out["o"], out["lse"]
+
+
+# ---- backward ---------------------------------------------------------------------------------
+# The q side adds "do" [B, H, T, D], "lse" and "delta" [B, H, T, 1]. Outputs, per query head,
+# fp32: the q side's "q" and "values"; the k side's "k" and the ACCUMULATED ones.
+ACCUMULATED = ("ke", "v", "w", "u", "values")  # k-side gradients summed over the query chunks
+
+
+def _backward(st: _Static, arrays: dict):
+    b, h, t, d = arrays["q"]["q"].shape
+    c, n_chunks = st.chunk, t // st.chunk
+    f32 = jnp.float32
+    ks = arrays["k"]
+
+    def per_head(x):
+        return jax.ShapeDtypeStruct((b, h, *x.shape[2:]), f32)
+
+    outputs = {"q": {"q": per_head(arrays["q"]["q"]), "values": jax.tree.map(per_head, arrays["q"]["values"])},
+               "k": {name: jax.tree.map(per_head, ks[name]) for name in ("k",) + ACCUMULATED}}
+    if not st.stream:  # the chain: an output the program writes and reads back (Triton has no scratch)
+        outputs["chain"] = jax.ShapeDtypeStruct((b, h, t, d), f32)
+
+    def kernel(ins, outs, scratch):
+        chain = scratch[0] if st.stream else outs["chain"]
+
+        def accumulate(m, grads, add):  # k-side gradients of chunk m; its first write (finish) sets them
+            for name, group in grads.items():
+                jax.tree.map(lambda ref, x, n=name: _put(ref, m, c, n in ROWS, x, add), outs["k"][name], group)
+
+        def start(qb, kb):  # (in-chunk pieces, queries at the chunk's start)
+            q, k = qb["q"].astype(f32), kb["k"].astype(f32)
+            a, bm, au, dots, x = _in_chunk(q, k, kb["w"], kb["u"])
+            return (q, k, a, bm, au, dots), x
+
+        def walk(n, m, qb, kb, g, dqv):  # key chunk m of query chunk n, far to near; g = d chain[m - 1]
+            x = _at(chain, m, c, False)
+            dx, dw, du = _carry_bwd(x, kb["w"], kb["u"], g)
+            d_dots, dqv_t, dkv, dv = _tile_bwd(st, _dot(x, kb["ke"], NT), qb, kb, n, m)
+            accumulate(m, {"ke": _dot(d_dots, x, TN), "v": dv, "w": dw, "u": du, "values": dkv}, True)
+            return dx + _dot(d_dots, kb["ke"]), jax.tree.map(jnp.add, dqv, dqv_t)
+
+        def finish(n, qb, kb, g, dqv, at):  # chunk n's in-chunk tile and pieces, g = d q_start; at: its
+            (q, k, a, bm, au, dots), _ = start(qb, kb)  # chunk in the q-side outputs (None: theirs)
+            d_dots, dqv_t, dkv, dv = _tile_bwd(st, dots, qb, kb, n, n)
+            dq, dk, dw, du = _in_chunk_bwd(q, k, kb["w"], kb["u"], a, bm, au, d_dots, g)
+            accumulate(n, {"ke": jnp.zeros_like(dk), "v": dv, "w": dw, "u": du, "values": dkv}, False)
+            _put(outs["q"]["q"], at, c, False, dq)
+            _put(outs["k"]["k"], at, c, False, dk)
+            jax.tree.map(lambda ref, x, y: _put(ref, at, c, False, x + y), outs["q"]["values"], dqv, dqv_t)
+
+        zero_g = jnp.zeros((c, d), f32)
+        zero_qv = jax.tree.map(lambda r: jnp.zeros((c, 1), f32), ins["q"]["values"])
+        if not st.stream:
+            def chunk(n, carry):
+                qb, kb = _load(ins["q"], "q", n, c), _load(ins["k"], "k", n, c)
+
+                def keep(j, x):  # chain[m] = x, m = n - 1 - j
+                    m = n - 1 - j
+                    _put(chain, m, c, False, x)
+                    return _carry(x, _at(ins["k"]["w"], m, c, False), _at(ins["k"]["u"], m, c, False))
+
+                lax.fori_loop(0, n, keep, start(qb, kb)[1])
+                g, dqv = lax.fori_loop(0, n, lambda m, gd: walk(n, m, qb, _load(ins["k"], "k", m, c), *gd),
+                                       (zero_g, zero_qv))
+                finish(n, qb, kb, g, dqv, n)
+                return carry
+
+            lax.fori_loop(0, n_chunks, chunk, 0)
+            return
+        # Streamed: step 0 starts chunk n's chain, steps 1 .. n-1 extend it, steps n .. 2n-1 walk
+        # key chunks 0 .. n-1, step 2n finishes chunk n; later steps idle.
+        n, step = pl.program_id(2), pl.program_id(3)
+        qb, kb = _load(ins["q"], "q", None, c), _load(ins["k"], "k", None, c)
+        g_ref, qv_refs = scratch[1], jax.tree.unflatten(jax.tree.structure(zero_qv), scratch[2:])
+
+        def state():
+            return g_ref[...], jax.tree.map(lambda r: r[...], qv_refs)
+
+        def keep(g, dqv):
+            _put(g_ref, None, c, False, g)
+            jax.tree.map(lambda r, x: _put(r, None, c, False, x), qv_refs, dqv)
+
+        def extend():  # chain[m - 1] from chain[m], m = n - step
+            _put(chain, n - step - 1, c, False, _carry(_at(chain, n - step, c, False), kb["w"], kb["u"]))
+
+        pl.when(step == 0)(lambda: keep(zero_g, zero_qv))
+        pl.when((step == 0) & (n > 0))(lambda: _put(chain, n - 1, c, False, start(qb, kb)[1]))
+        pl.when((step >= 1) & (step < n))(extend)
+        pl.when((step >= n) & (step < 2 * n))(lambda: keep(*walk(n, step - n, qb, kb, *state())))
+        pl.when(step == 2 * n)(lambda: finish(n, qb, kb, *state(), None))
+
+    own = lambda name: lambda n, *step: n  # noqa: E731  the program's query chunk
+    if st.stream:
+        def k_index(name):
+            if name == "k":
+                return own(name)
+            if name in ("w", "u"):  # the chain's chunks, then the walk's
+                return lambda n, s: jnp.where(s == 0, n, jnp.where(s < n, n - s, jnp.where(s < 2 * n, s - n, n)))
+            return lambda n, s: jnp.where(s < n, 0, jnp.where(s < 2 * n, s - n, n))  # the walk's
+
+        specs = {"q": _specs(st, "q", arrays["q"], own), "k": _specs(st, "k", ks, k_index)}
+        out_specs = {"q": _specs(st, "q", outputs["q"], own),
+                     "k": _specs(st, "k", outputs["k"], lambda name: own(name) if name == "k" else None)}
+        grid = (b, h, n_chunks, 2 * n_chunks - 1)
+        scratch = [pltpu.VMEM((t, d), f32), pltpu.VMEM((c, d), f32)]
+        scratch += [pltpu.VMEM((c, 1), f32) for _ in jax.tree.leaves(arrays["q"]["values"])]
+        vmem = _resident(t, d, c, len(jax.tree.leaves(arrays["q"]["values"])))
+    else:
+        whole = lambda name: None  # noqa: E731
+        specs = {side: _specs(st, side, arrays[side], whole) for side in ("q", "k")}
+        out_specs = {"q": _specs(st, "q", outputs["q"], whole), "k": _specs(st, "k", outputs["k"], whole),
+                     "chain": _spec(outputs["chain"], False, h, None, c)}
+        grid, scratch, vmem = (b, h), (), 0
+    out = _call(st, kernel, grid, arrays, specs, outputs, out_specs, scratch,
+                ("parallel", "parallel", "arbitrary", "arbitrary"), vmem)
+    return out["q"], out["k"]
+
+
+def _resident(t, d, c, n_values) -> int:
+    """Bytes of VMEM the TPU backward keeps for the whole sequence (t padded, d the padded head
+    dimension): the chain, and twice (double-buffered output blocks) the accumulators of
+    k_end, v, w ([t, d]), U ([t, c]) and the bias values ([1, t] each); fp32 in (8, 128) tiles."""
+    def size(rows, cols):
+        return 4 * (-(-rows // 8) * 8) * (-(-cols // 128) * 128)
+    return size(t, d) + 2 * (3 * size(t, d) + size(t, c) + n_values * size(1, t))
+
+
+def refusal(bias_fn, k, platform: str, chunk: int | None = None) -> str | None:
+    """Why the kernel cannot take keys k [B, T, K, D] and this bias when lowered for `platform`
+    ("cpu", "cuda", "tpu"), or None: a bias that is not a `Bias`; on TPU, a sequence whose
+    backward would keep more than RESIDENT_MAX of VMEM (about 14K tokens)."""
+    if bias_fn is not None and not isinstance(bias_fn, Bias):
+        return (f"bias_fn must be a positional.logits.Bias (a function of per-slot values) to be fused; "
+                f"got {type(bias_fn).__name__}")
+    if platform == "tpu":
+        c = chunk or DEFAULT_CHUNK["tpu"]
+        need = _resident(-(-k.shape[1] // c) * c, max(16, pl.next_power_of_2(k.shape[3])), c,
+                         len(bias_fn.values) if bias_fn is not None else 0)
+        if need > RESIDENT_MAX:
+            return (f"on TPU its backward would keep {need / 2 ** 20:.0f} MiB of VMEM for {k.shape[1]} tokens "
+                    f"(at most {RESIDENT_MAX // 2 ** 20} MiB, about 14K tokens)")
+    return None
+
+
+# ---- custom VJP -------------------------------------------------------------------------------
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _path(st, arrays):
+    return _forward(st, arrays)[0]
+
+
+def _path_fwd(st, arrays):
+    o, lse = _forward(st, arrays)
+    return o, (arrays, o, lse)
+
+
+def _path_bwd(st, res, do):
+    arrays, o, lse = res
+    delta = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1, keepdims=True)
+    v = arrays["k"]["v"]
+    full = {"q": {**arrays["q"], "do": do.astype(v.dtype), "lse": lse, "delta": delta}, "k": arrays["k"]}
+    dq, dk = _backward(st, full)
+    b, kh = v.shape[:2]
+
+    def group_sum(x, like):  # per query head -> per kv head
+        return x.reshape(b, kh, st.heads // kh, *x.shape[2:]).sum(2).astype(like.dtype)
+
+    ks = arrays["k"]
+    grads = {"q": {"q": dq["q"].astype(arrays["q"]["q"].dtype), "values": dq["values"], "seg": None},
+             "k": {**{name: group_sum(dk[name], ks[name]) for name in ("k", "ke", "v", "w", "u")},
+                   "values": dk["values"], "seg": None}}
+    return (grads,)
+
+
+_path.defvjp(_path_fwd, _path_bwd)
+
+
+# ---- the public function ------------------------------------------------------------------------
+def path_attention(q, k, v, w, beta, *, bias_fn: Bias | None = None, segment_ids=None, scale: float | None = None,
+                   chunk: int | None = None, block_size: int | None = None, interpret: bool | str | None = None,
+                   stream: bool | None = None, platform: str | None = None) -> jax.Array:
+    """PaTH attention, q [B, T, H, D]; k, v, w [B, T, K, D] (w unit vectors); beta [B, T, K] in
+    [0, 2]; bias_fn a `positional.logits.Bias` or None; segment_ids [B, T] -> [B, T, H, D] in
+    q's dtype. Differentiable in q, k, v, w, beta and the bias's values (a custom VJP).
+
+    `chunk`: the chunk (tile) size; None takes the platform's default, or in the interpreter
+    `block_size` where given (the plain-JAX paths' block, so a model's CPU tests run the kernel
+    over several chunks). `interpret`: None lowers for the platform being lowered for (the
+    Pallas interpreter on CPU, Triton on cuda, Mosaic on tpu: `positional.kernels.per_platform`);
+    True interprets everywhere; "tpu" runs the TPU form in Pallas's TPU interpreter (slower; it
+    checks the streamed blocks as Mosaic moves them). `stream`: None streams on TPU only;
+    True/False forces it (the interpreter runs both). `platform` ("cpu", "cuda", "tpu"): build
+    that platform's kernel alone.
+    """
+    check_shapes(q, k, v, segment_ids)
+    check_transport(k, w, beta)
+    why = refusal(bias_fn, k, "cpu")
+    if why:
+        raise ValueError(f"PaTH kernel: {why}; use impl='blockwise'")
+    b, t, h, d = q.shape
+    values = {}
+    for name, x in (bias_fn.values if bias_fn is not None else {}).items():
+        if x.shape[0] not in (1, b) or x.shape[1] not in (1, t) or x.shape[2] not in (1, h):
+            raise ValueError(f"bias value {name!r} has shape {tuple(x.shape)}; it must broadcast to "
+                             f"[B, T, H] = {(b, t, h)} (one number per slot and query head)")
+        values[name] = jnp.broadcast_to(jnp.asarray(x, jnp.float32), (b, t, h))
+
+    def settings(backend: str, interpret: bool) -> _Static:
+        c = chunk if chunk is not None else (block_size if interpret and block_size else
+                                             DEFAULT_CHUNK["interpret" if interpret else backend])
+        check_tile("PaTH", "chunk", c, backend, interpret)
+        if stream and backend == "gpu" and not interpret:
+            raise ValueError("PaTH kernel stream=True is the TPU form (VMEM scratch); Triton (GPU) takes "
+                             "stream=False or None")
+        why = None if interpret else refusal(bias_fn, k, backend, c)
+        if why:
+            raise ValueError(f"PaTH kernel: {why}; use impl='blockwise'")
+        return _Static(bias=bias_fn.fn if bias_fn is not None else None, chunk=c, heads=h,
+                       scale=d ** -0.5 if scale is None else float(scale),
+                       stream=backend == "tpu" and not interpret if stream is None else bool(stream),
+                       interpret=interpret, backend=backend)
+
+    seg = jnp.zeros((b, t), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
+    if interpret == "tpu":
+        return _padded(dataclasses.replace(settings("tpu", True), stream=True, interpret="tpu"), q, k, v, w, beta,
+                       values, seg)
+    if interpret not in (None, True, False):
+        raise ValueError(f"PaTH kernel interpret={interpret!r} must be None, True, False or 'tpu'")
+    return per_platform(settings, _padded, (q, k, v, w, beta, values, seg), interpret, platform)
+
+
+def _padded(st: _Static, q, k, v, w, beta, values, seg):
+    """The kernel on inputs padded to whole chunks (and the head dimension to a power of two
+    >= 16), with the per-chunk UT matrices and the keys carried to their chunk's end."""
+    b, t, h, d = q.shape
+    kh, c = k.shape[2], st.chunk
+    n = -(-t // c)
+    tp, dp = n * c, max(16, pl.next_power_of_2(d))
+    f32 = jnp.float32
+
+    def layout(x):  # [B, T, heads, d] -> [B, heads, T_padded, D_padded]
+        x = jnp.pad(x, ((0, 0), (0, tp - t), (0, 0), (0, dp - x.shape[-1])))
+        return jnp.swapaxes(x, 1, 2)
+
+    def chunks(x):  # [B, heads, T_padded, ...] -> [B, heads, N, c, ...]
+        return x.reshape(x.shape[0], x.shape[1], n, c, *x.shape[3:])
+
+    wc, kc = chunks(layout(w.astype(f32))), chunks(layout(k.astype(f32)))
+    bc = chunks(jnp.swapaxes(jnp.pad(beta.astype(f32), ((0, 0), (0, tp - t), (0, 0))), 1, 2))  # padding: H = I
+    gram = jnp.einsum("...sd,...td->...st", wc, wc, precision=lax.Precision.HIGHEST)
+    u = unit_lower_inverse(jnp.eye(c) + bc[..., :, None] * jnp.tril(gram, -1)) * bc[..., None, :]  # [B,K,N,c,c]
+    wk = jnp.tril(jnp.einsum("...td,...jd->...tj", wc, kc, precision=lax.Precision.HIGHEST), -1)  # w_t . k_j, t > j
+    uk = jnp.matmul(u, wk, precision=lax.Precision.HIGHEST)
+    k_end = kc - jnp.einsum("...sj,...sd->...jd", uk, wc, precision=lax.Precision.HIGHEST)
+    flat = lambda x: x.reshape(b, kh, tp, x.shape[-1])  # noqa: E731
+    seg = jnp.pad(seg, ((0, 0), (0, tp - t)))
+    vals = {name: jnp.swapaxes(jnp.pad(x, ((0, 0), (0, tp - t), (0, 0))), 1, 2) for name, x in values.items()}
+    arrays = {"q": {"q": layout(q), "seg": seg[:, None, :, None], "values": {n_: x[..., None] for n_, x in vals.items()}},
+              "k": {"k": layout(k), "ke": flat(k_end), "v": layout(v), "w": flat(wc), "u": flat(u),
+                    "seg": seg[:, None, None, :], "values": {n_: x[:, :, None] for n_, x in vals.items()}}}
+    o = _path(st, arrays)
+    return jnp.swapaxes(o, 1, 2)[:, :t, :, :d].astype(q.dtype)

@@ -1,0 +1,234 @@
+"""The PaTH kernel (positional/kernels/path.py) against PaTH's reference (the materialised logits,
+positional/householder.py), in the interpreter and in both loop structures (GPU's loop over
+whole-sequence refs, TPU's streamed grid), values and the gradients of q, k, v, w, beta and the
+FoX gates; lowered for cuda and tpu; what impl="auto" picks; bad input. The conformance suite
+runs impl "pallas" for path and path_fox at the layer."""
+
+import functools
+import logging
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from draws import normal, uniform
+from lowering import MOSAIC, TRITON, lowered, simplified
+from models.registry import make_scheme
+from positional import householder as hh
+from positional.fox import forget_bias
+from positional.kernels import path as kernel
+from positional.kernels.path import path_attention
+from positional.logits import Bias
+from positional.softmax import reference_attention
+
+NAMES = ("q", "k", "v", "w", "beta", "log_forget")
+
+
+def inputs(t, d, h=4, kh=2, dtype=jnp.float32, key=0):
+    ks = jax.random.split(jax.random.key(key), 6)
+    q = normal(ks[0], (2, t, h, d))
+    k, v, w = (normal(x, (2, t, kh, d)) for x in ks[1:4])
+    w = w / jnp.linalg.norm(w, axis=-1, keepdims=True)
+    beta = uniform(ks[4], (2, t, kh), minval=0.0, maxval=2.0)
+    log_f = uniform(ks[5], (2, t, h), minval=-1.0, maxval=0.0)
+    return q.astype(dtype), k.astype(dtype), v.astype(dtype), w, beta, log_f
+
+
+def segments(t):
+    """Two rows: three documents (lengths 3, 5, the rest), and one."""
+    return jnp.asarray([[0] * 3 + [1] * 5 + [2] * t, [7] * (t + 8)])[:, :t]
+
+
+def value_and_grads(impl, args, seg, gated, **kw):
+    """(output, gradients of the six inputs) of a fixed loss, jitted."""
+    d = args[0].shape[-1]
+
+    def attend(q, k, v, w, beta, log_f):
+        bias = forget_bias(log_f) if gated else None
+        if impl == "reference":
+            return reference_attention(q, k, v, bias_fn=bias, segment_ids=seg,
+                                       score_fn=hh.dense_score_fn(w, beta, d ** -0.5))
+        return path_attention(q, k, v, w, beta, bias_fn=bias, segment_ids=seg, **{"interpret": True, **kw})
+
+    def loss(*args):
+        out = attend(*args)
+        return jnp.sum(out.astype(jnp.float32) * jnp.cos(jnp.arange(out.size).reshape(out.shape))), out
+
+    (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=range(6), has_aux=True))(*args)
+    return out, grads
+
+
+def rel(a, b):
+    a, b = (np.asarray(x, np.float32) for x in (a, b))
+    return float(np.linalg.norm(a - b) / (np.linalg.norm(b) or 1.0))
+
+
+def check(t, d, chunk, stream, *, kh=2, gated=True, packed=True, tol=1e-5):
+    args = inputs(t, d, kh=kh)
+    seg = segments(t) if packed else None
+    got, got_grads = value_and_grads("kernel", args, seg, gated, chunk=chunk, stream=stream)
+    want, want_grads = value_and_grads("reference", args, seg, gated)
+    assert rel(got, want) < tol
+    for name, g, w in zip(NAMES, got_grads, want_grads):
+        assert rel(g, w) < tol, name
+
+
+SLOW = pytest.mark.slow  # interpreting costs about 10 s a case on a 2-core CPU, mostly compiling
+
+
+@pytest.mark.parametrize("t,d,chunk,stream,kh,gated,packed", [
+    (7, 48, 3, True, 2, True, True),  # streamed (TPU's form); 3 chunks, 2 tokens of padding, D padded to 64
+    (7, 16, 2, False, 1, False, True),  # the loop (GPU's form); one kv head for 4 query heads, no gate
+    pytest.param(1, 16, 4, False, 2, True, True, marks=SLOW),  # one token: the in-chunk tile alone
+    pytest.param(200, 64, 64, False, 2, True, True, marks=SLOW),  # the GPU chunk; padded to 256
+    pytest.param(200, 16, 32, True, 4, True, False, marks=SLOW),  # 7 chunks, no grouping, no segments
+    pytest.param(200, 128, 64, True, 2, True, True, marks=SLOW),
+    pytest.param(1000, 128, 64, False, 2, True, True, marks=SLOW),
+    pytest.param(1000, 48, 128, True, 2, True, True, marks=SLOW),  # the TPU chunk
+])
+def test_kernel_equals_reference_values_and_gradients(t, d, chunk, stream, kh, gated, packed):
+    """Values, and gradients of q, k, v, w, beta and the FoX gates (the Bias's per-slot arrays)."""
+    check(t, d, chunk, stream, kh=kh, gated=gated, packed=packed, tol=2e-5 if t > 200 else 1e-5)
+
+
+@pytest.mark.parametrize("stream", [False, pytest.param(True, marks=SLOW)])
+def test_bf16_inputs_fp32_transport(stream):
+    """bf16 q, k, v: the output is bf16, and it and the gradients match the fp32 reference at
+    the same (rounded) inputs to bf16's precision (P . V and dO . V^T take bf16 operands)."""
+    args = inputs(37, 64, dtype=jnp.bfloat16)
+    up = [x.astype(jnp.float32) for x in args[:3]] + list(args[3:])
+    seg = segments(37)
+    got, got_grads = value_and_grads("kernel", args, seg, True, chunk=16, stream=stream)
+    want, want_grads = value_and_grads("reference", up, seg, True)
+    assert got.dtype == jnp.bfloat16 and rel(got, want) < 1e-2
+    for name, g, w in zip(NAMES, got_grads, want_grads):
+        assert g.dtype == (jnp.bfloat16 if name in "qkv" else jnp.float32) and rel(g, w) < 1e-2, name
+
+
+@pytest.mark.slow
+def test_tpu_form_in_the_tpu_interpreter():
+    """The streamed form in Pallas's TPU interpreter, TPU's chunk (128), uninitialised memory
+    NaN: every block and accumulator is written before it is read."""
+    args = inputs(300, 64)
+    seg = segments(300)
+    got, got_grads = value_and_grads("kernel", args, seg, True, chunk=128, interpret="tpu")
+    want, want_grads = value_and_grads("reference", args, seg, True)
+    assert rel(got, want) < 1e-5
+    for name, g, w in zip(NAMES, got_grads, want_grads):
+        assert rel(g, w) < 1e-5, name
+
+
+def t_by_t(text, t):
+    """Tensor types of a module with two axes of at least t."""
+    types = re.findall(r"tensor<((?:\d+x)+)[a-z]\w*>", text)
+    return [dims for dims in types if sum(int(x) >= t for x in dims.split("x")[:-1]) >= 2]
+
+
+@pytest.mark.parametrize("platform,call", [("cuda", TRITON), ("tpu", MOSAIC)])
+def test_lowers_for_gpu_and_tpu(platform, call, monkeypatch):
+    """Forward (1 kernel) and forward + backward (2) lower through jax.export on this CPU: bf16,
+    head dimension 128, GQA, FoX gates, segment ids, a length of no whole chunk. No T x T
+    tensor; on GPU the key side is read from whole-sequence refs, on TPU every block streamed
+    in is one chunk (128)."""
+    t = 1000
+    q = jax.ShapeDtypeStruct((1, t, 4, 128), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((1, t, 2, 128), jnp.bfloat16)
+    w, beta = jax.ShapeDtypeStruct((1, t, 2, 128), jnp.float32), jax.ShapeDtypeStruct((1, t, 2), jnp.float32)
+    log_f, seg = jax.ShapeDtypeStruct((1, t, 4), jnp.float32), jax.ShapeDtypeStruct((1, t), jnp.int32)
+    blocks = []
+    pallas_call = kernel.pl.pallas_call
+
+    def recording(*args, in_specs, **kw):
+        blocks.extend(s.block_shape for s in in_specs)
+        return pallas_call(*args, in_specs=in_specs, **kw)
+
+    monkeypatch.setattr(kernel.pl, "pallas_call", recording)
+
+    def f(q, k, v, w, beta, log_f, seg):
+        return path_attention(q, k, v, w, beta, bias_fn=forget_bias(log_f), segment_ids=seg, platform=platform)
+
+    grad = jax.grad(lambda *a: f(*a).astype(jnp.float32).sum(), range(6))
+    forward, backward = (lowered(fn, q, k, k, w, beta, log_f, seg, platforms=[platform]) for fn in (f, grad))
+    assert forward.count(call) == 1 and backward.count(call) == 2
+    assert t_by_t(simplified(backward), t) == []
+    longest = max(max(s for s in shape if s is not None) for shape in blocks)
+    assert longest == (1024 if platform == "cuda" else 128)
+
+
+@pytest.mark.parametrize("platform,call", [("cuda", TRITON), ("tpu", MOSAIC)])
+@pytest.mark.parametrize("name", ["path", "path_fox"])
+def test_auto_runs_the_kernel_on_gpu_and_tpu(name, platform, call):
+    """impl="auto" at the scheme, exported for an accelerator: the kernel, forward and backward,
+    no T x T tensor (on this CPU auto stays the reference: tests/test_auto.py)."""
+    scheme = make_scheme(name, num_heads=4, head_dim=64)
+    x = jax.ShapeDtypeStruct((1, 2048, 4, 64), jnp.bfloat16)
+    pos = jnp.broadcast_to(jnp.arange(2048), (1, 2048))
+
+    def loss(q, k, v):
+        return scheme.attend(q, k, v, positions=pos, impl="auto", key=jax.random.key(0)).astype(jnp.float32).sum()
+
+    text = simplified(lowered(jax.grad(loss, (0, 1, 2)), x, x, x, platforms=[platform]))
+    assert text.count(call) == 2 and t_by_t(text, 2048) == []
+
+
+@pytest.mark.parametrize("t,ring,want", [
+    (256, False, {"cpu": "reference", "cuda": "pallas", "tpu": "pallas"}),
+    (16384, False, {"cpu": "blockwise", "cuda": "pallas", "tpu": "blockwise"}),  # TPU: VMEM
+    (256, True, {"cpu": "reference", "cuda": "blockwise", "tpu": "blockwise"}),  # a sequence mesh
+])
+def test_auto_choices(t, ring, want, caplog, monkeypatch):
+    """What PaTH's auto picks per platform (the dispatcher's log records; traced, not run): on
+    CPU what it picked before the kernel, by length; the kernel on GPU and TPU, except where the
+    TPU backward's resident VMEM would pass RESIDENT_MAX, or on a sequence mesh."""
+    monkeypatch.setattr(hh, "ring_active", lambda: ring)
+    scheme = make_scheme("path_fox", num_heads=4, head_dim=64)
+    x = jax.ShapeDtypeStruct((1, t, 4, 64), jnp.bfloat16)
+    with caplog.at_level(logging.DEBUG, logger="positional.attention"):
+        jax.eval_shape(lambda q: scheme.attend(q, q, q, positions=None, impl="auto", key=jax.random.key(0)), x)
+    records = [r for r in caplog.records if getattr(r, "label", None) == "Path"]
+    assert {r.platform: r.impl for r in records} == want
+    if t > 8192:
+        assert "MiB of VMEM for 16384 tokens" in next(r.why for r in records if r.platform == "tpu")
+
+
+def test_a_chunk_one_platform_refuses_fails_only_its_lowering():
+    """chunk=64 suits Triton, not Mosaic (multiples of 128): cuda lowers, and only lowering for
+    tpu fails, naming the field; a chunk no platform takes fails at once."""
+    q, k, v, w, beta, _ = inputs(64, 16)
+    f = functools.partial(path_attention, chunk=64)
+    grad = jax.grad(lambda *a: f(*a).sum(), range(5))
+    for fn in (f, grad):
+        assert TRITON in lowered(fn, q, k, v, w, beta)
+        with pytest.raises(ValueError, match="PaTH kernel chunk=64 is not usable: it must be a multiple of 128"):
+            lowered(fn, q, k, v, w, beta, platforms=["tpu"])
+    with pytest.raises(ValueError, match="chunk=48 .* power of two.*chunk=48 .* multiple of 128"):
+        path_attention(q, k, v, w, beta, chunk=48, interpret=False)
+    with pytest.raises(ValueError, match="stream=True is the TPU form"):
+        lowered(functools.partial(path_attention, stream=True), q, k, v, w, beta)
+    long = [jax.ShapeDtypeStruct((1, 16384, *x.shape[2:]), x.dtype) for x in (q, k, v, w, beta)]
+    assert TRITON in lowered(path_attention, *long)
+    # 16384 rows of 128 fp32 lanes are 8 MiB: the chain, and twice the accumulators of k_end, v, w and U
+    with pytest.raises(ValueError, match="on TPU its backward would keep 72 MiB of VMEM for 16384 tokens"):
+        lowered(path_attention, *long, platforms=["tpu"])
+
+
+def test_bad_input_is_one_line_naming_the_field():
+    q, k, v, w, beta, log_f = inputs(6, 16)
+    cases = [
+        (dict(w=w[..., :8]), r"Householder vectors w\(2, 6, 2, 8\) must have the keys' shape"),
+        (dict(beta=beta[..., 0]), r"Householder gains beta\(2, 6\) must be \[B, T, K\]"),
+        (dict(beta=beta + 2.5), r"Householder gains must lie in \[0, 2\]"),
+        (dict(q=q[:, :, :3]), "num query heads 3 is not a multiple of num kv heads 2"),
+        (dict(bias_fn=lambda qi, kj: 0.0), "bias_fn must be a positional.logits.Bias.*use impl='blockwise'"),
+        (dict(bias_fn=Bias(lambda a, b, qi, kj: a["F"] - b["F"], {"F": log_f[:, :4]})), "bias value 'F' has shape"),
+        (dict(segment_ids=jnp.zeros((2, 5), jnp.int32)), "segment_ids"),
+        (dict(chunk=0, interpret=True), "PaTH kernel chunk=0 is not usable: it must be a positive integer"),
+        (dict(interpret="gpu"), "interpret='gpu' must be None, True, False or 'tpu'"),
+    ]
+    for change, message in cases:
+        kw = dict(q=q, k=k, v=v, w=w, beta=beta) | change
+        with pytest.raises(ValueError, match=message) as raised:
+            path_attention(kw.pop("q"), kw.pop("k"), kw.pop("v"), kw.pop("w"), kw.pop("beta"), **kw)
+        assert "\n" not in str(raised.value)
