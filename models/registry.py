@@ -170,7 +170,8 @@ register("path", Entry(Path, features=HouseholderVectors,
                            "tokens after it (w from a rank-`rank` projection + short causal convolution, beta = "
                            "2 sigmoid in (0, 2)); impl `reference` materialises the logits with one UT solve per "
                            "`solve_chunk` tokens, `blockwise` is the flash-style chunked algorithm with O(T x D) "
-                           "memory (`block_size` = chunk)"))
+                           "memory (`block_size` = chunk), `pallas` the fused kernel (positional/kernels/path.py; what `auto` "
+                           "picks on GPU and TPU)"))
 register("fox", Entry(Fox, features=ForgetGate,
                       doc="Forgetting Transformer gate: sum of log forget gates between key and query added to "
                           "the logits; a bias like ALiBi, so `scheme+fox` works for any scheme"))
