@@ -109,3 +109,12 @@ def per_platform(settings: Callable[[str, bool], Any], run: Callable, args: tupl
         out = jax.eval_shape(next(iter(branches.values())), *flat)
         branches |= {p: _refusal(m, out) for p, m in refused.items()}
     return jax.lax.platform_dependent(*flat, **branches)
+
+
+def backward_inputs(arrays: dict, o, lse, do) -> dict:
+    """A flash-style kernel's backward inputs: its forward `arrays` ({'q': ..., 'k': {..., 'v'}})
+    with the output's cotangent `do` (in V's dtype), the rows' log-sum-exp `lse` and
+    delta = rowsum(o * do) on the query side."""
+    delta = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1, keepdims=True)
+    q = {**arrays["q"], "do": do.astype(arrays["k"]["v"].dtype), "lse": lse, "delta": delta}
+    return {"q": q, "k": arrays["k"]}

@@ -44,7 +44,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as plgpu
 
-from positional.kernels import check_tile, per_platform
+from positional.kernels import backward_inputs, check_tile, per_platform
 from positional.logits import Bias, Score
 from positional.softmax import MASKED, check_shapes
 
@@ -339,9 +339,7 @@ def _fused_fwd(st, arrays):
 
 def _fused_bwd(st, res, do):
     arrays, o, lse = res
-    delta = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1, keepdims=True)
-    v = arrays["k"]["v"]
-    full = {"q": {**arrays["q"], "do": do.astype(v.dtype), "lse": lse, "delta": delta}, "k": arrays["k"]}
+    v, full = arrays["k"]["v"], backward_inputs(arrays, o, lse, do)
     dq = _gradients(st, "q", _dq_step, full)
     dk = _gradients(st, "k", _dkv_step, full)
     b, kh = v.shape[:2]

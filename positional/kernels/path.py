@@ -67,7 +67,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as plgpu
 
-from positional.kernels import check_tile, per_platform
+from positional.kernels import backward_inputs, check_tile, per_platform
 from positional.linalg import unit_lower_inverse
 from positional.logits import Bias
 from positional.softmax import MASKED, check_shapes
@@ -479,9 +479,7 @@ def _path_fwd(st, arrays):
 
 def _path_bwd(st, res, do):
     arrays, o, lse = res
-    delta = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1, keepdims=True)
-    v = arrays["k"]["v"]
-    full = {"q": {**arrays["q"], "do": do.astype(v.dtype), "lse": lse, "delta": delta}, "k": arrays["k"]}
+    v, full = arrays["k"]["v"], backward_inputs(arrays, o, lse, do)
     dq, dk = _backward(st, full)
     b, kh = v.shape[:2]
 
