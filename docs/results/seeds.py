@@ -1,7 +1,8 @@
-"""Mean +- sample standard deviation over seeds of an eval.py perplexity report, the runs grouped
-by name without their seed suffix (`<name>_s<seed>`): prints the markdown table (means, then
-every seed), writes the json (per arm: seeds, perplexity [seed, length]) and, with a third
-argument, the plot with error bars.
+"""Mean +- sample standard deviation over seeds of an eval.py report, the runs grouped by name
+without their seed suffix (`<name>_s<seed>` or `<name>/seed<seed>`): perplexity per length, or
+for a synthetic task accuracy over all examples and per group (lag). Prints the markdown table
+(means, then every seed), writes the json (per arm: seeds, values [seed, column]) and, with a
+third argument, the plot with error bars.
 
     python docs/results/seeds.py <eval out>/results.json docs/results/X.json [docs/results/X.png]
 """
@@ -13,26 +14,34 @@ import sys
 import numpy as np
 
 
-def arms(results: dict) -> dict:
-    """{arm: {seed: {length: perplexity}}}."""
-    out = {}
+def arms(results: dict) -> tuple[list, dict]:
+    """(columns, {arm: {seed: [value per column]}}): lengths and perplexities, or for a task
+    'all' and its groups, and accuracies."""
+    out, columns = {}, results["lengths"]
     for name, run in results["runs"].items():
-        arm, seed = re.fullmatch(r"(.+)_s(\d+)", name).groups()
-        out.setdefault(arm.replace("_plus_", "+"), {})[int(seed)] = {x["length"]: x["ppl"] for x in run["results"]}
-    return out
+        arm, seed = re.fullmatch(r"(.+?)(?:_s|/seed)(\d+)", name).groups()
+        if "task_results" in run:
+            task = run["task_results"]
+            columns = ["all", *task["by_group"]]
+            values = [task["accuracy"], *task["by_group"].values()]
+        else:
+            values = [{x["length"]: x["ppl"] for x in run["results"]}[n] for n in columns]
+        out.setdefault(arm.replace("_plus_", "+"), {})[int(seed)] = values
+    return columns, out
 
 
 def main(source: str, target: str, plot: str = "") -> None:
-    results = json.load(open(source))
-    lengths, out = results["lengths"], {"lengths": results["lengths"], "arms": {}}
-    means = ["| run | " + " | ".join(str(n) for n in lengths) + " |", "|---|" + "---|" * len(lengths)]
+    columns, groups = arms(json.load(open(source)))
+    out = {"columns": columns, "arms": {}}
+    means = ["| run | " + " | ".join(map(str, columns)) + " |", "|---|" + "---|" * len(columns)]
     each = []
-    for arm, seeds in arms(results).items():
-        ppl = np.array([[seeds[s][n] for n in lengths] for s in sorted(seeds)])
-        out["arms"][arm] = {"seeds": sorted(seeds), "ppl": ppl.tolist()}
+    for arm, seeds in groups.items():
+        values = np.array([seeds[s] for s in sorted(seeds)])
+        out["arms"][arm] = {"seeds": sorted(seeds), "values": values.tolist()}
         means.append(f"| {arm} (seeds {', '.join(map(str, sorted(seeds)))}) | "
-                     + " | ".join(f"{m:.3f} +- {s:.3f}" for m, s in zip(ppl.mean(0), ppl.std(0, ddof=1))) + " |")
-        each += [f"| {arm} seed {s} | " + " | ".join(f"{x:.3f}" for x in row) + " |" for s, row in zip(sorted(seeds), ppl)]
+                     + " | ".join(f"{m:.4f} +- {s:.4f}" for m, s in zip(values.mean(0), values.std(0, ddof=1))) + " |")
+        each += [f"| {arm} seed {s} | " + " | ".join(f"{x:.4f}" for x in row) + " |"
+                 for s, row in zip(sorted(seeds), values)]
     print("\n".join(means + each))
     with open(target, "w") as f:
         json.dump(out, f, indent=1)
@@ -41,11 +50,14 @@ def main(source: str, target: str, plot: str = "") -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
         fig, ax = plt.subplots(figsize=(6, 4))
+        task = columns[0] == "all"
+        x = [int(c) for c in columns[1:]] if task else columns
         for arm, rec in out["arms"].items():
-            ppl = np.array(rec["ppl"])
-            ax.errorbar(lengths, ppl.mean(0), yerr=ppl.std(0, ddof=1), marker="o", capsize=3,
+            values = np.array(rec["values"])[:, 1:] if task else np.array(rec["values"])
+            ax.errorbar(x, values.mean(0), yerr=values.std(0, ddof=1), marker="o", capsize=3,
                         label=f"{arm} (mean +- std, {len(rec['seeds'])} seeds)")
-        ax.set(xscale="log", xlabel="evaluation length (tokens)", ylabel="perplexity per byte")
+        ax.set(xscale="log", xlabel="lag" if task else "evaluation length (tokens)",
+               ylabel="accuracy" if task else "perplexity per byte")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
         fig.tight_layout()
