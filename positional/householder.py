@@ -499,9 +499,9 @@ _far.defvjp(_far_fwd, _far_bwd)
 
 # ---- the sequence split over a ring of devices ----------------------------------------------
 
-def ring_path_attention(q, k, v, w, beta, *, mesh, axis: str = "sequence", bias_fn=None, hooks=None,
-                        features=None, segment_ids=None, chunk: int = 64, group: int = 8, scale: float | None = None,
-                        batch_axes=("data", "fsdp"), head_axes=("tensor",)) -> jax.Array:
+def ring_path_attention(q, k, v, w, beta, *, mesh, axis: str = "sequence", bias_fn=None, segment_ids=None,
+                        chunk: int = 64, group: int = 8, scale: float | None = None, batch_axes=("data", "fsdp"),
+                        head_axes=("tensor",)) -> jax.Array:
     """PaTH attention with the sequence split over mesh axis `axis` (T a multiple of its size n),
     keys and values passed round the ring (positional/ring.py): no device holds more than its
     own shard and one visiting shard of them. Returns [B, T, H, D] in q's dtype.
@@ -532,22 +532,22 @@ def ring_path_attention(q, k, v, w, beta, *, mesh, axis: str = "sequence", bias_
     O(L D group) query chains; plus the bias's per-token features (FoX's log f [B, T, H]), which
     every device holds whole, as in `ring_attention`.
 
-    bias_fn(qi, kj) at global indices, or hooks(features) -> (bias_fn, _), as `ring_attention`
-    takes them; `chunk` is the own shard's chunk and, as the largest divisor of L up to it, the
-    ring's block of scores. fp32 inside (as `chunked_attention`), batch and heads split as in
-    `ring_attention`.
+    bias_fn(qi, kj) reads global indices; the arrays it holds (FoX's F) become inputs of the
+    ring, as in `chunked_attention`. The largest divisor of L up to `chunk` is both the own
+    shard's chunk and the ring's block of scores (one shape for the bias). fp32 inside (as
+    `chunked_attention`); batch and heads split inside as in `ring_attention`.
     """
     check_shapes(q, k, v, segment_ids)
     check_transport(k, w, beta)
     ring, features = make_ring(q, k, mesh=mesh, axis=axis, bias_fn=bias_fn, scale=scale, block_size=chunk,
-                               hooks=hooks, features=features, batch_axes=batch_axes, head_axes=head_axes)
+                               batch_axes=batch_axes, head_axes=head_axes)
     bias_hooks = ring.hooks
-    # The ring's features: (A [n, B, K, D, D] of this device, the bias's features).
-    ring = dataclasses.replace(ring, hooks=lambda f: (bias_hooks(f[1])[0], None), diagonal=False,
+    # The ring's features: (A [n, B, K, D, D] of this device, the bias's arrays).
+    ring = dataclasses.replace(ring, hooks=lambda f: bias_hooks(f[1]), diagonal=False,
                                key_map=lambda f, keys, src: jnp.einsum("bkde,bske->bskd", f[0][src], keys,
                                                                        precision=HIGHEST))
     n, length, d = ring.n, ring.shard_len, q.shape[-1]
-    c, gq, nc = _chunking(length, chunk, group)
+    c, gq, nc = _chunking(length, ring.block, group)
 
     def pieces(q, k, v, w, beta):
         """One device's shard: (own-shard pieces for `_far`, q0 [B, L, H, D], k_end [B, L, K, D],
@@ -614,9 +614,8 @@ class Path(Scheme):
     `solve_chunk` tokens), "blockwise" is the flash-style chunked form with `block_size` tokens
     per chunk and O(T * D) memory, training included (`chunked_attention`); "ring" splits the
     sequence over the devices of the enclosing sequence mesh (`ring_path_attention`; off one,
-    the chunked form). The decode cache
-    holds keys already carried to the latest token; each new token applies its H_t to all of
-    them (O(T * D) per token).
+    the chunked form). The decode cache holds keys already carried to the latest token; each
+    new token applies its H_t to all of them (O(T * D) per token).
     """
     rank: int = 32  # w = normalise(conv(W_up W_down x)): the rank of that projection
     conv: int = 3  # width of the short causal convolution in w (0: none); 3 as the public layer
@@ -656,14 +655,13 @@ class Path(Scheme):
     def attention(self, q, k, v, features, *, positions=None, segment_ids=None, q_offset=0, impl="reference",
                   block_size=512):
         check_transport(k, features["w"], features["beta"])
-        if impl == "ring" and active_mesh() is not None:  # the bias's features whole on every device, not w, beta
-            bias_features = {name: x for name, x in features.items() if name not in ("w", "beta")}
-            return ring_path_attention(q, k, v, features["w"], features["beta"], mesh=active_mesh(),
-                                       hooks=lambda f: (self.score_bias(*f), None), features=(bias_features, positions),
+        bias_fn = self.score_bias(features, positions)
+        if impl == "ring" and active_mesh() is not None:
+            return ring_path_attention(q, k, v, features["w"], features["beta"], mesh=active_mesh(), bias_fn=bias_fn,
                                        segment_ids=segment_ids, chunk=block_size)
         if impl in ("blockwise", "ring"):  # "ring" off a sequence mesh: the chunked form
             return chunked_attention(q, k, v, features["w"], features["beta"], segment_ids=segment_ids,
-                                     bias_fn=self.score_bias(features, positions), chunk=block_size)
+                                     bias_fn=bias_fn, chunk=block_size)
         return super().attention(q, k, v, features, positions=positions, segment_ids=segment_ids)
 
     def init_cache(self, batch, max_len, num_kv_heads, dtype=jnp.float32):

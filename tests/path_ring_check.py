@@ -8,9 +8,10 @@ since the device count is fixed when JAX starts).
 The reference is the materialised PaTH logits (`dense_score_fn`: one UT solve over the whole
 sequence) in `reference_attention`, on one device. Inputs: GQA (4 query heads on 2 kv heads),
 three packed documents per row whose boundaries cross shards, gains beta over all of [0, 2]
-(so some steps are singular, beta = 1), 4-token chunks (a shard of 12 or 6 tokens pads its
-last chunk or group). Cases: "plain" (no bias) and "fox" (FoX gates read at global indices
-from per-token features, as `Path.attention` passes them). Prints JSON: per mesh and case the
+(so some steps are singular, beta = 1), chunks of at most 4 tokens (a shard of 12 tokens in
+three chunks of 4, padded to two groups of two; one of 6 in two of 3). Cases: "plain" (no
+bias) and "fox" (FoX gates, F_i - F_j at global indices, as `Path.attention` passes them: a
+`Bias` holding F). Prints JSON: per mesh and case the
 largest difference of the output and of the gradients of sum(sin(out)) in q, k, v, w, beta and
 the log-gates, each relative to the largest reference value; and the shapes of the arrays the
 compiled program all-gathers (only the n shards' D x D products may be).
@@ -53,9 +54,8 @@ def reference(q, k, v, w, beta, log_forget, *, gated, segment_ids):
 
 def ring(mesh):
     def attend(q, k, v, w, beta, log_forget, *, gated, segment_ids):
-        hooks = {"hooks": lambda f: (forget_bias(f), None), "features": log_forget} if gated else {}
-        return ring_path_attention(q, k, v, w, beta, mesh=mesh, segment_ids=segment_ids, chunk=CHUNK, group=2,
-                                   **hooks)
+        return ring_path_attention(q, k, v, w, beta, mesh=mesh, bias_fn=forget_bias(log_forget) if gated else None,
+                                   segment_ids=segment_ids, chunk=CHUNK, group=2)
     return attend
 
 
