@@ -532,8 +532,8 @@ def ring_path_attention(q, k, v, w, beta, *, mesh, axis: str = "sequence", bias_
     O(L D group) query chains; plus the bias's per-token features (FoX's log f [B, T, H]), which
     every device holds whole, as in `ring_attention`.
 
-    bias_fn(qi, kj) reads global indices; the arrays it holds (FoX's F) become inputs of the
-    ring, as in `chunked_attention`. The largest divisor of L up to `chunk` is both the own
+    bias_fn(qi, kj) reads global indices; the arrays it holds (a `Bias`'s values: FoX's F)
+    become inputs of the ring (positional/ring.py `make_ring`). The largest divisor of L up to `chunk` is both the own
     shard's chunk and the ring's block of scores (one shape for the bias). fp32 inside (as
     `chunked_attention`); batch and heads split inside as in `ring_attention`.
     """

@@ -42,6 +42,12 @@ Precision as in positional/softmax.py: with bf16 inputs the shards travel in bf1
 matmul of both passes takes bf16 operands, accumulating in fp32 (`matmul`); p, dp, ds, delta
 and the dq, dk, dv sums are fp32, a block pair's dq, dk (from the vjp) are rounded to bf16
 before they are added.
+
+A device's part of both passes is `Ring.forward` / `Ring.backward`, wrapped by `ring_call` in
+the shard_maps and the custom VJP. PaTH's ring (positional/householder.py `ring_path_attention`)
+reuses them with two options: its own shard is scored by its own algorithm (`diagonal=False`),
+and a visiting shard's keys are mapped before they are scored (`key_map`: carried through the
+Householder products of the shards in between).
 """
 
 from __future__ import annotations
@@ -56,6 +62,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from positional.logits import Bias
 from positional.softmax import (MASKED, BiasFn, ScoreFn, block_scores, blockwise_attention, blockwise_lse,
                                 causal_mask, check_shapes, matmul)
 
@@ -70,13 +77,18 @@ def _dividing(mesh, names, *sizes) -> tuple:
 
 
 def _hooks_of(bias_fn, score_fn, qb, kb):
-    """(hooks, features) for plain closures: the arrays they hold become explicit features
-    (`jax.closure_convert`), so they can enter the shard_maps and get their gradient there.
-    The converted functions are traced once, at the shapes of one block on one device: qb
-    [B, blk, K, G, D], kb [B, blk, K, D], index vectors of blk."""
+    """(hooks, features) for plain closures: the arrays they hold become explicit features, so
+    they can enter the shard_maps and get their gradient there. A `Bias`'s are its values, the
+    Bias rebuilt on each device from them; other closures are converted (`jax.closure_convert`),
+    traced once at the shapes of one block on one device: qb [B, blk, K, G, D], kb [B, blk, K,
+    D], index vectors of blk. (A converted closure keeps the types of the arrays it was traced
+    with: where they carry a mesh, as in a sharded train step, its backward inside the
+    shard_map mixes that mesh with the shard_map's; a rebuilt Bias does not.)"""
     idx = jnp.arange(qb.shape[1], dtype=jnp.int32)
     parts = {}
-    if bias_fn is not None:
+    if isinstance(bias_fn, Bias):
+        parts["bias"] = (lambda qi, kj, values: Bias(bias_fn.fn, values)(qi, kj)), [bias_fn.values]
+    elif bias_fn is not None:
         parts["bias"] = jax.closure_convert(bias_fn, idx, idx)
     if score_fn is not None:
         parts["score"] = jax.closure_convert(score_fn, qb, kb, idx, idx)

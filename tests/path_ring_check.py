@@ -3,15 +3,16 @@ reference on meshes of simulated devices (run by tests/test_ring.py in a process
 since the device count is fixed when JAX starts).
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/path_ring_check.py \
-        '[{"sequence": 4}, {"sequence": 8}]' plain,fox
+        '[{"sequence": 4}, {"sequence": 8}]' plain,fox,alibi
 
 The reference is the materialised PaTH logits (`dense_score_fn`: one UT solve over the whole
 sequence) in `reference_attention`, on one device. Inputs: GQA (4 query heads on 2 kv heads),
 three packed documents per row whose boundaries cross shards, gains beta over all of [0, 2]
 (so some steps are singular, beta = 1), chunks of at most 4 tokens (a shard of 12 tokens in
 three chunks of 4, padded to two groups of two; one of 6 in two of 3). Cases: "plain" (no
-bias) and "fox" (FoX gates, F_i - F_j at global indices, as `Path.attention` passes them: a
-`Bias` holding F). Prints JSON: per mesh and case the
+bias), "fox" (FoX gates, F_i - F_j at global indices, as `Path.attention` passes them: a
+`Bias` holding F) and "alibi" (a plain closure over slopes, taken from the log-gates). Prints
+JSON: per mesh and case the
 largest difference of the output and of the gradients of sum(sin(out)) in q, k, v, w, beta and
 the log-gates, each relative to the largest reference value; and the shapes of the arrays the
 compiled program all-gathers (only the n shards' D x D products may be).
@@ -47,14 +48,22 @@ def inputs():
     return q, k, v, w / jnp.linalg.norm(w, axis=-1, keepdims=True), beta, log_forget
 
 
-def reference(q, k, v, w, beta, log_forget, *, gated, segment_ids):
+def bias(case, log_forget):
+    if case == "fox":
+        return forget_bias(log_forget)
+    if case == "alibi":  # a plain closure, over slopes log_forget[0, 0] < 0 (one per head)
+        return lambda qi, kj: log_forget[0, 0][None, :, None, None] * jnp.abs(qi[:, None] - kj[None, :])
+    return None
+
+
+def reference(q, k, v, w, beta, log_forget, *, case, segment_ids):
     return reference_attention(q, k, v, segment_ids=segment_ids, score_fn=dense_score_fn(w, beta, D ** -0.5),
-                               bias_fn=forget_bias(log_forget) if gated else None)
+                               bias_fn=bias(case, log_forget))
 
 
 def ring(mesh):
-    def attend(q, k, v, w, beta, log_forget, *, gated, segment_ids):
-        return ring_path_attention(q, k, v, w, beta, mesh=mesh, bias_fn=forget_bias(log_forget) if gated else None,
+    def attend(q, k, v, w, beta, log_forget, *, case, segment_ids):
+        return ring_path_attention(q, k, v, w, beta, mesh=mesh, bias_fn=bias(case, log_forget),
                                    segment_ids=segment_ids, chunk=CHUNK, group=2)
     return attend
 
@@ -78,13 +87,13 @@ def main(meshes, cases):
         mesh = jax.make_mesh(tuple(sizes.values()), MESH_AXES, devices=devices,
                              axis_types=(jax.sharding.AxisType.Auto,) * len(sizes))
         for case in cases:
-            kw = dict(gated=case == "fox", segment_ids=packed)
+            kw = dict(case=case, segment_ids=packed)
             ((_, want), want_grads), _ = loss_and_grads(reference, args, **kw)
             ((_, got), got_grads), hlo = loss_and_grads(ring(mesh), args, **kw)
             rel = lambda a, b: float(jnp.abs(a - b).max() / jnp.abs(b).max())  # noqa: E731
             result = {"out": rel(got, want)}
             for name, a, b in zip(NAMES, got_grads, want_grads):
-                if name != "log_forget" or case == "fox":
+                if name != "log_forget" or case != "plain":
                     result[name] = rel(a, b)
             result["gathered"] = sorted(set(re.findall(r"= f32\[([\d,]*)\][^ ]* all-gather\(", hlo)))
             out[f"{json.dumps({a: s for a, s in sizes.items() if s > 1}, sort_keys=True)} {case}"] = result

@@ -61,7 +61,7 @@ def test_ring_train_step_equals_one_device():
 
 
 def check_path_ring(result, sizes):
-    """Values and gradients (q, k, v, w, beta, FoX's log-gates) as the reference's to fp32
+    """Values and gradients (q, k, v, w, beta, the bias's parameters) as the reference's to fp32
     rounding; the compiled program all-gathers only the n shards' D x D products of this
     device's batch rows and kv heads ([n, B, K, D, D]; B = 2 rows, K = 2 kv heads, D = 8)."""
     n = sizes["sequence"]
@@ -81,7 +81,7 @@ def test_path_ring_equals_reference_on_4_devices():
 @pytest.mark.slow
 def test_path_ring_equals_reference_on_8_devices_and_with_batch_or_heads_split():
     meshes = [{"sequence": 8}, {"data": 2, "sequence": 4}, {"tensor": 2, "sequence": 4}]
-    result = ring_check(meshes, "tests/path_ring_check.py", "plain,fox")
+    result = ring_check(meshes, "tests/path_ring_check.py", "plain,fox,alibi")
     for sizes in meshes:
         key = json.dumps(sizes, sort_keys=True)
         check_path_ring({c: d for c, d in result.items() if c.startswith(key + " ")}, sizes)
