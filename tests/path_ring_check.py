@@ -12,10 +12,10 @@ three packed documents per row whose boundaries cross shards, gains beta over al
 three chunks of 4, padded to two groups of two; one of 6 in two of 3). Cases: "plain" (no
 bias), "fox" (FoX gates, F_i - F_j at global indices, as `Path.attention` passes them: a
 `Bias` holding F) and "alibi" (a plain closure over slopes, taken from the log-gates). Prints
-JSON: per mesh and case the
-largest difference of the output and of the gradients of sum(sin(out)) in q, k, v, w, beta and
-the log-gates, each relative to the largest reference value; and the shapes of the arrays the
-compiled program all-gathers (only the n shards' D x D products may be).
+JSON: per mesh and case the largest difference of the output and of the gradients of
+sum(sin(out)) in q, k, v, w, beta and the log-gates, each relative to the largest reference
+value; and the shapes of the arrays the compiled program all-gathers (only the n shards' D x D
+products may be).
 """
 
 import json
