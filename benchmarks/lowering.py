@@ -15,8 +15,8 @@ It prints
   - each attention call site: the scheme's class, the impl "auto" chose for the platform and
     why (the DEBUG records of logger "positional.attention", identical lines counted once,
     with the layers they came from; a trace JAX reuses, as remat's for the blocks after the
-    first, is one call site); a scheme with its own attention and no "auto" of its own
-    (espr_rf) resolves it by length, and says so;
+    first, is one call site); schemes with their own attention resolve "auto" themselves and
+    say so (path, path_fox: their ring on a sequence mesh, else the kernel; espr_rf by length);
   - the fused-kernel custom calls of one step: Triton (Pallas on GPU), Mosaic (tpu_custom_call:
     Pallas and splash on TPU) and cuDNN flash attention, counted apart, a call inside a
     function counted once per call of that function (and the count in the text, where other);
@@ -276,6 +276,7 @@ def check(config, platform: str, force_auto: bool = True) -> dict:
     lines.append(f"fused path: {'yes' if fused else 'no'} ({label} impls: {', '.join(scheme.impls)})")
 
     text, records, param_shapes = lowered_train_step(config, platform)
+    sequence = mesh_and_batch(config)[0].shape["sequence"]
 
     mine = [r for r in records if r[1] == platform]
     sites: dict[tuple, list] = {}
@@ -285,6 +286,9 @@ def check(config, platform: str, force_auto: bool = True) -> dict:
     if sites:
         for (label_, chosen, why), layers in sites.items():
             lines.append(f"  {len(layers)} x {label_}{layers_text(layers)}: {chosen} -- {why}")
+    elif impl == "auto" and "auto" not in scheme.impls and "ring" in scheme.impls and sequence > 1:
+        lines.append(f"  {label} has its own attention (impls {', '.join(scheme.impls)}): auto is its "
+                     f"'ring' on the sequence mesh ({sequence} devices)")
     elif impl == "auto" and "auto" not in scheme.impls:
         own = "reference" if seq_len <= REFERENCE_MAX else "blockwise"
         lines.append(f"  {label} has its own attention (impls {', '.join(scheme.impls)}): auto is its "

@@ -14,12 +14,13 @@ CPU devices (XLA_FLAGS=--xla_force_host_platform_device_count=8, or 16 for tpu16
 after the slash, any registered scheme (default rope). The model: d_model 1024, 16 layers,
 16 heads of 64 (about 200M parameters), bf16 compute with fp32 parameters and optimizer
 state, each block rematerialised, attention "auto": ring attention in 1,024-token blocks on
-the sequence mesh (positional/ring.py; PaTH and espr_rf, which bring their own attention:
-their chunked forms, the keys and values gathered by the partitioner). Memory per device from the dry run is in benchmarks/RESULTS.md.
+the sequence mesh (positional/ring.py; PaTH its own ring in 64-token chunks, positional/householder.py
+`ring_path_attention`; espr_rf, which brings its own attention: its chunked form, the keys and
+values gathered by the partitioner). Memory per device from the dry run is in benchmarks/RESULTS.md.
 """
 
 from configs import SCHEME, default, parse_arg
-from models.registry import make_scheme
+from models.registry import config_defaults, make_scheme
 
 HARDWARE = {"gpu8": dict(fsdp=1, sequence=8), "tpu16": dict(fsdp=2, sequence=8)}
 FIELDS = (("hardware", "gpu8", HARDWARE), ("scheme", "rope", SCHEME))
@@ -30,9 +31,11 @@ def get_config(arg: str | None = None):
     c = default.get_config(scheme)
     c.model.update(d_model=1024, num_layers=16, num_heads=16, dtype="bfloat16", remat="block")
     # "auto": on the sequence mesh the ring, keys and values passed round in 1,024-token blocks;
-    # PaTH and espr_rf: their own chunked algorithms, chunk sizes as configs/default.py sets.
+    # PaTH's ring keeps its 64-token chunks (its block, config_defaults); espr_rf: its own
+    # chunked algorithm, chunk size as configs/default.py sets.
     c.model.attention_impl = "auto"
-    if "ring" in make_scheme(c.model.scheme, num_heads=16, head_dim=64).impls:
+    if "ring" in make_scheme(c.model.scheme, num_heads=16, head_dim=64).impls and "block_size" not in config_defaults(
+            c.model.scheme):
         c.model.block_size = 1024
     c.seq_len = 131072
     c.mesh.update(data=1, tensor=1, **HARDWARE[hardware])

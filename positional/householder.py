@@ -47,7 +47,7 @@ import jax.numpy as jnp
 
 from positional.attention import attention, choose, per_platform_choice
 from positional.kernels.path import check_transport, path_attention, refusal
-from positional.ring import ring_active
+from positional.ring import active_mesh, float_part, make_ring, ring_active, ring_call
 from positional.softmax import MASKED, check_shapes
 from positional.linalg import unit_lower_inverse
 from positional.scheme import Scheme
@@ -199,6 +199,20 @@ def chunk_products(w, beta, chunk: int) -> jax.Array:
     return dense_product(wc, ut_matrix(wc, jnp.moveaxis(_chunked(beta, chunk), 3, 2)))
 
 
+def exclusive_products(ops, axis: int, reverse: bool = False) -> jax.Array:
+    """Products of the D x D matrices `ops` along `axis`, each leaving its own out: out[m] =
+    ops[m-1] ... ops[0], or with `reverse` ops[N-1] ... ops[m+1] (the identity where empty).
+    By `jax.lax.associative_scan`: log N rounds of matmuls, never anything larger than ops."""
+    def mul(a, b):  # a holds the earlier elements of the scan (the later ones with `reverse`)
+        return jnp.matmul(a, b, precision=HIGHEST) if reverse else jnp.matmul(b, a, precision=HIGHEST)
+
+    inclusive = jax.lax.associative_scan(mul, ops, reverse=reverse, axis=axis)
+    eye = jnp.broadcast_to(jnp.eye(ops.shape[-1]), jax.lax.slice_in_dim(ops, 0, 1, axis=axis).shape)
+    if reverse:
+        return jnp.concatenate([jax.lax.slice_in_dim(inclusive, 1, None, axis=axis), eye], axis)
+    return jnp.concatenate([eye, jax.lax.slice_in_dim(inclusive, 0, -1, axis=axis)], axis)
+
+
 def transport_to_end(k, w, beta, chunk: int = 64) -> jax.Array:
     """Every key carried to the last position: k_j -> H_{T-1} ... H_{j+1} k_j, [B, T, K, D] fp32.
 
@@ -210,11 +224,7 @@ def transport_to_end(k, w, beta, chunk: int = 64) -> jax.Array:
     wc = jnp.moveaxis(_chunked(w.astype(jnp.float32), chunk), 3, 2)
     u = ut_matrix(wc, jnp.moveaxis(_chunked(beta, chunk), 3, 2))
     to_chunk_end, _ = _carry_to_chunk_end(kc, wc, u)
-    ops = dense_product(wc, u)  # [B, N, K, D, D]
-    # after[c] = P_{N-1} ... P_{c+1}: a reverse scan of left products, shifted by one chunk.
-    suffix = jax.lax.associative_scan(lambda a, b: jnp.matmul(a, b, precision=HIGHEST), ops, reverse=True,
-                                      axis=1)
-    after = jnp.concatenate([suffix[:, 1:], jnp.broadcast_to(jnp.eye(d), ops[:, :1].shape)], axis=1)
+    after = exclusive_products(dense_product(wc, u), 1, reverse=True)  # P_{N-1} ... P_{c+1} [B, N, K, D, D]
     out = jnp.einsum("bnkde,bnkce->bnkcd", after, to_chunk_end, precision=HIGHEST)
     return jnp.moveaxis(out, 2, 3).reshape(b, -1, kh, d)[:, :t]
 
@@ -236,35 +246,66 @@ def chunked_attention(q, k, v, w, beta, *, bias_fn=None, segment_ids=None, chunk
     check_shapes(q, k, v, segment_ids)
     check_transport(k, w, beta)
     b, t, h, d = q.shape
-    kh = k.shape[2]
-    g = h // kh
-    c = min(chunk, t)
-    gq = min(group, -(-t // c))
-    n = -(-t // (c * gq)) * gq  # chunks, a whole number of groups
-    f32 = jnp.float32
-    qc = _chunked(q.astype(f32).reshape(b, t, kh, g, d), c, n=n)
-    qc = jnp.moveaxis(qc, (3, 4), (1, 2))  # [B,K,G,N,c,D]
-    kc, vc, wc = (jnp.moveaxis(_chunked(x.astype(f32), c, n=n), 3, 1) for x in (k, v, w))  # [B,K,N,c,D]
-    u = ut_matrix(wc, jnp.moveaxis(_chunked(beta, c, n=n), 3, 1))  # [B,K,N,c,c]; padding: beta 0, H = I
-    seg = _chunked(jnp.zeros((b, t), jnp.int32) if segment_ids is None else segment_ids, c, -1, n)  # [B,N,c]
-
-    k_end, uk = _carry_to_chunk_end(kc, wc, u)  # keys at their chunk's end; uk [B,K,N,c,c]
-    qw, _ = _route_terms(qc, kc[:, :, None], wc[:, :, None], u[:, :, None])
-    q_start = qc - jnp.matmul(jnp.matmul(qw, u[:, :, None], precision=HIGHEST), wc[:, :, None],
-                              precision=HIGHEST)  # queries at their chunk's start
-    near = _dots(qc, kc) - jnp.matmul(qw, uk[:, :, None], precision=HIGHEST)  # unscaled in-chunk logits
-    # Whole-chunk operators P_m = I - W^T U W as dense D x D matrices when D <= c: carrying a
-    # query past a chunk is then one matmul instead of three (as with 64-dim heads).
-    op = (dense_product(wc, u),) if d <= c else (wc, u)
+    c, gq, n = _chunking(t, chunk, group)
+    (q_start, near, k_end, vc, wc, u), seg = _chunk_pieces(q, k, v, w, beta, c, n), _chunk_rows(segment_ids, b, t, c, n)
     bias, consts = None, []
     if bias_fn is not None:  # the arrays it reads become inputs of _far, which returns their gradients
         bias, consts = jax.closure_convert(bias_fn, jnp.arange(c), jnp.arange(c))
     st = _Far(length=t, chunk=c, group=gq, heads=h, scale=d ** -0.5 if scale is None else scale, bias=bias,
               autodiff=autodiff)
-    args = (q_start, near, k_end, vc, op, seg, tuple(consts))
+    args = (q_start, near, k_end, vc, _chunk_operators(wc, u), seg, tuple(consts))
     o = _far_forward(st, *args)[0] if autodiff else _far(st, *args)  # [B,K,G,N,c,D]
-    o = jnp.moveaxis(o, (1, 2), (3, 4)).reshape(b, n * c, h, d)[:, :t]
-    return o.astype(q.dtype)
+    return _unchunked(o, t).astype(q.dtype)
+
+
+def _chunking(t: int, chunk: int, group: int) -> tuple[int, int, int]:
+    """(tokens per chunk, query chunks per group, chunks: a whole number of groups) for length t."""
+    c = min(chunk, t)
+    gq = min(group, -(-t // c))
+    return c, gq, -(-t // (c * gq)) * gq
+
+
+def _chunk_rows(segment_ids, b, t, c, n):
+    """Segment ids [B, T] (None: one segment) in n chunks [B, N, c]; padding gets -1."""
+    return _chunked(jnp.zeros((b, t), jnp.int32) if segment_ids is None else segment_ids, c, -1, n)
+
+
+def _chunk_heads(x, kh, c, n, pad_value=0):
+    """[B, T, K * G, ...] -> [B, K, G, N, c, ...] (padding pad_value); `_unchunked` inverts it."""
+    b, t, h = x.shape[:3]
+    return jnp.moveaxis(_chunked(x.reshape(b, t, kh, h // kh, *x.shape[3:]), c, pad_value, n), (3, 4), (1, 2))
+
+
+def _unchunked(x, t):
+    """[B, K, G, N, c, ...] -> [B, T, K * G, ...] (padding dropped)."""
+    x = jnp.moveaxis(x, (1, 2), (3, 4))
+    return x.reshape(x.shape[0], -1, x.shape[3] * x.shape[4], *x.shape[5:])[:, :t]
+
+
+def _chunk_pieces(q, k, v, w, beta, c: int, n: int):
+    """PaTH's per-chunk pieces, fp32, of q [B, T, H, D], k, v, w [B, T, K, D], beta [B, T, K] in n
+    chunks of c tokens (padding: steps of beta 0, the identity): q_start [B, K, G, N, c, D] (queries
+    carried back to their chunk's start), near [B, K, G, N, c, c] (unscaled in-chunk logits),
+    k_end [B, K, N, c, D] (keys carried to their chunk's end), v, w [B, K, N, c, D] and the UT
+    matrices u [B, K, N, c, c] (chunk m's product is I - w_m^T u_m w_m)."""
+    b, t, h, d = q.shape
+    kh = k.shape[2]
+    f32 = jnp.float32
+    qc = _chunk_heads(q.astype(f32), kh, c, n)  # [B,K,G,N,c,D]
+    kc, vc, wc = (jnp.moveaxis(_chunked(x.astype(f32), c, n=n), 3, 1) for x in (k, v, w))  # [B,K,N,c,D]
+    u = ut_matrix(wc, jnp.moveaxis(_chunked(beta, c, n=n), 3, 1))  # [B,K,N,c,c]
+    k_end, uk = _carry_to_chunk_end(kc, wc, u)  # uk [B,K,N,c,c]
+    qw, _ = _route_terms(qc, kc[:, :, None], wc[:, :, None], u[:, :, None])
+    q_start = qc - jnp.matmul(jnp.matmul(qw, u[:, :, None], precision=HIGHEST), wc[:, :, None], precision=HIGHEST)
+    near = _dots(qc, kc) - jnp.matmul(qw, uk[:, :, None], precision=HIGHEST)
+    return q_start, near, k_end, vc, wc, u
+
+
+def _chunk_operators(wc, u):
+    """The whole-chunk operators as `_carry_back` takes them: dense D x D matrices when D <= c
+    (carrying a query past a chunk is then one matmul instead of three, as with 64-dim heads),
+    else the compact (w, u)."""
+    return (dense_product(wc, u),) if wc.shape[-1] <= wc.shape[-2] else (wc, u)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -452,6 +493,113 @@ def _far_bwd(st, res, do):
 _far.defvjp(_far_fwd, _far_bwd)
 
 
+# ---- the sequence split over a ring of devices ----------------------------------------------
+
+def ring_path_attention(q, k, v, w, beta, *, mesh, axis: str = "sequence", bias_fn=None, segment_ids=None,
+                        chunk: int = 64, group: int = 8, scale: float | None = None, batch_axes=("data", "fsdp"),
+                        head_axes=("tensor",)) -> jax.Array:
+    """PaTH attention with the sequence split over mesh axis `axis` (T a multiple of its size n),
+    keys and values passed round the ring (positional/ring.py): no device holds more than its
+    own shard and one visiting shard of them. Returns [B, T, H, D] in q's dtype.
+
+    Device r holds the L = T / n tokens of shard r. The route from key j of an earlier shard s
+    to query i splits at the shards' boundaries,
+
+        q_i^T [H_i ... H_{start of r}] [P_{r-1} ... P_{s+1}] [H_{end of s} ... H_{j+1}] k_j,
+
+    P_x the product of shard x's steps. So each device, from the chunked algorithm's pieces
+    (plain JAX, O(L D) memory): carries its queries back to the start of its shard (q0, by the
+    chunk operators' prefix products) and its keys to the end (k_end, by their suffix products),
+    and forms its shard's product P_r as one D x D matrix per row and kv head. The n products
+    are all-gathered (n D^2 numbers per row and kv head, little beside a shard of keys), so
+    device r knows A_s = P_{r-1} ... P_{s+1} for every s < r. Keys at their shard's end,
+    values and segment ids travel as in `ring_attention`; device r scores a visiting shard s < r
+    as ordinary attention of q0 on A_s k_end (the Ring's `key_map`; bias at global indices, so
+    FoX's F_i - F_j is the one-device bias), and its own shard by the chunked algorithm's
+    forward (`_far_forward`, the bias shifted to global indices); the two merge by their
+    log-sum-exp. Per step a device applies one D x D matrix to the visiting keys.
+
+    Backward (a custom VJP, recomputing from the saved output and log-sum-exp): the ring's own
+    backward for the visiting shards (each shard's d k_end travels with it back home; dq0 and
+    dA stay home), `_far_bwd` for the own shard, dA back to the products through the
+    all-gather's transpose (a reduce-scatter of n D x D matrices), and everything through the
+    per-shard pieces by autodiff. Memory per device, forward and backward: O(L D) for the
+    shard's pieces, one visiting shard, the n products, a block of scores and `_far`'s
+    O(L D group) query chains; plus the bias's per-token features (FoX's log f [B, T, H]), which
+    every device holds whole, as in `ring_attention`.
+
+    bias_fn(qi, kj) reads global indices; the arrays it holds (a `Bias`'s values: FoX's F)
+    become inputs of the ring (positional/ring.py `make_ring`). The largest divisor of L up to `chunk` is both the own
+    shard's chunk and the ring's block of scores (one shape for the bias). fp32 inside (as
+    `chunked_attention`); batch and heads split inside as in `ring_attention`.
+    """
+    check_shapes(q, k, v, segment_ids)
+    check_transport(k, w, beta)
+    ring, features = make_ring(q, k, mesh=mesh, axis=axis, bias_fn=bias_fn, scale=scale, block_size=chunk,
+                               batch_axes=batch_axes, head_axes=head_axes)
+    bias_hooks = ring.hooks
+    # The ring's features: (A [n, B, K, D, D] of this device, the bias's arrays).
+    ring = dataclasses.replace(ring, hooks=lambda f: bias_hooks(f[1]), diagonal=False,
+                               key_map=lambda f, keys, src: jnp.einsum("bkde,bske->bskd", f[0][src], keys,
+                                                                       precision=HIGHEST))
+    n, length, d = ring.n, ring.shard_len, q.shape[-1]
+    c, gq, nc = _chunking(length, ring.block, group)
+
+    def pieces(q, k, v, w, beta):
+        """One device's shard: (own-shard pieces for `_far`, q0 [B, L, H, D], k_end [B, L, K, D],
+        v fp32, P_r [B, K, D, D])."""
+        q_start, near, k_end, vc, wc, u = _chunk_pieces(q, k, v, w, beta, c, nc)
+        ops = dense_product(wc, u)  # [B, K, N, D, D]
+        before = exclusive_products(ops, 2)
+        q0 = jnp.matmul(q_start, before[:, :, None], precision=HIGHEST)  # q <- (P_{m-1} ... P_0)^T q
+        keys = jnp.einsum("bknde,bknce->bkncd", exclusive_products(ops, 2, reverse=True), k_end, precision=HIGHEST)
+        keys = jnp.moveaxis(keys, 1, 3).reshape(q.shape[0], -1, k.shape[2], d)[:, :length]
+        whole = jnp.matmul(ops[:, :, -1], before[:, :, -1], precision=HIGHEST)
+        return ((q_start, near, k_end, vc, _chunk_operators(wc, u)), _unchunked(q0, length), keys,
+                v.astype(jnp.float32), whole)
+
+    def spans(whole):
+        """P_r [B, K, D, D] of each device -> A [n, B, K, D, D]: A[s] = P_{r-1} ... P_{s+1} (r this one)."""
+        before_me = jnp.arange(n)[:, None, None, None, None] < jax.lax.axis_index(axis)
+        return exclusive_products(jnp.where(before_me, jax.lax.all_gather(whole, axis), jnp.eye(d)), 0, reverse=True)
+
+    def own_shard(seg, features, heads):
+        """(`_Far` of this device's shard, with the bias at global indices; its arrays; its rows)."""
+        diff, rebuild, _ = float_part(features)
+        bias = None
+        if ring.local_hooks((None, features))[0] is not None:
+            def bias(qpos, kpos, *diff):
+                start = jax.lax.axis_index(axis) * length
+                return ring.local_hooks((None, rebuild(diff)))[0](start + qpos, start + kpos)
+        st = _Far(length=length, chunk=c, group=gq, heads=heads, scale=ring.scale, bias=bias)
+        return st, tuple(diff), _chunk_rows(seg, seg.shape[0], length, c, nc)
+
+    def forward(q, k, v, w, beta, seg, features):
+        own, q0, keys, vf, whole = pieces(q, k, v, w, beta)
+        st, consts, rows = own_shard(seg, features, q.shape[2])
+        o_own, lse_own = (_unchunked(x, length) for x in _far_forward(st, *own, rows, consts))
+        o_far, lse_far = ring.forward(q0, keys, vf, seg, (spans(whole), features))
+        lse = jnp.logaddexp(lse_own, lse_far)
+        return o_own * jnp.exp(lse_own - lse)[..., None] + o_far * jnp.exp(lse_far - lse)[..., None], lse
+
+    def backward(q, k, v, w, beta, seg, features, o, lse, do):
+        (own, q0, keys, vf, whole), pieces_vjp = jax.vjp(pieces, q, k, v, w, beta)
+        a, spans_vjp = jax.vjp(spans, whole)
+        st, consts, rows = own_shard(seg, features, q.shape[2])
+        kh = k.shape[2]
+        # Padding rows get lse +1e30: weights exp(s - lse) = 0, as their dO is.
+        saved = (_chunk_heads(o, kh, c, nc), _chunk_heads(lse, kh, c, nc, -MASKED))
+        *d_own, _, d_consts = _far_bwd(st, ((*own, rows, consts), *saved), _chunk_heads(do, kh, c, nc))
+        dq0, d_keys, dv, (da, *d_bias) = ring.backward(q0, keys, vf, seg, (a, features), o, lse, do)
+        grads = pieces_vjp((tuple(d_own), dq0, d_keys, dv, spans_vjp(da)[0]))
+        return (*grads, [x + y for x, y in zip(d_consts, d_bias)])
+
+    if segment_ids is None:
+        segment_ids = jnp.zeros(q.shape[:2], jnp.int32)
+    spec, _, row_spec = ring.specs
+    return ring_call(ring, forward, backward, (q, k, v, w, beta), (spec,) * 4 + (row_spec,), segment_ids, features)
+
+
 # ---- the scheme -------------------------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
@@ -462,11 +610,12 @@ class Path(Scheme):
     `solve_chunk` tokens), "blockwise" is the flash-style chunked form with `block_size` tokens
     per chunk and O(T * D) memory, training included (`chunked_attention`), "pallas" the same
     algorithm as a Pallas kernel (positional/kernels/path.py; the interpreter on CPU, with
-    `block_size`-token chunks there), and "auto" the kernel on GPU and TPU (blockwise where the
-    kernel refuses the call, and on a sequence mesh), on CPU the reference up to
-    attention.REFERENCE_MAX keys and blockwise past it. The decode cache
-    holds keys already carried to the latest token; each new token applies its H_t to all of
-    them (O(T * D) per token).
+    `block_size`-token chunks there), "ring" splits the sequence over the devices of the
+    enclosing sequence mesh (`ring_path_attention`; off one, the chunked form), and "auto" the
+    ring on a sequence mesh, else the kernel on GPU and TPU (blockwise where the kernel refuses
+    the call), on CPU the reference up to attention.REFERENCE_MAX keys and blockwise past it.
+    The decode cache holds keys already carried to the latest token; each new token applies its
+    H_t to all of them (O(T * D) per token).
     """
     rank: int = 32  # w = normalise(conv(W_up W_down x)): the rank of that projection
     conv: int = 3  # width of the short causal convolution in w (0: none); 3 as the public layer
@@ -474,7 +623,7 @@ class Path(Scheme):
     solve_chunk: int = 64  # impl "reference": tokens per UT solve in the logits (0: one solve over T)
 
     relative = False  # routes depend on the tokens between, not on positions
-    impls = ("auto", "reference", "blockwise", "pallas")
+    impls = ("auto", "reference", "blockwise", "pallas", "ring")
     has_score = needs_features = default_key = True
     probes = ("householder",)
     # The reference form materialises the logits with one UT solve per 64 tokens (the fastest at
@@ -508,17 +657,22 @@ class Path(Scheme):
         w, beta = features["w"], features["beta"]
         check_transport(k, w, beta)
         bias = self.score_bias(features, positions)
+        if impl == "auto" and ring_active():  # the sequence split over a mesh: PaTH's own ring
+            impl = "ring"
         if impl == "auto":  # on CPU what the generic auto picks (by length), elsewhere the kernel
             def pick(platform):
                 chosen, why = choose(q, k, v, platform="cpu")
-                if platform != "cpu":  # on a sequence mesh the kernel would run on gathered keys: no PaTH ring yet
-                    why_not = "a sequence mesh" if ring_active() else refusal(bias, k, platform)
+                if platform != "cpu":
+                    why_not = refusal(bias, k, platform)
                     chosen, why = ("pallas", "PaTH's kernel") if why_not is None else ("blockwise", f"not the kernel: {why_not}")
                 return chosen, why, lambda q, k, v: self.attention(
                     q, k, v, features, positions=positions, segment_ids=segment_ids, impl=chosen,
                     block_size=block_size, platform=platform)
             return per_platform_choice(pick, q, k, v, label=type(self).__name__)
-        if impl == "blockwise":
+        if impl == "ring" and active_mesh() is not None:
+            return ring_path_attention(q, k, v, w, beta, mesh=active_mesh(), bias_fn=bias, segment_ids=segment_ids,
+                                       chunk=block_size)
+        if impl in ("blockwise", "ring"):  # "ring" off a sequence mesh: the chunked form
             return chunked_attention(q, k, v, w, beta, segment_ids=segment_ids, bias_fn=bias, chunk=block_size)
         if impl == "pallas":  # the Pallas interpreter on CPU, with block_size-token chunks
             return path_attention(q, k, v, w, beta, bias_fn=bias, segment_ids=segment_ids, block_size=block_size,

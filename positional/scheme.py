@@ -106,7 +106,8 @@ class Scheme:
                             f"valid: {', '.join(PROBE_FAMILIES)}")
         # "ring" (the sequence split over devices), the fused kernels and "auto" run the generic
         # attention below; a scheme that brings its own `attention` (PaTH, ESPR random features)
-        # has them only if it says so (its "auto" is then its reference or blockwise, by length).
+        # has them only if it says so (its "auto" is then its own "ring" on a sequence mesh where
+        # its `impls` list one, else its reference or blockwise, by length).
         if "attention" in vars(cls) and "impls" not in vars(cls):
             cls.impls = tuple(i for i in cls.impls if i not in GENERIC_ONLY)
 
@@ -184,8 +185,9 @@ class Scheme:
     def attend(self, q, k, v, features=None, *, positions, segment_ids=None,
                impl: str = "reference", block_size: int = 512, key=None) -> jax.Array:
         """Causal attention under this scheme. Returns [B, T, H, D]."""
-        if impl == "auto" and impl not in self.impls:
-            impl = "reference" if k.shape[1] <= REFERENCE_MAX else "blockwise"
+        if impl == "auto" and impl not in self.impls:  # its own ring on a sequence mesh, else by length
+            impl = ("ring" if "ring" in self.impls and ring_active() else
+                    "reference" if k.shape[1] <= REFERENCE_MAX else "blockwise")
         if impl not in self.impls:
             why = ": ring splits the generic attention, which this scheme replaces" if impl == "ring" else ""
             raise ValueError(f"scheme {type(self).__name__} has no attention impl {impl!r}{why}; "

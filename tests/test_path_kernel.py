@@ -173,16 +173,14 @@ def test_auto_runs_the_kernel_on_gpu_and_tpu(name, platform, call):
     assert text.count(call) == 2 and t_by_t(text, 2048) == []
 
 
-@pytest.mark.parametrize("t,ring,want", [
-    (256, False, {"cpu": "reference", "cuda": "pallas", "tpu": "pallas"}),
-    (16384, False, {"cpu": "blockwise", "cuda": "pallas", "tpu": "blockwise"}),  # TPU: VMEM
-    (256, True, {"cpu": "reference", "cuda": "blockwise", "tpu": "blockwise"}),  # a sequence mesh
+@pytest.mark.parametrize("t,want", [
+    (256, {"cpu": "reference", "cuda": "pallas", "tpu": "pallas"}),
+    (16384, {"cpu": "blockwise", "cuda": "pallas", "tpu": "blockwise"}),  # TPU: VMEM
 ])
-def test_auto_choices(t, ring, want, caplog, monkeypatch):
+def test_auto_choices(t, want, caplog):
     """What PaTH's auto picks per platform (the dispatcher's log records; traced, not run): on
     CPU what it picked before the kernel, by length; the kernel on GPU and TPU, except where the
-    TPU backward's resident VMEM would pass RESIDENT_MAX, or on a sequence mesh."""
-    monkeypatch.setattr(hh, "ring_active", lambda: ring)
+    TPU backward's resident VMEM would pass RESIDENT_MAX."""
     scheme = make_scheme("path_fox", num_heads=4, head_dim=64)
     x = jax.ShapeDtypeStruct((1, t, 4, 64), jnp.bfloat16)
     with caplog.at_level(logging.DEBUG, logger="positional.attention"):
@@ -191,6 +189,19 @@ def test_auto_choices(t, ring, want, caplog, monkeypatch):
     assert {r.platform: r.impl for r in records} == want
     if t > 8192:
         assert "MiB of VMEM for 16384 tokens" in next(r.why for r in records if r.platform == "tpu")
+
+
+def test_auto_on_a_sequence_mesh_is_the_ring(monkeypatch, caplog):
+    """On a sequence mesh auto is PaTH's ring on every platform (no per-platform choice)."""
+    calls = []
+    monkeypatch.setattr(hh, "ring_active", lambda: True)
+    monkeypatch.setattr(hh, "active_mesh", lambda: "mesh")
+    monkeypatch.setattr(hh, "ring_path_attention", lambda q, *args, mesh, **kw: calls.append(mesh) or q)
+    scheme = make_scheme("path_fox", num_heads=4, head_dim=64)
+    x = jax.ShapeDtypeStruct((1, 256, 4, 64), jnp.bfloat16)
+    with caplog.at_level(logging.DEBUG, logger="positional.attention"):
+        jax.eval_shape(lambda q: scheme.attend(q, q, q, positions=None, impl="auto", key=jax.random.key(0)), x)
+    assert calls == ["mesh"] and not [r for r in caplog.records if getattr(r, "label", None) == "Path"]
 
 
 def test_a_chunk_one_platform_refuses_fails_only_its_lowering():

@@ -1,6 +1,7 @@
-"""Ring attention (positional/ring.py): against the reference on meshes of simulated devices
-(in subprocesses: tests/ring_check.py, tests/sharded_step.py --impl ring), its fallback to
-blockwise attention off a sequence mesh, and which schemes run on it."""
+"""Ring attention (positional/ring.py, and PaTH's own, positional/householder.py
+`ring_path_attention`): against the reference on meshes of simulated devices (in subprocesses:
+tests/ring_check.py, tests/path_ring_check.py, tests/sharded_step.py --impl ring), its fallback
+to blockwise attention off a sequence mesh, and which schemes run on it."""
 
 import json
 
@@ -12,14 +13,15 @@ import pytest
 from models.registry import REGISTRY, make_scheme
 from models.sharding import activation_rules
 from positional.attention import attention, blockwise_attention
+from positional.householder import Path, chunked_attention, ring_path_attention
+from positional.ring import ring_mesh
 from positional.scheme import Scheme
 from test_scale import check_sharded, sharded_step
 from tiny_setup import cli
 
 
-def ring_check(meshes):
-    run = cli("tests/ring_check.py", json.dumps(meshes),
-              env={"XLA_FLAGS": "--xla_force_host_platform_device_count=8"})
+def ring_check(meshes, script="tests/ring_check.py", *args):
+    run = cli(script, json.dumps(meshes), *args, env={"XLA_FLAGS": "--xla_force_host_platform_device_count=8"})
     assert run.returncode == 0, run.stderr[-3000:]
     return json.loads(run.stdout.strip().splitlines()[-1])
 
@@ -58,6 +60,63 @@ def test_ring_train_step_equals_one_device():
     check_sharded(sharded_step(["fox"], [{"data": 2, "sequence": 4}], 8, impl="ring"))
 
 
+def check_path_ring(result, sizes):
+    """Values and gradients (q, k, v, w, beta, the bias's parameters) as the reference's to fp32
+    rounding; the compiled program all-gathers only the n shards' D x D products of this
+    device's batch rows and kv heads ([n, B, K, D, D]; B = 2 rows, K = 2 kv heads, D = 8)."""
+    n = sizes["sequence"]
+    gathered = [f"{n},{2 // sizes.get('data', 1)},{2 // sizes.get('tensor', 1)},8,8"]
+    for case, d in result.items():
+        assert d.pop("gathered") == gathered, (case, d)
+        assert max(d.values()) <= 1e-5, (case, d)
+
+
+def test_path_ring_equals_reference_on_4_devices():
+    """PaTH with FoX gates on sequence=4: GQA, packed documents across shards, beta over [0, 2],
+    chunks that pad a shard: values and gradients of every input."""
+    sizes = {"sequence": 4}
+    check_path_ring(ring_check([sizes], "tests/path_ring_check.py", "fox"), sizes)
+
+
+@pytest.mark.slow
+def test_path_ring_equals_reference_on_8_devices_and_with_batch_or_heads_split():
+    meshes = [{"sequence": 8}, {"data": 2, "sequence": 4}, {"tensor": 2, "sequence": 4}]
+    result = ring_check(meshes, "tests/path_ring_check.py", "plain,fox,alibi")
+    for sizes in meshes:
+        key = json.dumps(sizes, sort_keys=True)
+        check_path_ring({c: d for c, d in result.items() if c.startswith(key + " ")}, sizes)
+
+
+@pytest.mark.slow
+def test_path_ring_train_step_equals_one_device():
+    """path and path_fox with impl "ring": the model's train step (packed rows) on sequence
+    meshes of 4 and 8 devices and with the batch or the heads split too, against one device
+    (the chunked algorithm): loss, gradients and parameters."""
+    meshes = [{"sequence": 4}, {"sequence": 8}, {"data": 2, "sequence": 4}, {"tensor": 2, "sequence": 4}]
+    check_sharded(sharded_step(["path", "path_fox"], meshes, 8, impl="ring"))
+
+
+def test_path_ring_refuses_a_length_the_ring_does_not_divide():
+    """One line naming the length, the mesh axis and what to change; through the scheme too."""
+    mesh = jax.sharding.AbstractMesh((4,), ("sequence",))
+    x, w = jnp.ones((1, 10, 2, 8)), jnp.ones((1, 10, 2, 8)) / 8 ** 0.5
+    line = r"^ring attention splits the sequence over the 4 devices of mesh axis 'sequence'.*seq_len.*mesh.sequence$"
+    with pytest.raises(ValueError, match=line):
+        ring_path_attention(x, x, x, w, jnp.ones((1, 10, 2)), mesh=mesh)
+    with ring_mesh(mesh), pytest.raises(ValueError, match=line):
+        make_scheme("path_fox", num_heads=2, head_dim=8).attend(x, x, x, None, positions=None, impl="ring",
+                                                                key=jax.random.key(0))
+
+
+def test_path_ring_off_a_sequence_mesh_is_the_chunked_form():
+    scheme = make_scheme("path", num_heads=2, head_dim=8)
+    q, k, v = (jax.random.normal(jax.random.key(i), (1, 12, 2, 8)) for i in range(3))
+    features = scheme.default_features(q, k, positions=None, key=jax.random.key(3))
+    got, want = jax.jit(lambda q, f: (scheme.attend(q, k, v, f, positions=None, impl="ring", block_size=4),
+                                      chunked_attention(q, k, v, f["w"], f["beta"], chunk=4)))(q, features)
+    np.testing.assert_array_equal(got, want)
+
+
 GENERIC = ["nope", "rope", "alibi", "tapa", "so2_random_qk", "so2_learned_qkv+alibi", "espr"]
 
 
@@ -80,13 +139,11 @@ def test_ring_off_a_sequence_mesh_is_blockwise():
         np.testing.assert_array_equal(attention(q, k, v, impl="ring", block_size=8), want)
 
 
-def test_ring_is_for_schemes_with_the_generic_attention():
+def test_ring_is_for_schemes_with_the_generic_attention_and_path():
     for name in sorted(REGISTRY):
         scheme = make_scheme(name, num_heads=2, head_dim=8)
         generic = type(scheme).attention is Scheme.attention
-        assert ("ring" in scheme.impls) == generic, name
+        assert ("ring" in scheme.impls) == (generic or isinstance(scheme, Path)), name
     x = jnp.zeros((1, 8, 2, 8))
-    for name, valid in (("path", "auto, reference, blockwise, pallas"), ("path_fox", "auto, reference, blockwise, pallas"),
-                        ("espr_rf", "reference, blockwise")):
-        with pytest.raises(ValueError, match=f"has no attention impl 'ring'.*valid: {valid}$"):
-            make_scheme(name, num_heads=2, head_dim=8).attend(x, x, x, None, positions=None, impl="ring")
+    with pytest.raises(ValueError, match="has no attention impl 'ring'.*valid: reference, blockwise$"):
+        make_scheme("espr_rf", num_heads=2, head_dim=8).attend(x, x, x, None, positions=None, impl="ring")
