@@ -23,7 +23,7 @@ def test_the_parts_of_analysis_alone(tiny_run, tmp_path):
                                               "kl_farthest", "log_ppl_farthest"}
     common = {"workdir", "step", "scheme", "train_len", "seconds"}
     files = {"decompositions": ("maps_rope.png", "curves_rope.png"), "perturbations": ("perturbation.png",),
-             "feature_shift": ("feature_shift.png",)}
+             "feature_shift": ("feature_shift.png", "pca_rope.png")}  # pca: Figure 6, for rope runs
     fields = {"decompositions": {"length", "windows", "layers"}, "perturbations": {"perturbation"},
               "feature_shift": {"feature_shift"}}
     for part, pngs in files.items():
