@@ -478,6 +478,7 @@ def test_a_tokenizer_that_is_not_the_models_is_refused_in_one_line(tmp_path, cap
     assert not run.exists() and os.listdir(tmp_path) == ["qwen2"]  # nothing written
 
 
+@pytest.mark.slow  # about 30 s: `make test-slow`
 def test_analyze_py_runs_the_diagnostics_on_an_import(tmp_path):
     """The position-generalization analysis (3-axis and fake-distance fits, explicit f+g, perturbations,
     feature shift) runs on an imported checkpoint with its own tokenizer, in one command."""
