@@ -7,10 +7,15 @@ Logit decompositions on --windows held-out windows of --length tokens, perplexit
 under perturbations, and the feature shift past the training length; writes analysis.json,
 analysis.md and plots under --out. `eval.py --evals=analysis` runs the same with the defaults,
 and `--evals=decompositions`, `perturbations` or `feature_shift` one of its parts.
+
+Several processes (--coordinator, --num_processes, --process_id on every host, as eval.py;
+none under a cluster launcher JAX detects): each computes its share of the windows and
+process 0 alone writes and prints the report.
 """
 
 from __future__ import annotations
 
+import jax
 from absl import app, flags
 
 from lab import analysis, cli
@@ -27,6 +32,7 @@ flags.DEFINE_integer("perturb_windows", 8, "windows of the training length for t
 flags.DEFINE_integer("shift_multiplier", 8, "feature-shift windows are this many training lengths "
                      "(a power of two)")
 flags.DEFINE_integer("shift_windows", 8, "windows for the feature shift")
+cli.define_distributed_flags()
 cli.define_scheme_flags()
 FLAGS = flags.FLAGS
 
@@ -35,13 +41,16 @@ def main(argv):
     del argv
     cli.quiet()
     cli.run_cli(lambda: cli.require_workdirs(FLAGS.workdirs))
+    cli.run_cli(cli.start_processes)  # before anything touches a device
     options = cli.run_cli(lambda: analysis.flag_options(
         length=FLAGS.length, windows=FLAGS.windows, gammas=FLAGS.gammas, l_max=FLAGS.l_max,
         perturb_windows=FLAGS.perturb_windows, shift_multiplier=FLAGS.shift_multiplier,
         shift_windows=FLAGS.shift_windows))
     runs = cli.run_cli(lambda: cli.scheme_runs(FLAGS.workdirs, FLAGS.scheme, FLAGS.scheme_options))
-    print(cli.run_cli(lambda: evaluate("analysis", runs, FLAGS.out, untrained=FLAGS.untrained, **options)))
-    print(f"wrote {FLAGS.out}/analysis.json, analysis.md and the plots")
+    markdown = cli.run_cli(lambda: evaluate("analysis", runs, FLAGS.out, untrained=FLAGS.untrained, **options))
+    if jax.process_index() == 0:  # of several processes, process 0 wrote the report
+        print(markdown)
+        print(f"wrote {FLAGS.out}/analysis.json, analysis.md and the plots")
 
 
 if __name__ == "__main__":

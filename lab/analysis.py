@@ -30,6 +30,13 @@ For every run (and, with --untrained, a freshly initialised copy of the first ru
 
 "analysis" writes analysis.json and analysis.md (every part's fields and sections) and all
 the plots under --out.
+
+Of several processes (analyze.py and eval.py take --coordinator, --num_processes and
+--process_id), each computes its own windows of every part where the windows divide evenly
+among the batch shards, else every process all of them (`distributed.place_windows`: every
+part's numbers are statistics over all its windows, a mean or the feature shift's halves,
+which padding rows would change); results reach every process's host through
+`distributed.to_host`, and process 0 writes the report.
 """
 
 from __future__ import annotations
@@ -46,6 +53,7 @@ import numpy as np
 from flax import nnx
 
 from lab import files
+from lab.distributed import place_windows, to_host
 from lab.lengths import checked, checked_list, eval_impl
 from lab.probes import check_memory
 from lab.runs import held_out_windows, named_runs, pyplot, with_scheme
@@ -77,6 +85,7 @@ def decompose(model, tokens, train_len: int) -> tuple[list[dict], dict]:
     """Per layer: the fits' scores per head (mean over windows) and their curves; plus the
     arrays of window 0, head 0 for the map plots."""
     layers, maps = [], []
+    tokens = place_windows({"tokens": tokens}, model)["tokens"]
     n = tokens.shape[1]
     for i, layer in enumerate(attention_internals(model, tokens, rng=jax.random.key(0))):
         scheme = model.blocks[i].attn.scheme
@@ -98,10 +107,10 @@ def decompose(model, tokens, train_len: int) -> tuple[list[dict], dict]:
                 rec[f"fg_r_{m}"] = jnp.stack(rs, -1).mean(0)
             rec["pairs"] = {key: jnp.stack([st[key] for st in stats])  # [H, D/2]
                             for key in ("rotation", "kbar_share", "coherence", "deviation", "theta_delta")}
-        layers.append(jax.tree.map(lambda x: np.asarray(x).tolist(), rec))
+        layers.append(jax.tree.map(lambda x: to_host(x).tolist(), rec))
         shown = (("logits", layer["logits"]), ("three_axis", three["fit"]), ("fake", fake["w"]),
                  ("fake_fit", fake["fit"]))
-        maps.append({key: np.asarray(x[0, 0]) for key, x in shown})
+        maps.append({key: to_host(x[0, 0]) for key, x in shown})
     return layers, maps
 
 
@@ -118,7 +127,13 @@ def perturbation_grid(model, tokens, gammas, l_maxes, seed: int = 0) -> dict:
     """Perplexity change per (mode, gamma, l_max) on windows tokens [B, T + 1]; the draws depend
     on the seed and the grid cell only, so every model gets the same ones."""
     graphdef, state = nnx.split(model)
-    clean = math.exp(float(_mean_nll(graphdef, state, tokens, None)))
+    tokens = np.asarray(tokens)
+
+    def mean_nll(tokens, key_slots=None):
+        placed = place_windows({"tokens": tokens, **({} if key_slots is None else {"slots": key_slots})}, model)
+        return float(to_host(_mean_nll(graphdef, state, placed["tokens"], placed.get("slots"))))
+
+    clean = math.exp(mean_nll(tokens))
     out = {"clean_ppl": clean, "delta_ppl": {}}
     b, t = tokens.shape
     for mi, mode in enumerate(perturb.MODES):
@@ -127,11 +142,10 @@ def perturbation_grid(model, tokens, gammas, l_maxes, seed: int = 0) -> dict:
                 rng = np.random.default_rng([seed, mi, gi, li])
                 if mode == "text":
                     order = perturb.draw(mode, rng, (b, t), gamma, l_max)
-                    nll = _mean_nll(graphdef, state, jnp.take_along_axis(tokens, jnp.asarray(order), 1), None)
+                    nll = mean_nll(np.take_along_axis(tokens, order, 1))
                 else:
-                    slots = jnp.asarray(perturb.draw(mode, rng, (b, t - 1), gamma, l_max))
-                    nll = _mean_nll(graphdef, state, tokens, slots)
-                out["delta_ppl"][f"{mode}/{gamma}/{l_max}"] = math.exp(float(nll)) - clean
+                    nll = mean_nll(tokens, perturb.draw(mode, rng, (b, t - 1), gamma, l_max))
+                out["delta_ppl"][f"{mode}/{gamma}/{l_max}"] = math.exp(nll) - clean
     return out
 
 
@@ -163,17 +177,18 @@ def feature_shift(model, config, tokens, dims: int = 16, traces: int = 0) -> dic
     """
     train_len, t = config.seq_len, tokens.shape[1] - 1
     buckets = shift_buckets(train_len, t // train_len)
-    layers = attention_internals(model, tokens[:, :-1], rng=jax.random.key(0), maps=False)
-    impl = eval_impl(config.model.attention_impl, t, config.eval.blockwise_from)
-    nll, _ = token_nll(model, tokens, impl=impl, rng=jax.random.key(0))
     half = tokens.shape[0] // 2
     if half < 1:
         raise ValueError("the feature shift needs at least 2 windows (--shift_windows)")
+    placed = place_windows({"tokens": tokens}, model)["tokens"]
+    layers = attention_internals(model, placed[:, :-1], rng=jax.random.key(0), maps=False)
+    impl = eval_impl(config.model.attention_impl, t, config.eval.blockwise_from)
+    nll, _ = token_nll(model, placed, impl=impl, rng=jax.random.key(0))
     out = {"buckets": buckets, "dims": dims,
-           "log_ppl": [float(nll[half:, lo:hi].mean()) for lo, hi in buckets],
+           "log_ppl": [float(to_host(nll[half:, lo:hi].mean())) for lo, hi in buckets],
            "kl": [], "kl_control": []}
     for i, layer in enumerate(layers):
-        o = np.asarray(layer["out"], np.float64)
+        o = to_host(layer["out"]).astype(np.float64)
         ref = o[:half, :train_len].reshape(-1, o.shape[-1])
         basis = np.linalg.svd(ref - ref.mean(0), full_matrices=False)[2][:dims].T  # [d_model, dims]
         kl = lambda x: float(lp.gaussian_kl(jnp.asarray(x @ basis), jnp.asarray(ref @ basis)))  # noqa: E731
@@ -182,7 +197,7 @@ def feature_shift(model, config, tokens, dims: int = 16, traces: int = 0) -> dic
         if traces:
             plane = lambda x: np.round((x.reshape(-1, x.shape[-1]) - ref.mean(0)) @ basis[:, :2], 4)  # noqa: E731
             queries = np.linspace(train_len, t - 1, traces).astype(int)
-            outputs = np.asarray(window_outputs(model.blocks[i].attn, layer, half, queries, train_len), np.float64)
+            outputs = to_host(window_outputs(model.blocks[i].attn, layer, half, queries, train_len)).astype(np.float64)
             lo, hi = buckets[-1]
             out.setdefault("pca", []).append({
                 "cloud": plane(ref)[:PCA_POINTS].tolist(), "beyond": plane(o[half:, lo:hi])[:PCA_POINTS].tolist(),

@@ -52,7 +52,8 @@ def checked_config(flag_holder) -> ml_collections.ConfigDict:
 
 
 def define_distributed_flags() -> None:
-    """Flags that make eval.py one process of several (a cluster launcher JAX detects needs none)."""
+    """Flags that make eval.py or analyze.py one process of several (a cluster launcher JAX detects needs
+    none)."""
     flags.DEFINE_string("coordinator", "", "several processes: host:port of process 0 (with --num_processes, "
                         "--process_id, on every host)")
     flags.DEFINE_integer("num_processes", 0, "several processes: how many (0: detected, or one)")

@@ -150,10 +150,23 @@ def place_rows(arrays: dict, model) -> dict:
             for k, v in arrays.items()}
 
 
+def place_windows(arrays: dict, model) -> dict:
+    """`place_rows` where the rows divide evenly among the batch shards (each process computes
+    its own windows), else each array whole on every device of `model`'s mesh (each process
+    computes every window, the same on all): for statistics over all the windows (a mean, a
+    split into halves), which padding rows would change."""
+    sharding = batch_sharding_of(model)
+    if sharding is None or len(next(iter(arrays.values()))) % row_multiple(model) == 0:
+        return place_rows(arrays, model)
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    whole = NamedSharding(sharding.mesh, P())
+    return {k: jax.make_array_from_process_local_data(whole, np.asarray(v)) for k, v in arrays.items()}
+
+
 def to_host(x) -> np.ndarray:
     """A jitted call's output as a host array on every process, gathered where it is spread
-    over the processes' devices."""
-    if x.is_fully_addressable or x.is_fully_replicated:
+    over the processes' devices (a host value as it is)."""
+    if not isinstance(x, jax.Array) or x.is_fully_addressable or x.is_fully_replicated:
         return np.asarray(x)
     from jax.experimental import multihost_utils
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))

@@ -1,7 +1,12 @@
 """Diagnostics of trained runs on held-out text: the transport probes (attention mass by
 distance, far mass; spectral gap and route decay of the steps for schemes that have them;
 value cancellation) and the near-minus-far logit differences (the TAPA paper's Figure 1).
-Each is an evaluator (lab/evaluators.py): a `..._runs` function and its report."""
+Each is an evaluator (lab/evaluators.py): a `..._runs` function and its report.
+
+Of several processes, each computes the layers of its own windows where the windows divide
+evenly among the batch shards, else every process all of them (`distributed.place_windows`:
+the probes are statistics over all the windows, which padding rows would change); results
+reach every process's host through `distributed.to_host`."""
 
 from __future__ import annotations
 
@@ -13,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lab import files
+from lab.distributed import place_windows, to_host
 from lab.runs import held_out_windows, named_runs, pyplot
 from models.lm import attention_internals
 from positional.probes import transport
@@ -26,8 +32,9 @@ ROUTE_LENGTHS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 def available_memory() -> int:
     """Bytes free for the probes' arrays: the accelerator's limit less what is in use, where JAX
-    reports them; on the host, /proc/meminfo's MemAvailable, else the physical memory."""
-    stats = jax.devices()[0].memory_stats() or {}
+    reports them (this process's first device); on the host, /proc/meminfo's MemAvailable, else
+    the physical memory."""
+    stats = jax.local_devices()[0].memory_stats() or {}
     if "bytes_limit" in stats:
         return stats["bytes_limit"] - stats.get("bytes_in_use", 0)
     try:
@@ -64,14 +71,14 @@ def probe_runs(runs, *, length: int, windows: int = 2, log=print) -> dict:
         # 6.0 with 2 layers, 9.9 with 4).
         check_memory(config, "the transport probes", length, windows, 2 * config.model.num_layers + 2,
                      "the probe length (eval.py --probe_length; the transport option length)")
-        tokens = held_out_windows(config, windows, length)
+        tokens = place_windows({"tokens": held_out_windows(config, windows, length)}, model)["tokens"]
         far_windows = sorted({max(1, config.seq_len // 4), config.seq_len,
                               min(4 * config.seq_len, length // 2)})
         layers = []
         for i, layer in enumerate(attention_internals(model, tokens, rng=jax.random.key(0))):
             w, feats = layer["weights"], layer["features"]
-            rec = {"far_mass": {n: float(transport.far_mass(w, n)) for n in far_windows},
-                   "mass_by_distance": np.asarray(transport.mass_by_distance(w)).tolist()}
+            rec = {"far_mass": {n: float(to_host(transport.far_mass(w, n))) for n in far_windows},
+                   "mass_by_distance": to_host(transport.mass_by_distance(w)).tolist()}
             scheme = model.blocks[i].attn.scheme
             if "angles" in scheme.probes:
                 lengths = [n for n in ROUTE_LENGTHS if n < length]
@@ -79,15 +86,15 @@ def probe_runs(runs, *, length: int, windows: int = 2, log=print) -> dict:
                 v = jnp.repeat(layer["v"], w.shape[1] // layer["v"].shape[2], axis=2)  # per query head
                 cancel = transport.value_cancellation(w, v, feats["theta"], config.seq_len,
                                                       scheme.layout)
-                rec.update(spectral_gap=np.asarray(transport.spectral_gap(feats["psi"])).tolist(),
-                           route_decay={n: float(d.max()) for n, d in zip(lengths, decay)},
-                           value_ratio=float(cancel["ratio"]))
+                rec.update(spectral_gap=to_host(transport.spectral_gap(feats["psi"])).tolist(),
+                           route_decay={n: float(to_host(d.max())) for n, d in zip(lengths, decay)},
+                           value_ratio=float(to_host(cancel["ratio"])))
             elif "householder" in scheme.probes:
                 lengths = [n for n in ROUTE_LENGTHS if n < min(length, 129)]
                 decay = transport.householder_route_decay(feats["w"], feats["beta"], lengths)
-                rec.update(spectral_gap=np.asarray(transport.householder_spectral_gap(feats["w"],
-                                                                                      feats["beta"])).tolist(),
-                           route_decay={n: float(d.max()) for n, d in zip(lengths, decay)})
+                gap = transport.householder_spectral_gap(feats["w"], feats["beta"])
+                rec.update(spectral_gap=to_host(gap).tolist(),
+                           route_decay={n: float(to_host(d.max())) for n, d in zip(lengths, decay)})
             layers.append(rec)
         results["runs"][name] = {"workdir": workdir, "step": step, "scheme": config.model.scheme,
                                  "train_len": config.seq_len, "layers": layers}
@@ -176,10 +183,10 @@ def near_far_runs(runs, *, length: int, near, far, pairs: int = 10000, windows: 
         # 6.1 with 2 layers, 12.6 with 4).
         check_memory(config, "the near_far probe", length, windows, 3 * config.model.num_layers + 1,
                      "the probe length (eval.py --probe_length; the near_far option length)")
-        tokens = held_out_windows(config, windows, length)
+        tokens = place_windows({"tokens": held_out_windows(config, windows, length)}, model)["tokens"]
         weights = jnp.stack([layer["weights"] for layer in attention_internals(model, tokens,
                                                                                rng=jax.random.key(0))])
-        diffs = np.asarray(near_far_differences(jnp.log(weights), near, far, pairs, jax.random.key(1)))
+        diffs = to_host(near_far_differences(jnp.log(weights), near, far, pairs, jax.random.key(1)))
         diffs = diffs[np.isfinite(diffs)]  # a weight that underflowed to 0 has no finite log
         results["runs"][name] = {"workdir": workdir, "step": step, "scheme": config.model.scheme,
                                  "mean": float(diffs.mean()), "std": float(diffs.std()),

@@ -1,6 +1,6 @@
-"""Several processes, one run: train.py and eval.py launched as 2 (and 4) CPU processes on this
-machine, talking through a coordinator on 127.0.0.1, against one process with the same global
-batch; SIGTERM to one process; resume; bad launches. (The data streams each process loads:
+"""Several processes, one run: train.py, eval.py and analyze.py launched as 2 (and 4) CPU
+processes on this machine, talking through a coordinator on 127.0.0.1, against one process with
+the same global batch; SIGTERM to one process; resume; bad launches. (The data streams each process loads:
 tests/data/test_data_pipeline.py.)"""
 
 import json
@@ -129,26 +129,72 @@ def test_asynchronous_saves_change_nothing(tiny_run, tmp_path):
     assert all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
-def test_eval_over_two_processes_scores_like_one(one_process, tmp_path):
-    """eval.py as 2 processes (each scores its rows of every batch of windows, process 0 writes)
-    reports the perplexities of one process."""
+def two_and_one(script, flags, tmp_path):
+    """`script` with `flags` as 2 processes of 2 CPU devices each (--out=tmp_path/two) beside one
+    process of one device (tmp_path/one), all at once: (exit code, stdout, stderr) of each."""
     port = free_port()
-    flags = [f"--workdirs={one_process.workdir}", "--max_multiplier=4", "--tokens=256"]
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
-    procs = [subprocess.Popen([sys.executable, "eval.py", *flags, f"--out={tmp_path / 'two'}",
+    procs = [subprocess.Popen([sys.executable, script, *flags, f"--out={tmp_path / 'two'}",
                                f"--coordinator=127.0.0.1:{port}", "--num_processes=2", f"--process_id={i}"],
                               cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for i in range(2)]
-    procs.append(subprocess.Popen([sys.executable, "eval.py", *flags, f"--out={tmp_path / 'one'}"], cwd=ROOT,
+    procs.append(subprocess.Popen([sys.executable, script, *flags, f"--out={tmp_path / 'one'}"], cwd=ROOT,
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     results = finish(procs)
-    assert [code for code, _, _ in results] == [0, 0, 0], results[0][2][-2000:]
+    assert [code for code, _, _ in results] == [0, 0, 0], results[0][2][-2000:] + results[1][2][-2000:]
     assert "| run |" not in results[1][1]  # process 1 wrote no report
+    return results
+
+
+def first_run(path):
+    with open(path) as f:
+        return next(iter(json.load(f)["runs"].values()))
+
+
+def test_eval_over_two_processes_scores_like_one(one_process, tmp_path):
+    """eval.py as 2 processes (each scores its rows of every batch of windows, process 0 writes)
+    reports the perplexities of one process."""
+    two_and_one("eval.py", [f"--workdirs={one_process.workdir}", "--max_multiplier=4", "--tokens=256"], tmp_path)
 
     def ppl(out):
-        with open(tmp_path / out / "results.json") as f:
-            return [(r["length"], r["tokens"], r["ppl"]) for r in next(iter(json.load(f)["runs"].values()))["results"]]
+        return [(r["length"], r["tokens"], r["ppl"]) for r in first_run(tmp_path / out / "results.json")["results"]]
 
     one, two = ppl("one"), ppl("two")
     assert [r[:2] for r in two] == [r[:2] for r in one] == [(16, 256), (32, 256), (64, 256), (128, 256)]
     np.testing.assert_allclose([r[2] for r in two], [r[2] for r in one], rtol=1e-5)
+
+
+def test_analyze_over_two_processes_writes_the_numbers_of_one(one_process, tmp_path):
+    """analyze.py as 2 processes: the decompositions' and perturbations' 4 windows split over the
+    4 devices, the feature shift's 2 (which do not split) computed whole by both; process 0
+    writes analysis.json with the numbers of one process."""
+    results = two_and_one("analyze.py", [f"--workdirs={one_process.workdir}", "--windows=4", "--perturb_windows=4",
+                                         "--gammas=0.1,0.5", "--l_max=5", "--shift_multiplier=2",
+                                         "--shift_windows=2"], tmp_path)
+    assert "wrote" in results[0][1] and "wrote" not in results[1][1]
+    one, two = (first_run(tmp_path / out / "analysis.json") for out in ("one", "two"))
+    for key in ("three_axis_r", "three_axis_r2", "fake_r", "fg_r_1", "fg_r_4"):
+        np.testing.assert_allclose([layer[key] for layer in two["layers"]], [layer[key] for layer in one["layers"]],
+                                   rtol=1e-5, err_msg=key)
+    ppl = lambda p: [p["clean_ppl"], *(p["clean_ppl"] + d for d in p["delta_ppl"].values())]  # noqa: E731
+    assert list(two["perturbation"]["delta_ppl"]) == list(one["perturbation"]["delta_ppl"])
+    np.testing.assert_allclose(ppl(two["perturbation"]), ppl(one["perturbation"]), rtol=1e-5)
+    for key in ("log_ppl", "kl", "kl_control"):
+        np.testing.assert_allclose(two["feature_shift"][key], one["feature_shift"][key], rtol=1e-5, err_msg=key)
+
+
+def test_retrieval_and_transport_over_two_processes_score_like_one(one_process, tmp_path):
+    """eval.py --evals=retrieval,transport as 2 processes: 2 retrieval examples padded to the 4
+    devices' rows (teacher-forced and greedily decoded), the transport probes' 2 windows whole
+    on every process; the reports of one process."""
+    two_and_one("eval.py", [f"--workdirs={one_process.workdir}", "--evals=retrieval,transport", "--probe_length=64",
+                            "--retrieval_tasks=passkey", "--retrieval_lengths=128", "--retrieval_depths=0,1",
+                            "--retrieval_examples=1"], tmp_path)
+    one, two = (first_run(tmp_path / out / "retrieval.json")["tasks"]["passkey"]["records"] for out in ("one", "two"))
+    assert len(one) == 2 and all("generated" in r for r in one)
+    for key in ("exact", "predicted", "generated", "decoded"):
+        assert [r[key] for r in two] == [r[key] for r in one], key
+    np.testing.assert_allclose([r["logprob"] for r in two], [r["logprob"] for r in one], rtol=1e-5)
+    one, two = (first_run(tmp_path / out / "probes.json")["layers"] for out in ("one", "two"))
+    values = lambda layers: [[*layer["far_mass"].values(), *layer["mass_by_distance"]] for layer in layers]  # noqa: E731
+    np.testing.assert_allclose(values(two), values(one), rtol=1e-5)
