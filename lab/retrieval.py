@@ -31,6 +31,11 @@ answer's own prefix, so the two exact matches agree but for near-ties between th
 and the parallel forward. Decoding's prefill materialises [L, L] attention scores (generate
 has no blockwise prefill), so it runs up to `decode_max_length` (default: the run's
 eval.blockwise_from); longer lengths get the teacher-forced scores only.
+
+Of several processes, each scores its own rows of every batch of examples, teacher-forced and
+by greedy decoding alike (`ModelScorer`: `generate` runs sharded over the processes' devices),
+the last batch padded with copies of its last example whose scores are dropped; the scores
+reach every process through `distributed.to_host`, and process 0 writes the report.
 """
 
 from __future__ import annotations
