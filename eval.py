@@ -15,6 +15,7 @@ runs the same evaluators on its live model when its `config.evals` names them.
 
 from __future__ import annotations
 
+import jax
 from absl import app, flags
 
 from lab import cli
@@ -94,8 +95,11 @@ def main(argv):
     options = cli.run_cli(checked_options)
     runs = cli.run_cli(lambda: cli.scheme_runs(FLAGS.workdirs, FLAGS.scheme, FLAGS.scheme_options))
     for name, option in options.items():
-        print(cli.run_cli(lambda: evaluate(name, runs, FLAGS.out, **option)))
-    print(f"wrote {', '.join(chosen())} reports into {FLAGS.out}")
+        markdown = cli.run_cli(lambda: evaluate(name, runs, FLAGS.out, **option))
+        if jax.process_index() == 0:  # of several processes, process 0 wrote the reports
+            print(markdown)
+    if jax.process_index() == 0:
+        print(f"wrote {', '.join(chosen())} reports into {FLAGS.out}")
 
 
 if __name__ == "__main__":

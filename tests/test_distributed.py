@@ -164,6 +164,7 @@ def test_eval_over_two_processes_scores_like_one(one_process, tmp_path):
     np.testing.assert_allclose([r[2] for r in two], [r[2] for r in one], rtol=1e-5)
 
 
+@pytest.mark.slow  # about a minute; the retrieval/transport test below runs the same placement in make test
 def test_analyze_over_two_processes_writes_the_numbers_of_one(one_process, tmp_path):
     """analyze.py as 2 processes: the decompositions' and perturbations' 4 windows split over the
     4 devices, the feature shift's 2 (which do not split) computed whole by both; process 0
