@@ -76,8 +76,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         tokens=32768,  # tokens scored at every length (the same tokens for every length)
         stride=0,  # 0: non-overlapping windows; else sliding windows advancing by `stride`
         # True: only documents longer than the longest length, no window crossing a document's end;
-        # False: the documents laid end to end (what docs/results used so far)
-        within_documents=False,
+        # False: the documents laid end to end (the protocol of the tables committed before 2026-11-24)
+        within_documents=True,
         batch_size=4,
         blockwise_from=2048,  # lengths from here on use blockwise attention
         split="validation",

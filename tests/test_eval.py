@@ -83,7 +83,8 @@ def test_every_length_scores_the_same_tokens(tiny_run, tokens, stride, tmp_path)
     """--tokens below the longest length (raised to it), a stride that divides nothing and is
     longer than the shortest length (which cannot slide), and non-overlapping windows."""
     config, _ = tiny_run
-    results = evaluate_runs([config.workdir], tokens=tokens, stride=stride, log=lambda *_: None)
+    results = evaluate_runs([config.workdir], tokens=tokens, stride=stride, within_documents=False,
+                            log=lambda *_: None)
     rows = results["runs"]["rope"]["results"]
     n = max(tokens, 128)
     assert results["lengths"] == [16, 32, 64, 128] and [r["tokens"] for r in rows] == [n] * 4
@@ -243,14 +244,14 @@ def test_perplexity_within_documents_is_each_document_scored_alone(stride):
 
 def test_within_documents_the_same_whole_documents_at_every_length(tiny_run, tmp_path):
     config, _ = tiny_run
-    results = evaluate_runs([config.workdir], tokens=300, within_documents=True, log=lambda *_: None)
+    results = evaluate_runs([config.workdir], tokens=300, log=lambda *_: None)  # the default: within
     rows = results["runs"]["rope"]["results"]
     assert len({r["tokens"] for r in rows}) == 1 and results["tokens"] == rows[0]["tokens"] >= 300
     assert results["documents"] >= 1
     header = write_report(results, str(tmp_path)).splitlines()[0]
     assert f"within each of {results['documents']} held-out documents of at least 129 tokens" in header
-    across = evaluate_runs([config.workdir], tokens=300, log=lambda *_: None)
-    assert "documents" not in across and across["tokens"] == 300  # the default: laid end to end
+    across = evaluate_runs([config.workdir], tokens=300, within_documents=False, log=lambda *_: None)
+    assert "documents" not in across and across["tokens"] == 300  # laid end to end
     with pytest.raises(ValueError, match=r"^the held-out split has \d+ documents of at least 129 tokens, \d+ "
                                          r"targets in all, fewer than the 100000000 asked; lower --tokens"):
         evaluate_runs([config.workdir], tokens=10**8, within_documents=True, log=lambda *_: None)
