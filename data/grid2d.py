@@ -14,11 +14,15 @@ import jax.numpy as jnp
 import numpy as np
 
 
-def grid_batch(seed: int, step: int, batch: int, rows: int = 6, widths=(5, 9), symbols: int = 8):
-    """(tokens [B, T], targets [B, T], positions [B, T, 2] (row, col), flat [B, T]), T = rows * 9.
+def grid_batch(seed: int, step: int, batch: int, rows: int = 6, widths=(5, 9), symbols: int = 8,
+               offset=(0, 0)):
+    """(tokens [B, T], targets [B, T], weight [B, T], positions [B, T, 2] (row, col), flat [B, T]),
+    T = rows * widths[1].
 
     Grids narrower than the widest are padded at the end with token `symbols` (never a target:
-    weight 0), so every row of the batch has the same length.
+    weight 0), so every row of the batch has the same length. `offset` (dr, dc) is added to
+    every 2-D position (padding included), a translation of the whole grid; the tokens, targets
+    and `flat` do not change with it.
     """
     rng = np.random.default_rng([seed, step])
     t = rows * widths[1]
@@ -38,6 +42,8 @@ def grid_batch(seed: int, step: int, batch: int, rows: int = 6, widths=(5, 9), s
         r, c = np.divmod(np.arange(n), w)
         pos[b, :n] = np.stack([r, c], -1)
         pos[b, n:] = np.stack([np.full(t - n, rows), np.arange(t - n)], -1)
+    if any(offset):
+        pos += np.asarray(offset, np.float32)
     flat = np.broadcast_to(np.arange(t), (batch, t))
     return (jnp.asarray(tokens), jnp.asarray(targets), jnp.asarray(weight), jnp.asarray(pos),
             jnp.asarray(flat, jnp.int32))

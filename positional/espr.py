@@ -41,6 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from positional.angles import wrap
+from positional.linalg import expm
 from positional.rope import rope_frequencies, rotate
 from positional.scheme import Scheme
 from positional.softmax import check_shapes
@@ -183,10 +184,12 @@ def plane_generators(basis: jax.Array, beta: jax.Array) -> jax.Array:
 
 
 def rotation(positions: jax.Array, generators: jax.Array) -> jax.Array:
-    """R(r) = expm(sum_k r_k L_k) for any skew generators: positions [..., d_c] -> [..., D, D]."""
+    """R(r) = expm(sum_k r_k L_k) for any skew generators: positions [..., d_c] -> [..., D, D].
+
+    By matmuls (positional/linalg.py): with jax.scipy.linalg.expm (a batched LAPACK solve) a
+    CPU training step of benchmarks/grid2d.py hung."""
     a = jnp.einsum("...c,cij->...ij", positions.astype(generators.dtype), generators)
-    flat = a.reshape(-1, *a.shape[-2:])
-    return jax.vmap(jax.scipy.linalg.expm)(flat).reshape(a.shape)
+    return expm(a)
 
 
 def commutator_norm(generators: jax.Array) -> jax.Array:

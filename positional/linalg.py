@@ -1,5 +1,9 @@
 """Small dense linear algebra built from matmuls only, for the triangular systems of PaTH's UT
-transform (positional/householder.py) and Sessa's feedback solve (positional/feedback.py).
+transform (positional/householder.py) and Sessa's feedback solve (positional/feedback.py), and
+the per-token matrix exponentials of relaxed ESPR (positional/espr.py: jax.scipy.linalg.expm
+solves a Pade system by LAPACK, and vmapped over the tokens of a training step it hung on this
+2-core machine, jaxlib 0.10.2, every XLA pool thread idle and the main thread waiting to launch
+a computation; by matmuls the same steps run).
 
 Why not `lax.linalg.triangular_solve`: on CPU it calls LAPACK, whose batched form shares XLA's
 intra-op thread pool; two such calls running at once can each wait for pool threads the other
@@ -44,3 +48,24 @@ def solve_unit_lower(m, b, transpose: bool = False) -> jax.Array:
     if transpose:
         inv = jnp.swapaxes(inv, -1, -2)
     return jnp.matmul(inv, b, precision=HIGHEST)
+
+
+def expm(a, max_squarings: int = 16, order: int = 12) -> jax.Array:
+    """exp(a) for square a [..., n, n]: scaling and squaring around a Taylor polynomial, matmuls only.
+
+    Each matrix is scaled by 2^-s with s = ceil(log2 |a|_1) clipped to [0, max_squarings], so
+    |a 2^-s|_1 <= 1 (for |a|_1 <= 2^max_squarings) and the Taylor remainder of degree `order`
+    = 12 is below 1/13! = 1.6e-10; then squared s times. The count differs per matrix, so all
+    max_squarings squarings are computed and the unneeded ones discarded.
+    """
+    n = a.shape[-1]
+    norm = jnp.abs(a).sum(-2).max(-1)  # the 1-norm (max column sum), [...]
+    s = jax.lax.stop_gradient(jnp.clip(jnp.ceil(jnp.log2(jnp.maximum(norm, 1e-30))), 0, max_squarings))
+    x = a * jnp.exp2(-s)[..., None, None]
+    eye = jnp.eye(n, dtype=a.dtype)
+    r = eye + x / order  # Horner: I + x (I + x/2 (I + ... (I + x/order)))
+    for k in range(order - 1, 0, -1):
+        r = eye + jnp.matmul(x, r, precision=HIGHEST) / k
+    for j in range(max_squarings):
+        r = jnp.where((j < s)[..., None, None], jnp.matmul(r, r, precision=HIGHEST), r)
+    return r

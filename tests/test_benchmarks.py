@@ -1,6 +1,7 @@
 """Smoke tests: each benchmark runs end to end on a tiny setting, so the scripts cannot rot."""
 
 import importlib.util
+import json
 import sys
 from pathlib import Path
 
@@ -94,11 +95,20 @@ def test_rotation_benchmark_runs(capsys):
 
 
 @pytest.mark.slow
-def test_grid2d_runs(capsys):
-    rows = run("grid2d", ["--steps", "2", "--batch", "2", "--methods", "rope_1d_flattened,espr_2d"])
-    assert [r["method"] for r in rows] == ["rope_1d_flattened", "espr_2d"]
-    assert all(0 <= r["eval_accuracy"] <= 1 for r in rows)
-    assert "| espr_2d |" in capsys.readouterr().out
+def test_grid2d_runs(capsys, tmp_path):
+    rows = run("grid2d", ["--steps", "2", "--batch", "2", "--eval_batches", "1", "--seeds", "0,1",
+                          "--methods", "rope_1d_flattened,espr_relaxed_2d", "--json", str(tmp_path / "g.json")])
+    assert [(r["method"], r["seed"]) for r in rows] == [("rope_1d_flattened", 0), ("espr_relaxed_2d", 0),
+                                                        ("rope_1d_flattened", 1), ("espr_relaxed_2d", 1)]
+    shifts = set(load("grid2d").SHIFTS)
+    assert all(set(r["accuracy"]) == shifts and 0 <= min(r["accuracy"].values()) <= 1 for r in rows)
+    assert rows[1]["commutator_norm"] >= 0 and "commutator_norm" not in rows[0]
+    report = json.loads((tmp_path / "g.json").read_text())
+    assert [(r["method"], r["seed"], set(r["accuracy"])) for r in report["runs"]] == [
+        (r["method"], r["seed"], shifts) for r in rows]
+    assert {m: set(v) for m, v in report["summary"].items()} == {m: shifts for m in ("rope_1d_flattened",
+                                                                                     "espr_relaxed_2d")}
+    assert "| espr_relaxed_2d | 1 |" in capsys.readouterr().out
 
 
 def test_attention_runs(capsys):
