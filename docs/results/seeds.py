@@ -58,6 +58,8 @@ def main(source: str, target: str, plot: str = "") -> None:
                         label=f"{arm} (mean +- std, {len(rec['seeds'])} seeds)")
         ax.set(xscale="log", xlabel="lag" if task else "evaluation length (tokens)",
                ylabel="accuracy" if task else "perplexity per byte")
+        ax.set_xticks(x, [str(v) for v in x])
+        ax.minorticks_off()
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
         fig.tight_layout()
