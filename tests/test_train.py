@@ -152,7 +152,10 @@ def test_signal_mid_run_leaves_a_good_checkpoint(tmp_path, sig, capsys):
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     metrics = tmp_path / "metrics.jsonl"
     deadline = time.time() + 120
-    while time.time() < deadline and (not metrics.exists() or len(losses_of(tmp_path)) < 60):
+    # Past step 60 and the step-50 save committed (saves are asynchronous: under load one can
+    # still be in flight ten steps later), so a kill lands after a good checkpoint.
+    while time.time() < deadline and (not metrics.exists() or len(losses_of(tmp_path)) < 60
+                                      or not (tmp_path / "checkpoints" / "50").is_dir()):
         time.sleep(0.2)
     proc.send_signal(sig)
     out, err = proc.communicate(timeout=60)
