@@ -55,8 +55,9 @@ def expm(a, max_squarings: int = 16, order: int = 12) -> jax.Array:
 
     Each matrix is scaled by 2^-s with s = ceil(log2 |a|_1) clipped to [0, max_squarings], so
     |a 2^-s|_1 <= 1 (for |a|_1 <= 2^max_squarings) and the Taylor remainder of degree `order`
-    = 12 is below 1/13! = 1.6e-10; then squared s times. The count differs per matrix, so all
-    max_squarings squarings are computed and the unneeded ones discarded.
+    = 12 is below 1/13! = 1.6e-10; then squared s times. The count differs per matrix: a
+    squaring round runs while any matrix still needs one (`lax.cond` skips the rest; under vmap
+    it becomes a select and computes them all), and keeps the others as they are.
     """
     n = a.shape[-1]
     norm = jnp.abs(a).sum(-2).max(-1)  # the 1-norm (max column sum), [...]
@@ -66,6 +67,9 @@ def expm(a, max_squarings: int = 16, order: int = 12) -> jax.Array:
     r = eye + x / order  # Horner: I + x (I + x/2 (I + ... (I + x/order)))
     for k in range(order - 1, 0, -1):
         r = eye + jnp.matmul(x, r, precision=HIGHEST) / k
+    most = jnp.max(s, initial=0)
     for j in range(max_squarings):
-        r = jnp.where((j < s)[..., None, None], jnp.matmul(r, r, precision=HIGHEST), r)
+        r = jax.lax.cond(j < most, lambda r, j=j: jnp.where((j < s)[..., None, None],
+                                                            jnp.matmul(r, r, precision=HIGHEST), r),
+                         lambda r: r, r)
     return r

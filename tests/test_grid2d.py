@@ -3,8 +3,6 @@ commuting (STRING) espr model is exactly invariant to translating the grid; a re
 with non-zero free generator parts is not."""
 
 import hashlib
-import importlib.util
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -13,12 +11,9 @@ from flax import nnx
 
 from data.grid2d import grid_batch
 from models.features import EsprFeatures
+from test_benchmarks import load
 
-# benchmarks/ holds scripts, not a package: load benchmarks/grid2d.py by path.
-_spec = importlib.util.spec_from_file_location("grid2d_benchmark",
-                                               Path(__file__).resolve().parents[1] / "benchmarks" / "grid2d.py")
-bench = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(bench)
+bench = load("grid2d")  # benchmarks/grid2d.py
 
 
 def test_grid_batch_default_is_unchanged_and_offset_moves_the_positions_only():
