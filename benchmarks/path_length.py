@@ -3,6 +3,7 @@ with --memory, the training memory of chunked PaTH instead.
 
     python benchmarks/path_length.py --lengths 1024,2048,4096,8192
     python benchmarks/path_length.py --memory --lengths 2048,4096,8192,16384
+    python benchmarks/path_length.py --memory --rss --lengths 2048,4096,8192,16384
 
 The default model (configs/default.py, byte vocab 258) scores one row with `token_nll`, as the
 eval loop does: RoPE with blockwise attention (512-token blocks), PaTH with its chunked
@@ -14,12 +15,19 @@ the ratio column says whether PaTH's grows faster than attention's.
 --memory: XLA's temporary memory (compiled only, nothing runs) for forward + backward of one
 layer's PaTH-FoX attention at the default model's shapes (one row, 4 heads of 64, 64-token
 chunks), by the chunked form's recomputing backward and by autodiff through its scans.
+--memory --rss: the recomputing forward + backward run for real, each length in a fresh process:
+its peak RSS (`ru_maxrss`), the part compiling took (the peak once compiled and the inputs made,
+minus the process's before) and the part the run added.
 """
 
 from __future__ import annotations
 
+import json
+import resource
+import subprocess
 import sys
 import time
+from pathlib import Path
 
 
 import jax  # noqa: E402
@@ -39,6 +47,9 @@ flags.DEFINE_string("lengths", "1024,2048,4096,8192", "sequence lengths, comma-s
 flags.DEFINE_integer("repeats", 2, "timed calls; the best is kept", flag_values=FLAGS)
 flags.DEFINE_bool("memory", False, "print one layer's training memory (recompute vs autodiff) instead of times",
                   flag_values=FLAGS)
+flags.DEFINE_bool("rss", False, "with --memory: run the recomputing forward + backward, each length in a fresh "
+                  "process, and print its peak RSS", flag_values=FLAGS)
+flags.DEFINE_integer("rss_child", 0, "internal: measure this one length and print its JSON", flag_values=FLAGS)
 
 VOCAB = 258
 SCHEMES = ("rope", "path")
@@ -55,9 +66,9 @@ def compiled_forward(scheme: str, length: int):
     return fn.lower(state, tokens).compile(), state, tokens
 
 
-def layer_grad_temp_bytes(length: int, autodiff: bool) -> int:
-    """XLA's temporary bytes for forward + backward of one layer's PaTH-FoX attention (default
-    model shapes, one row), compiled only."""
+def layer_grad(length: int, autodiff: bool):
+    """Forward + backward of one layer's PaTH-FoX attention (default model shapes, one row),
+    compiled, and its argument shapes."""
     model = get_config("path_fox").model
     h, d = model.num_heads, model.d_model // model.num_heads
     q, kv = (jax.ShapeDtypeStruct((1, length, h, d), jnp.float32) for _ in range(2))
@@ -67,14 +78,53 @@ def layer_grad_temp_bytes(length: int, autodiff: bool) -> int:
         return chunked_attention(q, k, v, w, beta, bias_fn=forget_bias(log_f, d ** -0.5), chunk=model.block_size,
                                  autodiff=autodiff).sum()
 
-    compiled = jax.jit(jax.grad(loss, argnums=range(6))).lower(q, kv, kv, kv, beta, log_f).compile()
-    return compiled.memory_analysis().temp_size_in_bytes
+    args = (q, kv, kv, kv, beta, log_f)
+    return jax.jit(jax.grad(loss, argnums=range(6))).lower(*args).compile(), args
+
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def rss_point(length: int) -> dict:
+    """Runs in a fresh process: the recomputing forward + backward at `length`, run once."""
+    floor = peak_rss_bytes()
+    compiled, shapes = layer_grad(length, autodiff=False)
+    keys = jax.random.split(jax.random.key(0), len(shapes))
+    args = [jax.random.normal(key, s.shape, s.dtype) for key, s in zip(keys, shapes)]
+    args[3] = args[3] / jnp.linalg.norm(args[3], axis=-1, keepdims=True)  # w: unit rows
+    args[4], args[5] = jax.nn.sigmoid(args[4]) * 2, jax.nn.log_sigmoid(args[5] + 3)  # beta in (0, 2), log f < 0
+    compiled_at = peak_rss_bytes()  # tells compile-time memory apart from run-time memory
+    t0 = time.perf_counter()
+    jax.block_until_ready(compiled(*args))
+    return {"seconds": time.perf_counter() - t0, "floor": floor, "compiled": compiled_at, "peak": peak_rss_bytes(),
+            "xla_temp": compiled.memory_analysis().temp_size_in_bytes}
+
+
+def rss(lengths: list[int]) -> dict:
+    """{length: rss_point's JSON}, each from its own process."""
+    table = {}
+    for n in lengths:
+        cmd = [sys.executable, str(Path(__file__).resolve()), f"--rss_child={n}"]
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=True)
+        table[n] = json.loads(proc.stdout.strip().splitlines()[-1])
+    print(f"jax {jax.__version__} on {jax.devices()[0].platform}: one PaTH-FoX layer's attention, forward + "
+          f"recomputing backward, run once per fresh process\n")
+    print("| length | seconds | peak RSS MiB | compiling added MiB | the run added MiB | XLA temp MiB |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    mib = 2 ** 20
+    for n, row in table.items():
+        print(f"| {n:,} | {row['seconds']:.2f} | {row['peak'] / mib:.0f} | {(row['compiled'] - row['floor']) / mib:.0f} | "
+              f"{(row['peak'] - row['compiled']) / mib:.0f} | {row['xla_temp'] / mib:.0f} |")
+    return table
 
 
 def memory() -> dict:
-    """{length: {"recompute" | "autodiff": temporary bytes}}, as FLAGS ask."""
+    """{length: {"recompute" | "autodiff": temporary bytes}} as FLAGS ask (with --rss: `rss()`'s table)."""
     lengths = [int(x) for x in FLAGS.lengths.split(",")]
-    table = {n: {way: layer_grad_temp_bytes(n, way == "autodiff") for way in ("recompute", "autodiff")}
+    if FLAGS.rss:
+        return rss(lengths)
+    table = {n: {way: layer_grad(n, way == "autodiff")[0].memory_analysis().temp_size_in_bytes for way in ("recompute", "autodiff")}
              for n in lengths}
     print(f"jax {jax.__version__} on {jax.devices()[0].platform}: one PaTH-FoX layer's attention, forward + "
           f"backward, XLA temp memory\n")
@@ -114,7 +164,10 @@ def benchmark() -> dict:
 
 def main(argv):
     del argv  # flags only
-    benchmark()
+    if FLAGS.rss_child:
+        print(json.dumps(rss_point(FLAGS.rss_child)))
+    else:
+        benchmark()
 
 
 if __name__ == "__main__":

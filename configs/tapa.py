@@ -15,7 +15,8 @@ and evaluates from 1K to 64K (L/8 to 8L) with sliding windows. Here L = 128 byte
 Pretraining: 600 steps x 16 rows x 128 tokens for every scheme (same seed, data order and
 learning rate; the paper lowered TAPA's pretraining LR 5x, a confound we do not copy).
 Extension: 150 steps x 4 rows x 512 tokens (the same tokens per step), learning rate 1e-3 for
-every method. The evaluation lengths are 16 ... 1024 tokens; windows slide by `eval.stride`.
+every method. The evaluation lengths are 16 ... 1024 tokens and 768 (1.5x the extension length, the
+paper's 49,152 = 1.5 x 32K); windows slide by `eval.stride`.
 """
 
 from configs import default, parse_arg
@@ -32,7 +33,7 @@ EXTEND = {
     "tapa": ("tapa", {}),
     "tapa_linear": ("tapa_linear", {}),
 }
-EVAL_LENGTHS = (16, 32, 64, 128, 256, 512, 1024)  # L/8 ... 8L
+EVAL_LENGTHS = (16, 32, 64, 128, 256, 512, 768, 1024)  # L/8 ... 8L, and 1.5x the extension length
 # STAGE/METHOD: a pretrained scheme after pretrain, an extension method after extend or zeroshot.
 FIELDS = (("stage", "pretrain", ("pretrain", "extend", "zeroshot")),
           ("method", "tapa", lambda fields: PRETRAIN if fields["stage"] == "pretrain" else tuple(EXTEND)))
