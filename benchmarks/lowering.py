@@ -31,7 +31,7 @@ It prints
 
 Exit status 1, with one line on stderr ("error: ..."), when the scheme has a fused path (its
 `impls` include "pallas") and a call site ran "reference" or "blockwise" for the platform, or a
-T x T tensor is present. Schemes without a fused path report what they use and pass.
+T x T tensor is present, or no call site logged what auto chose (the check would be blind). Schemes without a fused path report what they use and pass.
 
 `--force_auto` (default on) sets model.attention_impl="auto" (configs/default.py's default),
 saying so in a note line when the config named another impl: that is what the check is for. With --noforce_auto the config's impl is lowered as it is, with a warning line; no
@@ -320,6 +320,9 @@ def check(config, platform: str, force_auto: bool = True) -> dict:
         elif impl in FALLBACKS:
             failure = (f"{config.model.scheme} ({label}) runs {impl!r} on {platform} (model.attention_impl, "
                        f"auto not selected) although it has a fused path")
+        elif impl == "auto" and "auto" in scheme.impls and not sites:
+            failure = (f"{config.model.scheme} ({label}): no attention call site logged what auto chose, so "
+                       "the check cannot tell what runs; every auto path must log its choice (positional/attention.py)")
         if failure is None and square:
             failure = (f"{config.model.scheme} ({label}) has a fused path but the step lowered for {platform} "
                        f"holds a T x T tensor {fmt_tensor(*square[0])}")

@@ -75,6 +75,7 @@ def auto_attention(q, k, v, *, label: str = "", bias_fn=None, score_fn=None, seg
     """Impl "auto": per platform of the lowering (`jax.lax.platform_dependent`), `choose`'s pick."""
     kwargs = dict(bias_fn=bias_fn, score_fn=score_fn, segment_ids=segment_ids, q_offset=q_offset, scale=scale)
     if ring_active():
+        log_ring(label)
         return mesh_ring_attention(q, k, v, block_size=block_size, **kwargs)
 
     def pick(platform):
@@ -99,14 +100,26 @@ def per_platform_choice(pick, *args, label: str = ""):
     every trace, INFO once per line). Auto for a scheme that brings its own attention (PaTH)."""
     def branch(platform):
         impl, why, fn = pick(platform)
-        line = f"attention impl auto{f' ({label})' if label else ''} on {platform}: {impl}, {why}"
-        LOG.debug(line, extra={"platform": platform, "impl": impl, "why": why, "label": label})
-        if line not in _LOGGED:
-            _LOGGED.add(line)
-            LOG.info(line)
+        log_choice(platform, impl, why, label)
         return fn
 
     return jax.lax.platform_dependent(*args, cpu=branch("cpu"), cuda=branch("cuda"), tpu=branch("tpu"))
+
+
+def log_choice(platform: str, impl: str, why: str, label: str = "") -> None:
+    """What auto picked for one call site on `platform`: DEBUG on every trace (benchmarks/lowering.py
+    collects these), INFO once per line."""
+    line = f"attention impl auto{f' ({label})' if label else ''} on {platform}: {impl}, {why}"
+    LOG.debug(line, extra={"platform": platform, "impl": impl, "why": why, "label": label})
+    if line not in _LOGGED:
+        _LOGGED.add(line)
+        LOG.info(line)
+
+
+def log_ring(label: str = "") -> None:
+    """Auto on a sequence mesh is the ring on every platform (no `platform_dependent`: one program)."""
+    for platform in ("cpu", "cuda", "tpu"):
+        log_choice(platform, "ring", "the sequence axis of the mesh splits the keys", label)
 
 
 def attention(q, k, v, *, impl: str = "reference", **kwargs) -> jax.Array:

@@ -45,7 +45,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from positional.attention import attention, choose, per_platform_choice
+from positional.attention import attention, choose, log_ring, per_platform_choice
 from positional.kernels.path import check_transport, path_attention, refusal
 from positional.ring import active_mesh, float_part, make_ring, ring_active, ring_call
 from positional.softmax import MASKED, check_shapes
@@ -659,6 +659,7 @@ class Path(Scheme):
         bias = self.score_bias(features, positions)
         if impl == "auto" and ring_active():  # the sequence split over a mesh: PaTH's own ring
             impl = "ring"
+            log_ring(type(self).__name__)
         if impl == "auto":  # on CPU what the generic auto picks (by length), elsewhere the kernel
             def pick(platform):
                 chosen, why = choose(q, k, v, platform="cpu")

@@ -62,7 +62,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from positional.attention import IMPLEMENTATIONS, REFERENCE_MAX, attention
+from positional.attention import IMPLEMENTATIONS, REFERENCE_MAX, attention, log_ring
 from positional.ring import ring_active
 from positional.logits import Bias, Score, sum_of
 from positional.softmax import MASKED, BiasFn, attention_logits, causal_softmax
@@ -250,6 +250,7 @@ class Scheme:
         the key slots (the bias reads them; None: the slot indices)."""
         if impl == "auto" and ring_active():
             impl = "ring"
+            log_ring(type(self).__name__)
         hooks = {"bias_fn": self.score_bias(features, positions), "score_fn": self.score_fn(features)}
         if impl == "ring" and any(hooks.values()):  # built inside the ring's shard_map (positional/ring.py)
             hooks = {"hooks": lambda f: (self.score_bias(f["features"], f["positions"]), self.score_fn(f["features"])),

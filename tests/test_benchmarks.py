@@ -2,12 +2,15 @@
 
 import importlib.util
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+ROOT = Path(__file__).resolve().parents[1]
+BENCHMARKS = ROOT / "benchmarks"
 
 
 def load(name: str):
@@ -144,6 +147,20 @@ def test_lowering_check_picks_the_fused_kernel(capsys, monkeypatch):
         out = capsys.readouterr().out
         assert "2 x Alibi (layers 0-1): pallas -- the fused kernel" in out, out
         assert kernels in out and "T x T tensor (two axes >= 256): none" in out and out.rstrip().endswith("result: ok"), out
+
+
+@pytest.mark.parametrize("scheme", ["rope", "path_fox"])
+def test_lowering_check_names_the_ring_on_a_sequence_mesh(scheme):
+    """On a sequence mesh (2 simulated devices, its own process) auto is the ring at every call
+    site, and the report says so: a call site that logs nothing fails the check."""
+    argv = [sys.executable, "benchmarks/lowering.py", "--platform", "cuda", "--config", f"configs/default.py:{scheme}",
+            *TINY_LOWERING[2:], "--config.mesh.sequence=2"]
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    label = {"rope": "Rope", "path_fox": "Path"}[scheme]
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert f"2 x {label} (layers 0-1): ring -- the sequence axis of the mesh splits the keys" in proc.stdout, proc.stdout
+    assert proc.stdout.rstrip().endswith("result: ok"), proc.stdout
 
 
 def test_lowering_check_fails_on_a_t_by_t_path(capsys, monkeypatch):
