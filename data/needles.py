@@ -8,7 +8,10 @@ answer completes. Its depth d is the fraction of the haystack before the anchor 
 asked about; the first of several values or of a variable chain): round(d * F) of the F
 haystack tokens come before it, so d = 0 puts it first and d = 1 right before the question.
 Other needles go at seeded haystack offsets (after the anchor, in order, for the tasks that ask
-for an order). The tasks are listed in lab/retrieval.py's docstring.
+for an order). The tasks are listed in lab/retrieval.py's docstring. Needles and question +
+answer are the tokenizer's ids of their text where it stands in the middle of a document (no
+space before them, which Llama 2's tokenizers put before a text alone), the answer the tail of
+question + answer from where its own tokens begin (`encode_completion`).
 """
 
 from __future__ import annotations
@@ -109,14 +112,32 @@ def example_seed(seed: int, task: str, length: int, depth: float, index: int) ->
     return [seed, zlib.crc32(task.encode()), length, round(depth * 10 ** 6), index]
 
 
+def encode_completion(tokenizer, prompt: str, completion: str) -> tuple[np.ndarray, np.ndarray]:
+    """`prompt + completion` as one text that follows other text (`encode(..., continuation=True)`),
+    split where the completion's tokens begin: (the longest run of leading ids that spell prompt text
+    only, the rest), int32[P] and int32[C]. Where the tokenizer joins the two across the boundary
+    (GPT-2's pattern reads "is 71432" as "is", " 71432"; a merged ": K" or " K"), the joined token
+    starts the completion, whose ids then spell the prompt's tail too (" 71432"): the prompt ends
+    where the completion's own tokens begin, and prompt ids + completion ids are always the
+    tokenizer's ids of the whole text."""
+    ids = tokenizer.encode(prompt + completion, continuation=True)
+    text = tokenizer.decode(ids)  # prompt + completion, but a leading space some decoders drop
+    boundary, end = len(text) - len(completion), len(ids)
+    while end and (len(part := tokenizer.decode(ids[:end])) > boundary or not text.startswith(part)):
+        end -= 1
+    return ids[:end], ids[end:]
+
+
 def make_example(task: str, tokenizer, text: np.ndarray, length: int, depth: float, seed) -> Example | None:
     """One example of `task`, exactly `length` tokens, its anchor needle at `depth`, its haystack
     from `text` (int32[n] tokens, n >= length); None where its needles, question and answer
-    alone are longer than `length`."""
+    alone are longer than `length`. The needles and the question + answer are tokenised as text
+    in the middle of a document (no prefix space: "is 71432", not "is  71432", with Llama 2's
+    tokenizer), the answer as the tail of the question + answer (`encode_completion`)."""
     rng = np.random.default_rng(seed)
     needles, question, answer, ordered = TASKS[task](rng)
-    needles = [tokenizer.encode(n) for n in needles]
-    question, answer = tokenizer.encode(question), tokenizer.encode(answer)
+    needles = [tokenizer.encode(n, continuation=True) for n in needles]
+    question, answer = encode_completion(tokenizer, question, answer)
     bos = [tokenizer.bos_id] if tokenizer.add_bos else []
     free = length - len(bos) - len(question) - len(answer) - sum(map(len, needles))
     if free < 0:

@@ -1,7 +1,9 @@
 """Tokenizers: bytes (default, nothing to train), sentencepiece (trained on a train split), and a
 pretrained model's own (tokenizer.json, a sentencepiece tokenizer.model, a tiktoken BPE-ranks file).
 
-All share one interface: `encode(text) -> int32[n]` (no special token added), `decode(ids) -> str`
+All share one interface: `encode(text, continuation=False) -> int32[n]` (no special token added;
+with `continuation`, the ids of the text where it follows other text, as in the middle of a
+document: without the space that Llama 2's tokenizers put before a text), `decode(ids) -> str`
 (special tokens skipped), and the attributes `pad_id`, `eos_id`, `bos_id` (None where there is
 none), `add_bos` (whether a document starts with BOS: `encode_document`) and `vocab_size`. The
 byte and trained sentencepiece tokenizers have PAD = 0, EOS = 1 and no BOS; a pretrained one has
@@ -47,8 +49,8 @@ class ByteTokenizer:
     add_bos = False
     vocab_size = 256 + 2
 
-    def encode(self, text: str | bytes) -> np.ndarray:
-        """Returns int32[len(utf-8 bytes of text)]."""
+    def encode(self, text: str | bytes, continuation: bool = False) -> np.ndarray:
+        """Returns int32[len(utf-8 bytes of text)]: the same bytes wherever the text stands (`continuation`)."""
         return np.frombuffer(_as_bytes(text), dtype=np.uint8).astype(np.int32) + 2
 
     def decode(self, ids: Sequence[int] | np.ndarray) -> str:
@@ -115,8 +117,8 @@ class SentencePieceTokenizer:
         _write_atomically(model_path, model.getvalue())
         return cls(model_path)
 
-    def encode(self, text: str | bytes) -> np.ndarray:
-        """Returns int32[n] piece ids."""
+    def encode(self, text: str | bytes, continuation: bool = False) -> np.ndarray:
+        """Returns int32[n] piece ids. Trained without a dummy prefix, so `continuation` changes nothing."""
         return np.asarray(self._processor.encode(_as_str(text)), dtype=np.int32)
 
     def decode(self, ids: Sequence[int] | np.ndarray) -> str:
@@ -140,6 +142,7 @@ LLAMA3_SPECIAL = ("<|begin_of_text|>", "<|end_of_text|>", *(f"<|reserved_special
 class Backend(NamedTuple):
     """A tokenizer file as its library reads it."""
     encode: Callable[[str], list[int]]  # the text's ids, no special token added or read from the text
+    continuation: Callable[[str], list[int]]  # the same for text that follows other text (no prefix space)
     decode: Callable[[list[int]], str]
     vocab_size: int  # the largest id + 1
     token_id: Callable[[str], int | None]  # a token's id, None if the tokenizer has no such token
@@ -151,6 +154,24 @@ class Backend(NamedTuple):
 def _missing(path: str, package: str) -> DataError:
     return DataError(f"reading {path} needs the {package} package, which is not installed: pip install {package} "
                      "(or pip install -e '.[hf]' for every pretrained tokenizer format)")
+
+
+def _without_prefix_space(step: dict | None) -> dict | None:
+    """A tokenizer.json normalizer or pre-tokenizer (its JSON) as it treats text that follows other text:
+    without a Prepend (Llama 2's and Mistral 7B v0.1's "▁"), with Metaspace's prepend_scheme 'never'
+    (newer conversions of both have 'first', older files add_prefix_space) and ByteLevel's
+    add_prefix_space off (GPT-2-style files that set it)."""
+    kind = (step or {}).get("type")
+    if kind == "Prepend":
+        return None
+    if kind == "Sequence":
+        key = "normalizers" if "normalizers" in step else "pretokenizers"
+        return {**step, key: [s for s in map(_without_prefix_space, step[key]) if s is not None]}
+    if kind == "Metaspace":
+        return {**{k: v for k, v in step.items() if k != "add_prefix_space"}, "prepend_scheme": "never"}
+    if kind == "ByteLevel":
+        return {**step, "add_prefix_space": False}
+    return step
 
 
 def _tokenizers_backend(path: str, files: dict) -> Backend:
@@ -166,10 +187,24 @@ def _tokenizers_backend(path: str, files: dict) -> Backend:
     tok.encode_special_tokens = True  # special tokens come from the pipeline, never from the text
     plain, full = tok.encode("a", add_special_tokens=False).ids, tok.encode("a").ids
     prepended = full[0] if len(full) > len(plain) and full[1:len(plain) + 1] == plain else None
+    content = json.loads(tok.to_str())
+    steps = {key: _without_prefix_space(content[key]) for key in ("normalizer", "pre_tokenizer")}
+    following = tok
+    if any(steps[key] != content[key] for key in steps):
+        following = tokenizers.Tokenizer.from_str(json.dumps({**content, **steps}))
+        following.encode_special_tokens = True
     return Backend(lambda text: tok.encode(text, add_special_tokens=False).ids,
+                   lambda text: following.encode(text, add_special_tokens=False).ids,
                    lambda ids: tok.decode(ids, skip_special_tokens=True),
                    max(tok.get_vocab(with_added_tokens=True).values()) + 1, tok.token_to_id,
                    {} if prepended is None else {"bos": prepended}, prepended is not None, frozenset())
+
+
+# A sentencepiece ModelProto field, normalizer_spec (field 3, length-delimited: wire type 2) of 2 bytes that
+# set its add_dummy_prefix (field 3, varint: wire type 0) to false. Appended to a serialized model, it is
+# merged into the model's own normalizer_spec, the later value winning (protobuf's rule for a field that
+# occurs twice), with no protobuf package (sentencepiece_model_pb2 needs the one it was generated for).
+NO_DUMMY_PREFIX = bytes([3 << 3 | 2, 2, 3 << 3 | 0, 0])
 
 
 def _sentencepiece_backend(path: str, files: dict) -> Backend:
@@ -179,7 +214,8 @@ def _sentencepiece_backend(path: str, files: dict) -> Backend:
         raise DataError(f"{path} is neither a sentencepiece model nor a tiktoken BPE-ranks file ({e}); restore it "
                         "from the checkpoint") from None
     own = {name: i for name, i in (("bos", sp.bos_id()), ("eos", sp.eos_id()), ("pad", sp.pad_id())) if i >= 0}
-    return Backend(sp.encode, sp.decode, sp.get_piece_size(),
+    following = spm.SentencePieceProcessor(model_proto=sp.serialized_model_proto() + NO_DUMMY_PREFIX)
+    return Backend(sp.encode, following.encode, sp.decode, sp.get_piece_size(),
                    lambda token: i if sp.id_to_piece(i := sp.piece_to_id(token)) == token else None,
                    own, "bos" in own, frozenset())
 
@@ -206,7 +242,7 @@ def _tiktoken_backend(path: str, files: dict) -> Backend:
                             special_tokens=special)
     own = {name: special[token] for name, token in (("bos", "<|begin_of_text|>"), ("eos", "<|end_of_text|>"))
            if token in special}
-    return Backend(enc.encode_ordinary, enc.decode, enc.max_token_value + 1,
+    return Backend(enc.encode_ordinary, enc.encode_ordinary, enc.decode, enc.max_token_value + 1,
                    lambda token: special.get(token, ranks.get(token.encode("utf-8"))), own, "bos" in own,
                    frozenset(special.values()))
 
@@ -283,12 +319,19 @@ class PretrainedTokenizer:
     added_tokens_decoder where the directory has one, else Llama 3's 256 after the ranks.
 
     encode(text) gives the text's ids as the model's tokenizer does, without special tokens (a text
-    that spells one, "<|endoftext|>", is text); decode skips special tokens and ids outside the
-    tokenizer's vocabulary (a model's embedding may have more rows). bos_id, eos_id and pad_id are the
-    model's: from the first of SPECIAL_FILES beside the tokenizer file that names each, else the file's
-    own (pad: EOS where the model has none; bos: None). add_bos: the model reads BOS before each document
-    (tokenizer_config.json's add_bos_token, else what the tokenizer does: a tokenizer.json whose
-    post-processor prepends a token, a sentencepiece or tiktoken model that has a BOS).
+    that spells one, "<|endoftext|>", is text). encode(text, continuation=True) gives the ids of the
+    text where it follows other text, as the model reads it in the middle of a document: a
+    sentencepiece model's without its dummy prefix (add_dummy_prefix, Llama 2's: encode("a") is
+    "▁a", a continuation "a"); a tokenizer.json's without the space its normalizer or pre-tokenizer
+    puts first (`_without_prefix_space`: Llama 2's and Mistral's; the byte-level BPEs of Llama 3 and
+    Qwen2 put none, and are read as by encode); tiktoken's as encode (it puts none).
+
+    decode skips special tokens and ids outside the tokenizer's vocabulary (a model's embedding may
+    have more rows). bos_id, eos_id and pad_id are the model's: from the first of SPECIAL_FILES
+    beside the tokenizer file that names each, else the file's own (pad: EOS where the model has
+    none; bos: None). add_bos: the model reads BOS before each document (tokenizer_config.json's
+    add_bos_token, else what the tokenizer does: a tokenizer.json whose post-processor prepends a
+    token, a sentencepiece or tiktoken model that has a BOS).
     """
 
     def __init__(self, path: str):
@@ -303,6 +346,7 @@ class PretrainedTokenizer:
         backend = {"tokenizers": _tokenizers_backend, "sentencepiece": _sentencepiece_backend,
                    "tiktoken": _tiktoken_backend}[self.kind](self.path, files)
         self._encode, self._decode, self.vocab_size = backend.encode, backend.decode, backend.vocab_size
+        self._continuation = backend.continuation
         self.bos_id, self.eos_id, self.pad_id = (_special_id(name, files, backend, self.path)
                                                  for name in ("bos", "eos", "pad"))
         if self.eos_id is None:
@@ -314,9 +358,10 @@ class PretrainedTokenizer:
         self.add_bos = bool(add_bos) and self.bos_id is not None
         self._skip = {self.bos_id, self.eos_id, self.pad_id, *backend.skip}
 
-    def encode(self, text: str | bytes) -> np.ndarray:
+    def encode(self, text: str | bytes, continuation: bool = False) -> np.ndarray:
         """Returns int32[n]."""
-        return np.asarray(self._encode(_as_str(text)), dtype=np.int32)
+        encode = self._continuation if continuation else self._encode
+        return np.asarray(encode(_as_str(text)), dtype=np.int32)
 
     def decode(self, ids: Sequence[int] | np.ndarray) -> str:
         ids = [int(i) for i in np.asarray(ids).reshape(-1)]

@@ -9,7 +9,11 @@ that the answer completes. Its depth d is the fraction of the haystack before th
 needle (the one asked about; the first of several values or of a variable chain): round(d * F)
 of the F haystack tokens come before it, so d = 0 puts it first and d = 1 right before the
 question. Other needles go at seeded haystack offsets (after the anchor, in order, for the
-tasks that ask for an order). Each task, `task(rng) -> (needles, question, answer, ordered)`:
+tasks that ask for an order). Needles and question + answer are tokenised as the text they
+spell in the middle of a document, whatever the tokenizer (with Llama 2's, "is 71432", not
+"is  71432"); the answer ids are the tail of question + answer from the token where the answer
+begins (data/needles.py, `encode_completion`). Each task, `task(rng) -> (needles, question,
+answer, ordered)`:
 
   passkey            "\\nThe pass key is 71432. Remember it.\\n" ... "\\nWhat is the pass key?
                      The pass key is " -> "71432"

@@ -1,17 +1,23 @@
 """Retrieval tasks (lab/retrieval.py): examples are deterministic, exactly L tokens, their anchor
 needle at the depth asked and their answer readable from the prompt; the scores are 1 for an
 oracle and chance for a model blind to the context; greedy decoding and teacher forcing agree
-on a trained run; eval.py writes the reports."""
+on a trained run; eval.py writes the reports. With every kind of tokenizer, the question and
+answer are the tokenizer's ids of the text they spell, as it reads in a document."""
 
+import base64
+import hashlib
 import json
 import math
+import os
 import re
 
 import jax
 import numpy as np
 import pytest
+import sentencepiece as spm
 
-from data.tokenizers import ByteTokenizer
+from data.needles import TASKS, encode_completion
+from data.tokenizers import ByteTokenizer, PretrainedTokenizer, SentencePieceTokenizer
 from lab import retrieval
 from lab.lengths import eval_impl
 from lab.runs import load_run
@@ -122,6 +128,106 @@ def test_examples_are_deterministic_exact_and_placed(task, length):
         assert re.search(QUESTIONS[task] + "$", text)
     if task in ("multivalue", "variable_tracking"):  # the needles keep their order
         assert all(e.needles == tuple(sorted(e.needles)) for e in made)
+
+
+def test_byte_examples_are_pinned():
+    """The byte tokenizer's examples are the same bytes as when needles, question and answer were
+    encoded one by one (a byte is a byte wherever it stands): the digest of every task's examples."""
+    digest = hashlib.sha256()
+    for task in retrieval.TASKS:
+        for length in (400, 1000):
+            for e in examples(task, length):
+                digest.update(e.prompt.tobytes() + e.answer.tobytes() + repr((e.needles, e.free)).encode())
+    assert digest.hexdigest() == "4e0507c3afa4af673827ef2f9ff67e01abad17fb417edd3e1a05075fc945279d"
+
+
+# ---- the text the ids spell, with every kind of tokenizer -------------------------------------------
+
+HF = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "hf", "tokenizers")
+# Llama 3's pre-tokenizer pattern, which the tiktoken fixture is read with (meta-llama/llama3, llama/tokenizer.py).
+LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+                  r"\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+@pytest.fixture(scope="module")
+def project_sentencepiece(tmp_path_factory):
+    """A sentencepiece model trained as the project trains one, on the haystack and the tasks' texts."""
+    rng = np.random.default_rng(0)
+    texts = [" ".join(WORDS)] + ["".join(needles) + question + answer
+                                 for task in TASKS.values() for needles, question, answer, _ in
+                                 (task(rng) for _ in range(20))]
+    return SentencePieceTokenizer.train(texts, 400, str(tmp_path_factory.mktemp("spm") / "spm.model"))
+
+
+def library(kind: str, project_sentencepiece):
+    """(the tokenizer, text -> its ids as the tokenizer's own library encodes a document, no special token)."""
+    if kind == "byte":
+        return TOKENIZER, lambda text: (np.frombuffer(text.encode(), np.uint8) + 2).tolist()
+    if kind == "sentencepiece":
+        return project_sentencepiece, spm.SentencePieceProcessor(model_file=project_sentencepiece.model_path).encode
+    tok = PretrainedTokenizer(os.path.join(HF, kind))
+    if kind == "spm":
+        return tok, spm.SentencePieceProcessor(model_file=os.path.join(HF, kind, "tokenizer.model")).encode
+    if kind == "tiktoken":
+        tiktoken = pytest.importorskip("tiktoken")
+        with open(os.path.join(HF, kind, "tokenizer.model"), "rb") as f:
+            ranks = {base64.b64decode(token): int(rank) for token, rank in (line.split() for line in f)}
+        return tok, tiktoken.Encoding("fixture", pat_str=LLAMA3_PATTERN, mergeable_ranks=ranks,
+                                      special_tokens={}).encode_ordinary
+    tokenizers = pytest.importorskip("tokenizers")
+    lib = tokenizers.Tokenizer.from_file(os.path.join(HF, kind, "tokenizer.json"))
+    lib.encode_special_tokens = True
+    return tok, lambda text: lib.encode(text, add_special_tokens=False).ids
+
+
+# kind -> whether its library puts a space ("▁") before a document's text: Llama 2's layouts.
+KINDS = {"byte": False, "sentencepiece": False, "json": False, "json_llama2": True, "spm": True, "tiktoken": False}
+
+
+def mid_document(kind: str, ids_of, text: str) -> list[int]:
+    """The library's ids of `text` (which starts with a newline) as it reads in the middle of a document:
+    its ids as a document, less the space Llama 2's tokenizers put first, which stands alone before the
+    newline."""
+    ids = ids_of(text)
+    if KINDS[kind]:
+        assert text.startswith("\n") and len(ids_of("\n")) == 2 and ids[:2] == ids_of("\n")
+        return ids[1:]
+    return ids
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_question_answer_and_needles_are_the_ids_of_their_text(kind, project_sentencepiece):
+    """For every task: the prompt's tail and the answer are the library's ids of question + answer as
+    one text in the middle of a document, split where the answer's tokens begin; they decode to
+    question + answer; each needle is its text's ids likewise."""
+    tok, ids_of = library(kind, project_sentencepiece)
+    text = tok.encode(" ".join(WORDS))
+    for task in TASKS:
+        seed = retrieval.example_seed(0, task, 800, 0.5, 0)
+        e = retrieval.make_example(task, tok, text, 800, 0.5, seed)
+        needles, question, answer, _ = TASKS[task](np.random.default_rng(seed))
+        joined = mid_document(kind, ids_of, question + answer)
+        asked = len(joined) - len(e.answer)
+        assert e.prompt[len(e.prompt) - asked:].tolist() + e.answer.tolist() == joined
+        assert tok.decode(joined) == question + answer
+        assert question.startswith(tok.decode(joined[:asked]))  # the prompt spells question text only
+        assert not question.startswith(tok.decode(joined[:asked + 1]))  # and ends where the answer's tokens begin
+        for (start, n), needle in zip(e.needles, needles):
+            assert e.prompt[start:start + n].tolist() == mid_document(kind, ids_of, needle)
+            assert tok.decode(e.prompt[start:start + n]) == needle
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_token_joined_across_the_boundary_starts_the_answer(kind, project_sentencepiece):
+    """Where the tokenizer joins the prompt's trailing space to the answer's first word (" the", "▁the":
+    every kind here but bytes), the joined token starts the answer: the prompt ends where the answer's
+    tokens begin, and the answer spells " the key" (Llama 2's decoders drop a text's leading space)."""
+    tok, ids_of = library(kind, project_sentencepiece)
+    prompt, answer = encode_completion(tok, "\nWhat is it? It is ", "the key")
+    assert prompt.dtype == answer.dtype == np.int32
+    assert prompt.tolist() + answer.tolist() == mid_document(kind, ids_of, "\nWhat is it? It is the key")
+    assert tok.decode(prompt) == "\nWhat is it? It is" + (" " if kind == "byte" else "")
+    assert tok.decode(answer) == ("the key" if kind == "byte" or KINDS[kind] else " the key")
 
 
 def test_depth_zero_and_one_put_the_needle_first_and_last():

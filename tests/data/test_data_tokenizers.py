@@ -1,5 +1,6 @@
 """data/tokenizers.py: byte and sentencepiece round trips, ids, caching, names; a pretrained model's
-own tokenizer (tokenizer.json, sentencepiece, tiktoken): its library's ids, special ids, BOS, bad files."""
+own tokenizer (tokenizer.json, sentencepiece, tiktoken): its library's ids, special ids, BOS, bad files;
+text encoded as a continuation (no prefix space) for every kind."""
 
 from __future__ import annotations
 
@@ -58,6 +59,7 @@ def test_sentencepiece_trains_and_round_trips(tmp_path):
         assert ids.size == 0 or ids.min() > tok.eos_id  # no PAD/EOS inside a text
         assert tok.decode(ids) == text
         assert tok.decode(np.concatenate([ids, [tok.eos_id, tok.pad_id]])) == text
+        np.testing.assert_array_equal(tok.encode(text, continuation=True), ids)  # trained without a dummy prefix
     assert len(tok.encode(TEXTS[0])) < len(TEXTS[0])  # it learned pieces longer than a byte
     reloaded = SentencePieceTokenizer(model_path)
     np.testing.assert_array_equal(reloaded.encode(TEXTS[1]), tok.encode(TEXTS[1]))
@@ -101,9 +103,9 @@ def fixture(name: str, file: str = "") -> str:
 
 def library_ids(name: str):
     """text -> ids, as the fixture's own library encodes it, called directly (no special tokens)."""
-    if name == "json":
+    if name.startswith("json"):
         tokenizers = pytest.importorskip("tokenizers")
-        tok = tokenizers.Tokenizer.from_file(fixture("json", "tokenizer.json"))
+        tok = tokenizers.Tokenizer.from_file(fixture(name, "tokenizer.json"))
         tok.encode_special_tokens = True  # a text that spells a special token is text (tiktoken's encode_ordinary)
         return lambda text: tok.encode(text, add_special_tokens=False).ids
     if name == "spm":
@@ -115,7 +117,7 @@ def library_ids(name: str):
     return encoding.encode_ordinary
 
 
-@pytest.mark.parametrize("name", ["json", "spm", "tiktoken"])
+@pytest.mark.parametrize("name", ["json", "json_llama2", "spm", "tiktoken"])
 def test_pretrained_ids_are_the_librarys_and_round_trip(name):
     ids_of = library_ids(name)
     tok = PretrainedTokenizer(fixture(name))
@@ -128,6 +130,53 @@ def test_pretrained_ids_are_the_librarys_and_round_trip(name):
         assert not {tok.bos_id, tok.eos_id} & set(ids.tolist())  # not even from "<|end_of_text|> <s></s>"
     assert len(tok.encode(TEXTS[0])) < len(TEXTS[0].encode())  # pieces longer than a byte
     assert tok.encode(TEXTS[1].encode("utf-8")).tolist() == tok.encode(TEXTS[1]).tolist()  # corpus records are bytes
+
+
+# Texts that follow a document's first line, "The pass key\n": no fixture merges a token across that newline
+# (Llama 3's pattern splits it off; Llama 2's fixtures have it as the byte piece <0x0A>, in no merge).
+FOLLOWING = ["a", " a", "71432", "The pass key is 71432. Remember it.", "  two leading spaces, tabs\t\t",
+             "VAR KQZTW = 12345.", "naïve 日本語 🎉"]
+
+
+@pytest.mark.parametrize("name,prefix", [("json", False), ("json_llama2", True), ("spm", True), ("tiktoken", False)])
+def test_a_continuation_is_the_text_as_the_library_reads_it_after_other_text(name, prefix):
+    """encode(text, continuation=True) is what the library's ids of a whole document give the text after its first
+    line. Llama 2's layouts (sentencepiece's dummy prefix, a tokenizer.json's Prepend("▁")) read a text alone with a
+    space before it (encode("a") is "▁a"), which a continuation has not; byte-level BPEs (Llama 3's) prefix none."""
+    ids_of, tok = library_ids(name), PretrainedTokenizer(fixture(name))
+    first = ids_of("The pass key\n")
+    for text in FOLLOWING:
+        following = tok.encode(text, continuation=True)
+        assert following.dtype == np.int32
+        assert ids_of("The pass key\n" + text) == first + following.tolist()
+        assert tok.decode(first + following.tolist()) == "The pass key\n" + text  # alone: " a" decodes as "a"
+        assert (tok.encode(text).tolist() != following.tolist()) == prefix
+    assert tok.encode("a", continuation=True).tolist() == (ids_of("a")[1:] if prefix else ids_of("a"))
+
+
+@pytest.mark.parametrize("layout", ["metaspace", "metaspace_legacy", "byte_level_prefix"])
+def test_a_continuation_drops_the_prefix_space_of_every_tokenizer_json_layout(tmp_path, layout):
+    """The other layouts that prefix a space: Metaspace pre-tokenizers (newer Llama 2 / Mistral conversions:
+    prepend_scheme 'first', no split; older files: add_prefix_space) in place of the fixture's Prepend normalizer,
+    and a byte-level pre-tokenizer with add_prefix_space (GPT-2's pattern, as RoBERTa's)."""
+    tokenizers = pytest.importorskip("tokenizers")
+    folder = copy_fixture("json" if layout == "byte_level_prefix" else "json_llama2", tmp_path)
+    with open(os.path.join(folder, "tokenizer.json")) as f:
+        content = json.load(f)
+    content["normalizer"], content["pre_tokenizer"] = None, {
+        "metaspace": {"type": "Metaspace", "replacement": "▁", "prepend_scheme": "first", "split": False},
+        "metaspace_legacy": {"type": "Metaspace", "replacement": "▁", "add_prefix_space": True},
+        "byte_level_prefix": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
+    }[layout]
+    write_json(folder, "tokenizer.json", content)
+    lib = tokenizers.Tokenizer.from_file(os.path.join(folder, "tokenizer.json"))
+    ids_of = lambda text: lib.encode(text, add_special_tokens=False).ids  # noqa: E731
+    tok = PretrainedTokenizer(folder)
+    assert ids_of("a") != tok.encode("a", continuation=True).tolist()  # a prefix space, which a continuation drops
+    first = ids_of("The pass key\n")
+    for text in FOLLOWING:
+        assert ids_of("The pass key\n" + text) == first + tok.encode(text, continuation=True).tolist()
+        assert tok.encode(text).tolist() == ids_of(text)
 
 
 def test_the_tiktoken_file_is_the_json_tokenizers_bpe():

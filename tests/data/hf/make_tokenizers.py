@@ -8,6 +8,12 @@ Each is a tiny tokenizer trained on TEXTS below, laid out as a published family'
   json/      tokenizer.json (the tokenizers library) as Llama 3's: a byte-level BPE of 300 tokens whose
              pre-tokenizer splits by Llama 3's pattern, then <|begin_of_text|> (300) and <|end_of_text|> (301),
              a post-processor that prepends <|begin_of_text|>; tokenizer_config.json names both.
+  json_llama2/
+             tokenizer.json as Llama 2's (and Mistral 7B v0.1's): a BPE of 400 tokens with byte fallback (<unk>
+             0, <s> 1, </s> 2, <0x00> ... <0xFF> 3 to 258), a normalizer that prepends "▁" (the dummy prefix) and
+             writes spaces as "▁", no pre-tokenizer (trained split at "▁", so no token spans two words), a decoder
+             that strips the one leading space, a post-processor that prepends <s>; tokenizer_config.json names
+             <s> and </s>.
   spm/       tokenizer.model (sentencepiece) as Llama 2's: BPE with byte fallback, <unk> 0, <s> 1, </s> 2, no
              pad piece, a dummy prefix; special_tokens_map.json names <s> and </s>, generation_config.json
              gives pad_token_id 0 (Llama 2's).
@@ -25,7 +31,7 @@ import os
 import shutil
 
 import sentencepiece as spm
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
 HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tokenizers")
 LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
@@ -71,6 +77,29 @@ def make_json(folder: str) -> Tokenizer:
     return tok
 
 
+def make_json_llama2(folder: str) -> None:
+    specials = ["<unk>", "<s>", "</s>"]
+    tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="never")  # training only
+    # Trained on lines, as make_spm: a newline is then byte fallback (<0x0A>), as in Llama 2.
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=[*specials, *(f"<0x{b:02X}>" for b in range(256))],
+                                  show_progress=False)
+    tok.train_from_iterator((line for text in TEXTS for line in text.splitlines()), trainer)
+    tok.pre_tokenizer = None
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    content = json.loads(tok.to_str())
+    # The byte pieces are model tokens (decoded by ByteFallback), not special added tokens that decode would skip.
+    content["added_tokens"] = [t for t in content["added_tokens"] if t["content"] in specials]
+    with open(os.path.join(folder, "tokenizer.json"), "w") as f:
+        f.write(Tokenizer.from_str(json.dumps(content)).to_str())
+    write_json(folder, "tokenizer_config.json", {"add_bos_token": True, "add_eos_token": False, "bos_token": "<s>",
+                                                 "eos_token": "</s>", "unk_token": "<unk>",
+                                                 "tokenizer_class": "LlamaTokenizerFast"})
+
+
 def make_spm(folder: str) -> None:
     model = io.BytesIO()
     spm.SentencePieceTrainer.train(
@@ -94,11 +123,12 @@ def make_tiktoken(folder: str, tok: Tokenizer) -> None:
 
 
 def main() -> None:
-    folders = {name: os.path.join(HERE, name) for name in ("json", "spm", "tiktoken")}
+    folders = {name: os.path.join(HERE, name) for name in ("json", "json_llama2", "spm", "tiktoken")}
     for folder in folders.values():
         shutil.rmtree(folder, ignore_errors=True)
         os.makedirs(folder)
     tok = make_json(folders["json"])
+    make_json_llama2(folders["json_llama2"])
     make_spm(folders["spm"])
     make_tiktoken(folders["tiktoken"], tok)
     for name, folder in folders.items():
