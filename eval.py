@@ -43,7 +43,7 @@ flags.DEFINE_list("retrieval_depths", [], f"retrieval: needle depths in [0, 1] (
 flags.DEFINE_integer("retrieval_examples", 4, "retrieval: examples per length and depth")
 flags.DEFINE_integer("retrieval_seed", 0, "retrieval: the seed the examples are generated from")
 flags.DEFINE_integer("decode_max_length", -1, "retrieval: longest length also scored by greedy decoding "
-                     "(0: none; -1: the run's eval.blockwise_from)")
+                     "(-1: every length, its prefill in pieces of eval.blockwise_from tokens; 0: none)")
 cli.define_distributed_flags()
 cli.define_scheme_flags()
 FLAGS = flags.FLAGS

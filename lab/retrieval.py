@@ -32,9 +32,13 @@ log-probability of the answer tokens, and exact match, every answer token the ar
 decoding through the KV cache (`models.lm.generate`): exact match of the generated tokens.
 Greedy decoding emits the answer exactly when every answer token is the argmax after the
 answer's own prefix, so the two exact matches agree but for near-ties between the decode path
-and the parallel forward. Decoding's prefill materialises [L, L] attention scores (generate
-has no blockwise prefill), so it runs up to `decode_max_length` (default: the run's
-eval.blockwise_from); longer lengths get the teacher-forced scores only.
+and the parallel forward. Decoding prefills the prompt eval.blockwise_from tokens at a time
+(generate's `prefill_chunk`): a prompt up to that length in one piece, a longer one in pieces
+whose attention scores are [blockwise_from, L] per row and head, in the fewer rows per call
+that the teacher-forced forward also gets past blockwise_from (about the memory of the
+reference attention at blockwise_from, until the rows are down to one). So every length is
+decoded by default; `decode_max_length` caps the lengths decoded, longer ones getting the
+teacher-forced scores only.
 
 Of several processes, each scores its own rows of every batch of examples, teacher-forced and
 by greedy decoding alike (`ModelScorer`: `generate` runs sharded over the processes' devices),
@@ -92,11 +96,12 @@ def _teacher_forced(graphdef, state, tokens, mask, rng, impl):
 class ModelScorer:
     """What `score` calls, on a DecoderLM: `teacher_forced(tokens [B, L], mask [B, L - 1])` ->
     (mean answer log-probability [B], argmax [B, L - 1]) and `greedy(prompts [B, P], n)` -> the
-    n greedily decoded tokens [B, n], host arrays; rows split over the processes as in
+    n greedily decoded tokens [B, n] (the prompts prefilled `prefill_chunk` tokens at a time,
+    None: at once), host arrays; rows split over the processes as in
     lab/lengths.py (B a multiple of `distributed.row_multiple`)."""
 
-    def __init__(self, model, impl: str, rng):
-        self.model, self.impl, self.rng = model, impl, rng
+    def __init__(self, model, impl: str, rng, prefill_chunk: int | None = None):
+        self.model, self.impl, self.rng, self.prefill_chunk = model, impl, rng, prefill_chunk
         self.graphdef, self.state = nnx.split(model)
 
     def teacher_forced(self, tokens, mask):
@@ -108,7 +113,8 @@ class ModelScorer:
 
     def greedy(self, prompts, n):
         prompts = distributed.place_rows({"prompts": prompts}, self.model)["prompts"]
-        return distributed.to_host(generate(self.model, prompts, n, rng=self.rng)[:, -n:])
+        return distributed.to_host(generate(self.model, prompts, n, rng=self.rng,
+                                            prefill_chunk=self.prefill_chunk)[:, -n:])
 
 
 def _chunks(items: list, rows: int):
@@ -177,7 +183,7 @@ def checked_options(tasks, lengths, depths, examples, seed, decode_max_length) -
             "seed": checked("retrieval option seed", seed, 0),
             "decode_max_length": None if decode_max_length is None else checked(
                 "retrieval option decode_max_length", decode_max_length, 0,
-                meaning="longest length also scored by greedy decoding; 0: none")}
+                meaning="longest length also scored by greedy decoding; 0: none, None: every length")}
 
 
 def retrieval_runs(runs, *, tasks=None, lengths=None, depths=DEPTHS, examples: int = 4, seed: int = 0,
@@ -188,7 +194,9 @@ def retrieval_runs(runs, *, tasks=None, lengths=None, depths=DEPTHS, examples: i
     for a task's needles, question and answer is skipped for that task. Examples come from
     `seed` and each run's own held-out text and tokenizer (the same examples for runs on the
     same data). Attention is the run's eval impl at each length (`eval_impl`); each call takes
-    eval.batch_size rows, fewer past eval.blockwise_from, as the "lengths" evaluator does."""
+    eval.batch_size rows, fewer past eval.blockwise_from, as the "lengths" evaluator does. Greedy
+    decoding scores every length up to `decode_max_length` (None: every length), its prefill in
+    pieces of eval.blockwise_from tokens."""
     options = checked_options(tasks, lengths, depths, examples, seed, decode_max_length)
     tasks, depths = options["tasks"], options["depths"]
     results = {**options, "runs": {}, "skipped": {}}
@@ -201,12 +209,12 @@ def retrieval_runs(runs, *, tasks=None, lengths=None, depths=DEPTHS, examples: i
         ev = config.eval
         if results["lengths"] is None:  # the first text run's lengths, for every run
             results["lengths"] = eval_lengths(config.seq_len, ev.multipliers)
-        decode_up_to = ev.blockwise_from if decode_max_length is None else results["decode_max_length"]
         tokenizer = run_tokenizer(config.data)
         text = haystack_text(config, tokenizer, max(results["lengths"]))
         record = {"workdir": run.workdir, "step": run.step, "scheme": config.model.scheme,
                   "mixer": config.model.get("mixer", "attention"), "train_len": config.seq_len,
-                  "decode_max_length": decode_up_to, "tasks": {}}
+                  "decode_max_length": results["decode_max_length"], "prefill_chunk": ev.blockwise_from,
+                  "tasks": {}}
         for task in tasks:
             rec = record["tasks"][task] = {"cells": [], "skipped": {}, "records": []}
             for length in results["lengths"]:
@@ -218,8 +226,9 @@ def retrieval_runs(runs, *, tasks=None, lengths=None, depths=DEPTHS, examples: i
                 impl = eval_impl(config.model.attention_impl, length, ev.blockwise_from)
                 rows = max(1, min(ev.batch_size, ev.batch_size * ev.blockwise_from // length))
                 rows = -(-rows // distributed.row_multiple(model)) * distributed.row_multiple(model)
-                scorer = ModelScorer(model, impl, jax.random.fold_in(jax.random.key(seed), length))
-                scored = score(scorer, [e for *_, e in made], rows, decode=length <= decode_up_to)
+                scorer = ModelScorer(model, impl, jax.random.fold_in(jax.random.key(seed), length), ev.blockwise_from)
+                decode = results["decode_max_length"] is None or length <= results["decode_max_length"]
+                scored = score(scorer, [e for *_, e in made], rows, decode=decode)
                 for (d, i, e), r in zip(made, scored):
                     r.update(length=length, depth=d, index=i, answer=e.answer.tolist(),
                              answer_text=tokenizer.decode(e.answer))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -103,35 +104,84 @@ def cache_len(cache) -> int | float:
     return cache[0]["k"].shape[1] if "k" in cache[0] else float("inf")
 
 
+def check_prefill_chunk(chunk) -> int | None:
+    """`chunk` as an int, or None; ValueError, one line, unless it is None or an int >= 1."""
+    if chunk is None:
+        return None
+    if isinstance(chunk, bool) or not isinstance(chunk, numbers.Integral) or chunk < 1:
+        raise ValueError(f"prefill_chunk={chunk!r} must be an int >= 1 (prompt tokens per prefill call, bounding "
+                         "its attention scores to [chunk, max_len] per head) or None (the whole prompt at once)")
+    return int(chunk)
+
+
+def prefill(model: DecoderLM, tokens, cache, *, rng=None, positions=None, chunk: int | None = None):
+    """Feed `tokens` [B, P] after what `cache` holds, `chunk` tokens per `model.decode` call
+    (None, or chunk >= P: all P in one call), each piece attending to the cache filled so far,
+    so attention scores are at most [chunk, max_len] per head. Returns (logits of the last
+    token [B, V], cache).
+
+    The P // chunk whole pieces go through one `lax.scan` (of one step without a chunk), the
+    P % chunk tokens left, if any, through one more call. `positions` [B, P, d_c] as `decode`
+    takes them, or None.
+    """
+    p = tokens.shape[1]
+    chunk = min(check_prefill_chunk(chunk) or p, p)
+    head = p - p % chunk  # tokens in whole pieces
+
+    def pieces(x):  # [B, head, ...] -> [head // chunk, B, chunk, ...]
+        return None if x is None else jnp.moveaxis(x[:, :head].reshape(x.shape[0], -1, chunk, *x.shape[2:]), 1, 0)
+
+    def piece(cache, xs):
+        logits, cache = model.decode(xs[0], cache, rng, positions=xs[1])
+        return cache, logits[:, -1]
+
+    cache, last = jax.lax.scan(piece, cache, (pieces(tokens), pieces(positions)))
+    if head == p:
+        return last[-1], cache
+    logits, cache = model.decode(tokens[:, head:], cache, rng, positions=None if positions is None
+                                 else positions[:, head:])
+    return logits[:, -1], cache
+
+
 def generate(model: DecoderLM, prompt: jax.Array, max_new_tokens: int, *, rng: jax.Array | None = None,
              temperature: float = 0.0, max_len: int | None = None,
-             positions: jax.Array | None = None) -> jax.Array:
+             positions: jax.Array | None = None, prefill_chunk: int | None = None) -> jax.Array:
     """Prefill `prompt` [B, P] then sample `max_new_tokens`. Returns [B, P + max_new_tokens].
 
     temperature 0 is greedy decoding; otherwise tokens are sampled from softmax(logits / T)
     with `rng` (required), which also feeds schemes with random features. The whole loop is
     one jitted `lax.scan`. `positions` [B, P + max_new_tokens, d_c] place the prompt and every
     generated token, for multi-axis schemes (ESPR); the others use the cache slots.
+
+    `prefill_chunk`: feed the prompt `prefill_chunk` tokens at a time (`prefill`), so its
+    attention scores are [prefill_chunk, max_len] per head rather than [P, max_len]: the same
+    tokens as the whole prompt at once (None), up to float rounding. Except past
+    original_max_len under RoPE's "dynamic" scaling, which rotates each piece, as each decoding
+    step, with the frequencies of its own length.
     """
     b, p = prompt.shape
     max_len = max_len or p + max_new_tokens
     check_cache_room(max_len, p, max_new_tokens)
+    prefill_chunk = check_prefill_chunk(prefill_chunk)
+    if prefill_chunk is not None and prefill_chunk >= p:  # one piece: the same program as None
+        prefill_chunk = None
     if temperature > 0 and rng is None:
         raise ValueError("sampling with temperature > 0 needs an explicit rng key")
     if positions is not None and positions.shape[:2] != (b, p + max_new_tokens):
         raise ValueError(f"generate positions must be [B, P + max_new_tokens, ...] = [{b}, "
                          f"{p + max_new_tokens}, ...]; got shape {tuple(positions.shape)}")
     graphdef, state = nnx.split(model)
-    return _generate(graphdef, state, prompt, rng, max_new_tokens, float(temperature), max_len, positions)
+    return _generate(graphdef, state, prompt, rng, max_new_tokens, float(temperature), max_len, positions,
+                     prefill_chunk)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 4, 5, 6))
-def _generate(graphdef, state, prompt, rng, max_new_tokens, temperature, max_len, positions):
+@functools.partial(jax.jit, static_argnums=(0, 4, 5, 6, 8))
+def _generate(graphdef, state, prompt, rng, max_new_tokens, temperature, max_len, positions, prefill_chunk):
     model = nnx.merge(graphdef, state)
     p = prompt.shape[1]
     feature_rng, sample_rng = (None, jax.random.key(0)) if rng is None else jax.random.split(rng)
-    logits, cache = model.decode(prompt, model.init_cache(prompt.shape[0], max_len), feature_rng,
-                                 positions=None if positions is None else positions[:, :p])
+    last, cache = prefill(model, prompt, model.init_cache(prompt.shape[0], max_len), rng=feature_rng,
+                          positions=None if positions is None else positions[:, :p], chunk=prefill_chunk)
 
     def pick(logits, key):
         if temperature == 0:
@@ -147,7 +197,7 @@ def _generate(graphdef, state, prompt, rng, max_new_tokens, temperature, max_len
 
     keys = jax.random.split(sample_rng, max_new_tokens)
     new_positions = None if positions is None else jnp.moveaxis(positions[:, p:, None], 1, 0)
-    _, tokens = jax.lax.scan(step, (logits[:, -1], cache), (keys, new_positions))
+    _, tokens = jax.lax.scan(step, (last, cache), (keys, new_positions))
     return jnp.concatenate([prompt, tokens.T], axis=1)
 
 

@@ -13,7 +13,9 @@ import pytest
 from flax import nnx
 
 from draws import normal
+from models import lm
 from models.layers import Attention, ModelConfig
+from models.lm import DecoderLM
 from models.registry import REGISTRY, Entry, make_scheme
 from positional import attention as dispatch
 from positional import vendor
@@ -39,19 +41,21 @@ def make_layer(scheme, dtype="float32"):
     return Attention(cfg, rngs=nnx.Rngs(0))
 
 
-@functools.lru_cache(maxsize=None)
-def forward(scheme, dtype="float32"):
-    """Perturbed parameters and a jitted (params, x, positions, segment_ids, impl) -> out.
-
-    Every parameter is perturbed away from its initial value, so that parts initialised to
-    zero (learned step-angle tables, say) are exercised too.
-    """
-    graphdef, params = nnx.split(make_layer(scheme, dtype))
+def perturbed(params):
+    """Every floating parameter moved by 0.3 N(0, 1), so that parts initialised to zero (learned
+    step-angle tables, say) are exercised too."""
     leaves, tree = jax.tree.flatten(params)
     keys = jax.random.split(jax.random.key(7), len(leaves))
-    params = jax.tree.unflatten(tree, [x + (0.3 * jax.random.normal(k, x.shape)).astype(x.dtype)
-                                       if jnp.issubdtype(x.dtype, jnp.floating) else x
-                                       for x, k in zip(leaves, keys)])
+    return jax.tree.unflatten(tree, [x + (0.3 * jax.random.normal(k, x.shape)).astype(x.dtype)
+                                     if jnp.issubdtype(x.dtype, jnp.floating) else x
+                                     for x, k in zip(leaves, keys)])
+
+
+@functools.lru_cache(maxsize=None)
+def forward(scheme, dtype="float32"):
+    """Perturbed parameters (`perturbed`) and a jitted (params, x, positions, segment_ids, impl) -> out."""
+    graphdef, params = nnx.split(make_layer(scheme, dtype))
+    params = perturbed(params)
 
     @functools.partial(jax.jit, static_argnames="impl")
     def apply(params, x, positions, segment_ids=None, impl="reference", tokens=None):
@@ -110,6 +114,37 @@ def test_decode_equals_parallel(scheme):
         out, cache = apply.decode(params, x[:, t:t + 1], cache, tokens[:, t:t + 1])
         outs.append(out)
     np.testing.assert_allclose(jnp.concatenate(outs, 1), apply(params, x, pos), atol=2e-5, rtol=RTOL)
+
+
+# generate's prefill in pieces (models.lm.prefill) against the whole prompt at once, in a one-layer
+# LM of every scheme and in the Sessa and Mamba2 macro-blocks (whose caches are their own).
+PREFILL_CASES = [(scheme, "attention") for scheme in SCHEMES] + [("rope", "sessa"), ("rope", "mamba2")]
+PROMPT = 11
+
+
+@pytest.mark.parametrize("scheme,mixer", PREFILL_CASES)
+def test_chunked_prefill_equals_the_whole_prompt(scheme, mixer):
+    """Pieces of 1 token and of 3 (multi-token decodes on a non-empty cache, then a last piece
+    of 2) give the last prompt token's logits and every cache entry of the one-call prefill,
+    and generate the same greedy tokens; a piece longer than the prompt is the one call."""
+    cfg = ModelConfig(vocab_size=16, d_model=32, num_layers=1, num_heads=4, num_kv_heads=2, scheme=scheme,
+                      block_size=4, mixer=mixer)
+    graphdef, params = nnx.split(DecoderLM(cfg, rngs=nnx.Rngs(0)))
+    params = perturbed(params)
+    prompt = jax.random.randint(jax.random.key(3), (2, PROMPT), 0, 16)
+
+    # One program for every piece size, lightly optimised: compiling it takes most of the time.
+    @functools.partial(jax.jit, compiler_options={"xla_backend_optimization_level": 0})
+    def run(params, prompt):
+        model = nnx.merge(graphdef, params)
+        return [(lm.prefill(model, prompt, model.init_cache(2, PROMPT + 2), rng=RNG, chunk=chunk),
+                 lm.generate(model, prompt, 2, rng=RNG, prefill_chunk=chunk)) for chunk in (None, 1, 3, PROMPT + 5)]
+
+    (want, want_tokens), *pieces = run(params, prompt)
+    for got, tokens in pieces:
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            np.testing.assert_allclose(a, b, atol=2e-5, rtol=RTOL)
+        np.testing.assert_array_equal(tokens, want_tokens)
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from models.lm import DecoderLM, ModelConfig, generate
+from models.lm import DecoderLM, ModelConfig, generate, prefill
 from positional import espr
 from positional.rope import Rope, rope_angles, rope_frequencies, rotate
 
@@ -345,5 +345,10 @@ def test_espr_rf_decodes_multi_axis_positions_through_the_model():
     for grid in (pos, pos[..., ::-1]):
         out = generate(model, tokens[:, :2], 4, positions=grid)
         np.testing.assert_array_equal(out[:, 2:], jnp.argmax(forward(model, out, grid)[:, 1:5], -1))
+    # A prefill in pieces (2, 2, then 1 token) gives each piece its positions: the last logits are
+    # the parallel forward's.
+    last, _ = nnx.jit(lambda model, tokens, pos: prefill(model, tokens, model.init_cache(2, 6), positions=pos,
+                                                         chunk=2))(model, tokens[:, :5], grid[:, :5])
+    np.testing.assert_allclose(last, forward(model, tokens, grid)[:, 4], atol=2e-5)
     with pytest.raises(ValueError, match="pass positions"):
         generate(model, tokens[:, :2], 4)

@@ -105,6 +105,10 @@ def test_bad_model_inputs():
         m.decode(tokens(t=2), cache)
     with pytest.raises(ValueError, match="rng"):
         generate(m, tokens(t=5), 2, temperature=0.7)
+    for chunk in (0, -3, 2.5, True, "4"):
+        with pytest.raises(ValueError, match=r"^prefill_chunk=.+ must be an int >= 1 \(prompt tokens per ") as err:
+            generate(m, tokens(t=5), 2, prefill_chunk=chunk)
+        assert "\n" not in str(err.value)
     with pytest.raises(ValueError, match="registered schemes"):
         model("spiral")
     with pytest.raises(ValueError, match="even"):

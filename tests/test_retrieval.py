@@ -273,13 +273,13 @@ def test_decoding_and_teacher_forcing_agree_on_a_trained_run(tiny_run):
     as long as each other (the accuracies, both 0 at 12 steps, say little by themselves). Then
     the answers are replaced by what the model decoded: teacher forcing must score every one an
     exact match, which a misaligned answer position or a decode path that differs from the
-    parallel forward would break."""
+    parallel forward would break. The prompts (123 tokens) are prefilled 48 tokens at a time."""
     config, _ = tiny_run
     _, model, _ = load_run(config.workdir)
     length = 128
     made = examples("passkey", length, depths=(0.0, 0.5, 1.0))
     scorer = retrieval.ModelScorer(model, eval_impl(config.model.attention_impl, length, config.eval.blockwise_from),
-                                   jax.random.key(0))
+                                   jax.random.key(0), prefill_chunk=48)
     records = retrieval.score(scorer, made, rows=4, decode=True)
 
     def matched(tokens, answer):
@@ -310,13 +310,15 @@ def test_bad_options_are_one_line():
 
 def test_eval_py_writes_the_retrieval_reports(tiny_run, tmp_path):
     """The run's eval lengths 16 ... 128: passkey fits only 128, scored at depths 0 and 1, and
-    decoded there (up to eval.blockwise_from = 128 by default)."""
+    decoded there (every length by default, the prompt prefilled eval.blockwise_from = 128 tokens at a
+    time)."""
     config, _ = tiny_run
     run = cli("eval.py", f"--workdirs={config.workdir}", f"--out={tmp_path}", "--evals=retrieval",
               "--retrieval_tasks=passkey", "--retrieval_depths=0,1", "--retrieval_examples=1")
     assert run.returncode == 0, run.stderr[-2000:]
     results = json.load(open(tmp_path / "retrieval.json"))
     assert results["lengths"] == [16, 32, 64, 128] and results["depths"] == [0.0, 1.0]
+    assert results["decode_max_length"] is None and results["runs"]["rope"]["prefill_chunk"] == 128
     passkey = results["runs"]["rope"]["tasks"]["passkey"]
     assert sorted(passkey["skipped"]) == ["16", "32", "64"]
     assert [(c["length"], c["depth"], c["examples"]) for c in passkey["cells"]] == [(128, 0.0, 1), (128, 1.0, 1)]
