@@ -121,7 +121,7 @@ def test_decode_equals_parallel(scheme):
 # In `make test` one scheme of each decode path (the generic cache, PaTH's own, random features,
 # a windowed mask, a mixer's state); the others are slow (every one passed when this was added).
 FAST_PREFILL = {("rope", "attention"), ("path_fox", "attention"), ("so2_random_qkv", "attention"),
-                ("espr_rf", "attention"), ("rope_lm_infinite", "attention"), ("rope", "sessa")}
+                ("rope_lm_infinite", "attention"), ("rope", "sessa")}
 PREFILL_CASES = [pytest.param(*case, marks=() if case in FAST_PREFILL else pytest.mark.slow)
                  for case in [(scheme, "attention") for scheme in SCHEMES] + [("rope", "sessa"), ("rope", "mamba2")]]
 PROMPT = 11
