@@ -192,7 +192,8 @@ def test_auto_choices(t, want, caplog):
 
 
 def test_auto_on_a_sequence_mesh_is_the_ring(monkeypatch, caplog):
-    """On a sequence mesh auto is PaTH's ring on every platform (no per-platform choice)."""
+    """On a sequence mesh auto is PaTH's ring on every platform (no per-platform choice), and it
+    says so for each platform (benchmarks/lowering.py reads these records)."""
     calls = []
     monkeypatch.setattr(hh, "ring_active", lambda: True)
     monkeypatch.setattr(hh, "active_mesh", lambda: "mesh")
@@ -201,7 +202,9 @@ def test_auto_on_a_sequence_mesh_is_the_ring(monkeypatch, caplog):
     x = jax.ShapeDtypeStruct((1, 256, 4, 64), jnp.bfloat16)
     with caplog.at_level(logging.DEBUG, logger="positional.attention"):
         jax.eval_shape(lambda q: scheme.attend(q, q, q, positions=None, impl="auto", key=jax.random.key(0)), x)
-    assert calls == ["mesh"] and not [r for r in caplog.records if getattr(r, "label", None) == "Path"]
+    records = [r for r in caplog.records if getattr(r, "label", None) == "Path" and r.levelno == logging.DEBUG]
+    assert calls == ["mesh"] and {r.platform: r.impl for r in records} == {"cpu": "ring", "cuda": "ring", "tpu": "ring"}
+    assert len(records) == 3
 
 
 def test_a_chunk_one_platform_refuses_fails_only_its_lowering():
