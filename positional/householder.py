@@ -602,6 +602,11 @@ def ring_path_attention(q, k, v, w, beta, *, mesh, axis: str = "sequence", bias_
 
 # ---- the scheme -------------------------------------------------------------------------------
 
+# Measured on an H100 (benchmarks/RESULTS.md): forward + backward through the Pallas kernel took
+# 5.5x (head dim 64) and 7.8x (128) the time of the plain-JAX chunked form at 8K tokens.
+GPU_KERNEL_SLOWER = "not the kernel: its backward is 5-8x slower than blockwise on an H100"
+
+
 @dataclasses.dataclass(frozen=True)
 class Path(Scheme):
     """PaTH transport of keys; `features` = {'w': [B, T, K, D] unit, 'beta': [B, T, K] in (0, 2)}.
@@ -612,8 +617,9 @@ class Path(Scheme):
     algorithm as a Pallas kernel (positional/kernels/path.py; the interpreter on CPU, with
     `block_size`-token chunks there), "ring" splits the sequence over the devices of the
     enclosing sequence mesh (`ring_path_attention`; off one, the chunked form), and "auto" the
-    ring on a sequence mesh, else the kernel on GPU and TPU (blockwise where the kernel refuses
-    the call), on CPU the reference up to attention.REFERENCE_MAX keys and blockwise past it.
+    ring on a sequence mesh, else the kernel on TPU (blockwise where it refuses the call),
+    blockwise on GPU (`GPU_KERNEL_SLOWER`), on CPU the reference up to
+    attention.REFERENCE_MAX keys and blockwise past it.
     The decode cache holds keys already carried to the latest token; each new token applies its
     H_t to all of them (O(T * D) per token).
     """
@@ -663,7 +669,9 @@ class Path(Scheme):
         if impl == "auto":  # on CPU what the generic auto picks (by length), elsewhere the kernel
             def pick(platform):
                 chosen, why = choose(q, k, v, platform="cpu")
-                if platform != "cpu":
+                if platform == "cuda":
+                    chosen, why = "blockwise", GPU_KERNEL_SLOWER
+                elif platform != "cpu":
                     why_not = refusal(bias, k, platform)
                     chosen, why = ("pallas", "PaTH's kernel") if why_not is None else ("blockwise", f"not the kernel: {why_not}")
                 return chosen, why, lambda q, k, v: self.attention(

@@ -106,6 +106,8 @@ IMPORT_NAMES = {
     "transformers": "transformers",
     "tokenizers": "tokenizers",  # the hf extra: data/tokenizers.py
     "tiktoken": "tiktoken",
+    "fla-core": "fla",  # the gpu-bench extra: benchmarks/path_kernel.py
+    "triton": "triton",
 }
 
 # Declared but never imported: (file, regex) where each is needed.

@@ -82,7 +82,7 @@ SLOW = pytest.mark.slow  # interpreting costs about 10 s a case on a 2-core CPU,
     (7, 48, 3, True, 2, True, True),  # streamed (TPU's form); 3 chunks, 2 tokens of padding, D padded to 64
     (7, 16, 2, False, 1, False, True),  # the loop (GPU's form); one kv head for 4 query heads, no gate
     pytest.param(1, 16, 4, False, 2, True, True, marks=SLOW),  # one token: the in-chunk tile alone
-    pytest.param(200, 64, 64, False, 2, True, True, marks=SLOW),  # the GPU chunk; padded to 256
+    pytest.param(200, 64, 64, False, 2, True, True, marks=SLOW),  # chunk 64; padded to 256
     pytest.param(200, 16, 32, True, 4, True, False, marks=SLOW),  # 7 chunks, no grouping, no segments
     pytest.param(200, 128, 64, True, 2, True, True, marks=SLOW),
     pytest.param(1000, 128, 64, False, 2, True, True, marks=SLOW),
@@ -154,14 +154,16 @@ def test_lowers_for_gpu_and_tpu(platform, call, monkeypatch):
     assert forward.count(call) == 1 and backward.count(call) == 2
     assert t_by_t(simplified(backward), t) == []
     longest = max(max(s for s in shape if s is not None) for shape in blocks)
-    assert longest == (1024 if platform == "cuda" else 128)
+    gpu_chunk = kernel.DEFAULT_CHUNK["gpu"]
+    assert longest == (-(-t // gpu_chunk) * gpu_chunk if platform == "cuda" else 128)
 
 
-@pytest.mark.parametrize("platform,call", [("cuda", TRITON), ("tpu", MOSAIC)])
+@pytest.mark.parametrize("platform,call,kernels", [("cuda", TRITON, 0), ("tpu", MOSAIC, 2)])
 @pytest.mark.parametrize("name", ["path", "path_fox"])
-def test_auto_runs_the_kernel_on_gpu_and_tpu(name, platform, call):
-    """impl="auto" at the scheme, exported for an accelerator: the kernel, forward and backward,
-    no T x T tensor (on this CPU auto stays the reference: tests/test_auto.py)."""
+def test_auto_on_gpu_and_tpu_has_no_t_by_t_tensor(name, platform, call, kernels):
+    """impl="auto" at the scheme, exported for an accelerator: on TPU the kernel, forward and
+    backward; on GPU the chunked form (the kernel is slower there); no T x T tensor either way
+    (on this CPU auto stays the reference: tests/test_auto.py)."""
     scheme = make_scheme(name, num_heads=4, head_dim=64)
     x = jax.ShapeDtypeStruct((1, 2048, 4, 64), jnp.bfloat16)
     pos = jnp.broadcast_to(jnp.arange(2048), (1, 2048))
@@ -170,17 +172,17 @@ def test_auto_runs_the_kernel_on_gpu_and_tpu(name, platform, call):
         return scheme.attend(q, k, v, positions=pos, impl="auto", key=jax.random.key(0)).astype(jnp.float32).sum()
 
     text = simplified(lowered(jax.grad(loss, (0, 1, 2)), x, x, x, platforms=[platform]))
-    assert text.count(call) == 2 and t_by_t(text, 2048) == []
+    assert text.count(call) == kernels and t_by_t(text, 2048) == []
 
 
 @pytest.mark.parametrize("t,want", [
-    (256, {"cpu": "reference", "cuda": "pallas", "tpu": "pallas"}),
-    (16384, {"cpu": "blockwise", "cuda": "pallas", "tpu": "blockwise"}),  # TPU: VMEM
+    (256, {"cpu": "reference", "cuda": "blockwise", "tpu": "pallas"}),
+    (16384, {"cpu": "blockwise", "cuda": "blockwise", "tpu": "blockwise"}),  # TPU: VMEM
 ])
 def test_auto_choices(t, want, caplog):
     """What PaTH's auto picks per platform (the dispatcher's log records; traced, not run): on
-    CPU what it picked before the kernel, by length; the kernel on GPU and TPU, except where the
-    TPU backward's resident VMEM would pass RESIDENT_MAX."""
+    CPU what it picked before the kernel, by length; on GPU the chunked form, saying why; the
+    kernel on TPU, except where its backward's resident VMEM would pass RESIDENT_MAX."""
     scheme = make_scheme("path_fox", num_heads=4, head_dim=64)
     x = jax.ShapeDtypeStruct((1, t, 4, 64), jnp.bfloat16)
     with caplog.at_level(logging.DEBUG, logger="positional.attention"):
@@ -189,6 +191,7 @@ def test_auto_choices(t, want, caplog):
     assert {r.platform: r.impl for r in records} == want
     if t > 8192:
         assert "MiB of VMEM for 16384 tokens" in next(r.why for r in records if r.platform == "tpu")
+    assert next(r.why for r in records if r.platform == "cuda") == hh.GPU_KERNEL_SLOWER
 
 
 def test_auto_on_a_sequence_mesh_is_the_ring(monkeypatch, caplog):
@@ -228,6 +231,17 @@ def test_a_chunk_one_platform_refuses_fails_only_its_lowering():
         lowered(path_attention, *long, platforms=["tpu"])
 
 
+def test_gpu_settings_reach_triton_alone():
+    """transport, num_warps and num_stages change what is lowered for cuda (the Triton kernel's
+    dots and launch), not the TPU kernel."""
+    q, k, v, w, beta, _ = inputs(64, 16)
+    grad = lambda **kw: jax.grad(lambda *a: path_attention(*a, **kw).sum(), range(5))  # noqa: E731
+    for platform in ("cuda", "tpu"):
+        text = {kw: lowered(grad(**dict([kw])), q, k, v, w, beta, platforms=[platform])
+                for kw in (("transport", "highest"), ("transport", "tf32x3"), ("num_warps", 8), ("num_stages", 3))}
+        assert len(set(text.values())) == (4 if platform == "cuda" else 1), platform
+
+
 def test_bad_input_is_one_line_naming_the_field():
     q, k, v, w, beta, log_f = inputs(6, 16)
     cases = [
@@ -240,6 +254,7 @@ def test_bad_input_is_one_line_naming_the_field():
         (dict(segment_ids=jnp.zeros((2, 5), jnp.int32)), "segment_ids"),
         (dict(chunk=0, interpret=True), "PaTH kernel chunk=0 is not usable: it must be a positive integer"),
         (dict(interpret="gpu"), "interpret='gpu' must be None, True, False or 'tpu'"),
+        (dict(transport="bf16"), r"transport='bf16' must be one of \['highest', 'tf32', 'tf32x3'\]"),
     ]
     for change, message in cases:
         kw = dict(q=q, k=k, v=v, w=w, beta=beta) | change

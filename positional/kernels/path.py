@@ -42,13 +42,17 @@ on top of VMEM_LIMIT: 68 MiB at 8K, within a v5e's, v5p's or v6e's VMEM. Past RE
 (about 14K tokens) lowering for TPU is refused (`refusal`; auto runs blockwise there). The GPU
 backward reads back, in the same program, chain rows and accumulators it wrote to global
 memory a step before; that relies on Triton giving each load the layout of the store it reads
-(the same shape and slicing). Neither form has run on an accelerator yet: both run in the
-interpreter (the TPU form also in Pallas's TPU interpreter) and lower for cuda and tpu.
+(the same shape and slicing). The GPU form has run on an H100 (benchmarks/RESULTS.md): it
+matches the reference (fp32 relative error 4e-7 to 2e-6, values and every gradient), but its
+backward, parallel over batch x heads only, is 5-8x slower than the plain-JAX chunked form
+there, so `auto` does not pick it on GPU. The TPU form has run only in Pallas's TPU
+interpreter; both lower for cuda and tpu.
 
-Transport arithmetic and softmax statistics are fp32 at full fp32 precision whatever the input
-dtype; P . V and dO . V^T take V's dtype (P cast to it), as flash attention does.
+Transport arithmetic and softmax statistics are fp32 whatever the input dtype, its products at
+full fp32 precision (on GPU `transport` may trade that for tensor cores: three or one TF32
+products); P . V and dO . V^T take V's dtype (P cast to it), as flash attention does.
 
-Chunk c: on GPU a power of two >= 16 (default 64), on TPU a multiple of 128 (default 128), in
+Chunk c: on GPU a power of two >= 16 (default 16), on TPU a multiple of 128 (default 128), in
 the interpreter any size >= 1 (default 64, or the caller's block_size); the platform is the one
 being lowered for (`positional.kernels.per_platform`). The length is padded to whole chunks
 (beta 0: H = I), the head dimension to a power of two >= 16 (zeros change no dot product).
@@ -72,11 +76,17 @@ from positional.linalg import unit_lower_inverse
 from positional.logits import Bias
 from positional.softmax import MASKED, check_shapes
 
-DEFAULT_CHUNK = {"gpu": 64, "tpu": 128, "interpret": 64}
+# GPU: of the chunks measured on an H100 (benchmarks/RESULTS.md), 64 exceeds the shared memory
+# (232 KiB) and 16 trains fastest (4x faster than 32 at 8K tokens).
+DEFAULT_CHUNK = {"gpu": 16, "tpu": 128, "interpret": 64}
 # TPU backward: the scoped VMEM asked for on top of its resident accumulators and chain, and the
 # most of those it takes (with VMEM_LIMIT, 96 MiB: within a v5e's or v6e's 128 MiB).
 VMEM_LIMIT = 32 * 2 ** 20
 RESIDENT_MAX = 64 * 2 ** 20
+# fp32 products on GPU (Triton): IEEE fp32 (CUDA cores), three TF32 products (tensor cores,
+# about fp32's accuracy) or one. Other platforms always take "highest".
+TRANSPORT = {"highest": lax.Precision.HIGHEST, "tf32x3": lax.DotAlgorithmPreset.TF32_TF32_F32_X3,
+             "tf32": lax.Precision.DEFAULT}
 NN = (((1,), (0,)), ((), ()))  # a . b
 NT = (((1,), (1,)), ((), ()))  # a . b^T
 TN = (((0,), (0,)), ((), ()))  # a^T . b
@@ -104,56 +114,61 @@ class _Static:
     stream: bool  # the chunk walk on the grid with VMEM state (TPU) vs a loop over whole refs
     interpret: bool | str  # "tpu": Pallas's TPU interpreter
     backend: str
+    num_warps: tuple = (4, 4)  # Triton's, (forward, backward)
+    num_stages: tuple = (2, 1)
+    transport: str = "highest"  # the precision of fp32 tiles' products (TRANSPORT); GPU only
+
+    def dot(self, a, b, dims=NN):
+        """a . b accumulated in fp32; fp32 operands at the `transport` precision, others (P . V) as given."""
+        precision = TRANSPORT[self.transport] if a.dtype == jnp.float32 else None
+        return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
 
 
 # ---- tiles: 2-D arrays of one chunk ([c, D], [c, c]), fp32 --------------------------------------
-def _dot(a, b, dims=NN):
-    precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
-    return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
 
 
 def _iota(c, axis):
     return lax.broadcasted_iota(jnp.int32, (c, c), axis)
 
 
-def _in_chunk(q, k, w, u):
+def _in_chunk(st, q, k, w, u):
     """(A, B, AU, in-chunk dots, q_start) of one chunk: q, k, w [c, D], u [c, c] fp32.
 
     A_is = q_i . w_s (s <= i) and B_tj = w_t . k_j (t > j) select the steps on each route
     (j, i] from the chunk's U; q_start: the queries carried to the chunk's start."""
     c = q.shape[0]
     row, col = _iota(c, 0), _iota(c, 1)
-    a = jnp.where(col <= row, _dot(q, w, NT), 0.0)
-    b = jnp.where(row > col, _dot(w, k, NT), 0.0)
-    au = _dot(a, u)
-    return a, b, au, _dot(q, k, NT) - _dot(au, b), q - _dot(au, w)
+    a = jnp.where(col <= row, st.dot(q, w, NT), 0.0)
+    b = jnp.where(row > col, st.dot(w, k, NT), 0.0)
+    au = st.dot(a, u)
+    return a, b, au, st.dot(q, k, NT) - st.dot(au, b), q - st.dot(au, w)
 
 
-def _in_chunk_bwd(q, k, w, u, a, b, au, d_dots, g):
+def _in_chunk_bwd(st, q, k, w, u, a, b, au, d_dots, g):
     """(dq, dk, dw, du) of `_in_chunk` given d(in-chunk dots) and g = d q_start."""
     c = q.shape[0]
     row, col = _iota(c, 0), _iota(c, 1)
-    d_au = -_dot(d_dots, b, NT) - _dot(g, w, NT)
-    d_a = jnp.where(col <= row, _dot(d_au, u, NT), 0.0)
-    d_b = jnp.where(row > col, -_dot(au, d_dots, TN), 0.0)
-    dq = g + _dot(d_dots, k) + _dot(d_a, w)
-    dk = _dot(d_dots, q, TN) + _dot(d_b, w, TN)
-    dw = _dot(d_a, q, TN) + _dot(d_b, k) - _dot(au, g, TN)
-    return dq, dk, dw, _dot(a, d_au, TN)
+    d_au = -st.dot(d_dots, b, NT) - st.dot(g, w, NT)
+    d_a = jnp.where(col <= row, st.dot(d_au, u, NT), 0.0)
+    d_b = jnp.where(row > col, -st.dot(au, d_dots, TN), 0.0)
+    dq = g + st.dot(d_dots, k) + st.dot(d_a, w)
+    dk = st.dot(d_dots, q, TN) + st.dot(d_b, w, TN)
+    dw = st.dot(d_a, q, TN) + st.dot(d_b, k) - st.dot(au, g, TN)
+    return dq, dk, dw, st.dot(a, d_au, TN)
 
 
-def _carry(x, w, u):
+def _carry(st, x, w, u):
     """Query rows x [c, D] carried back past a whole chunk: x (I - W^T U W)."""
-    return x - _dot(_dot(_dot(x, w, NT), u), w)
+    return x - st.dot(st.dot(st.dot(x, w, NT), u), w)
 
 
-def _carry_bwd(x, w, u, g):
+def _carry_bwd(st, x, w, u, g):
     """(dx, dw, du) of `_carry` given g = d(its output)."""
-    xw = _dot(x, w, NT)
-    d_y = -_dot(g, w, NT)
-    d_xw = _dot(d_y, u, NT)
-    dw = _dot(d_xw, x, TN) - _dot(_dot(xw, u), g, TN)
-    return g + _dot(d_xw, w), dw, _dot(xw, d_y, TN)
+    xw = st.dot(x, w, NT)
+    d_y = -st.dot(g, w, NT)
+    d_xw = st.dot(d_y, u, NT)
+    dw = st.dot(d_xw, x, TN) - st.dot(st.dot(xw, u), g, TN)
+    return g + st.dot(d_xw, w), dw, st.dot(xw, d_y, TN)
 
 
 def _logits(st, dots, q_values, k_values, qb, kb, n, m):
@@ -167,21 +182,21 @@ def _logits(st, dots, q_values, k_values, qb, kb, n, m):
     return jnp.where((kj <= qi) & (qb["seg"] == kb["seg"]), s, MASKED)
 
 
-def _softmax_step(state, s, v):
+def _softmax_step(st, state, s, v):
     o, m, row_sum = state
     m_new = jnp.maximum(m, s.max(axis=1, keepdims=True))
     p = jnp.exp(s - m_new)
     corr = jnp.exp(m - m_new)
-    return o * corr + _dot(p.astype(v.dtype), v), m_new, row_sum * corr + p.sum(axis=1, keepdims=True)
+    return o * corr + st.dot(p.astype(v.dtype), v), m_new, row_sum * corr + p.sum(axis=1, keepdims=True)
 
 
 def _tile_bwd(st, dots, qb, kb, n, m):
     """(d dots, d q values, d k values, dv) of one tile, by dS = P (dP - delta)."""
     s, vjp = jax.vjp(lambda d, a, b: _logits(st, d, a, b, qb, kb, n, m), dots, qb["values"], kb["values"])
     p = jnp.exp(s - qb["lse"])
-    dp = _dot(qb["do"], kb["v"], NT)
+    dp = st.dot(qb["do"], kb["v"], NT)
     d_dots, dqv, dkv = vjp(p * (dp - qb["delta"]))
-    return d_dots, dqv, dkv, _dot(p.astype(qb["do"].dtype), qb["do"], TN)
+    return d_dots, dqv, dkv, st.dot(p.astype(qb["do"].dtype), qb["do"], TN)
 
 
 # ---- refs: whole sequences or one chunk ---------------------------------------------------------
@@ -237,7 +252,7 @@ def _leaves(tree):
     return jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, pl.BlockSpec))
 
 
-def _call(st, kernel, grid, arrays, specs, outputs, out_specs, scratch=(), semantics=(), vmem=0):
+def _call(st, kernel, grid, arrays, specs, outputs, out_specs, scratch=(), semantics=(), vmem=0, part=0):
     params = {}
     if st.stream:
         params["scratch_shapes"] = list(scratch)
@@ -245,7 +260,7 @@ def _call(st, kernel, grid, arrays, specs, outputs, out_specs, scratch=(), seman
             params["compiler_params"] = pltpu.CompilerParams(dimension_semantics=semantics,
                                                              vmem_limit_bytes=VMEM_LIMIT + vmem)
     elif not st.interpret and st.backend == "gpu":
-        params["compiler_params"] = plgpu.CompilerParams()
+        params["compiler_params"] = plgpu.CompilerParams(num_warps=st.num_warps[part], num_stages=st.num_stages[part])
     n_in, n_out = len(jax.tree.leaves(arrays)), len(jax.tree.leaves(outputs))
 
     def body(*refs):
@@ -276,13 +291,13 @@ def _forward(st: _Static, arrays: dict):
         q = qb["q"].astype(f32)
 
         def near(kb):  # -> (softmax state, queries at the chunk's start)
-            *_, dots, x = _in_chunk(q, kb["k"].astype(f32), kb["w"], kb["u"])
+            *_, dots, x = _in_chunk(st, q, kb["k"].astype(f32), kb["w"], kb["u"])
             state = (jnp.zeros((c, v.shape[-1]), f32), jnp.full((c, 1), MASKED, f32), jnp.zeros((c, 1), f32))
-            return _softmax_step(state, _logits(st, dots, qb["values"], kb["values"], qb, kb, n, n), kb["v"]), x
+            return _softmax_step(st, state, _logits(st, dots, qb["values"], kb["values"], qb, kb, n, n), kb["v"]), x
 
         def far(state, x, kb, m):
-            s = _logits(st, _dot(x, kb["ke"], NT), qb["values"], kb["values"], qb, kb, n, m)
-            return _softmax_step(state, s, kb["v"]), _carry(x, kb["w"], kb["u"])
+            s = _logits(st, st.dot(x, kb["ke"], NT), qb["values"], kb["values"], qb, kb, n, m)
+            return _softmax_step(st, state, s, kb["v"]), _carry(st, x, kb["w"], kb["u"])
 
         def finish(state):
             o, m, row_sum = state
@@ -353,20 +368,20 @@ def _backward(st: _Static, arrays: dict):
 
         def start(qb, kb):  # (in-chunk pieces, queries at the chunk's start)
             q, k = qb["q"].astype(f32), kb["k"].astype(f32)
-            a, bm, au, dots, x = _in_chunk(q, k, kb["w"], kb["u"])
+            a, bm, au, dots, x = _in_chunk(st, q, k, kb["w"], kb["u"])
             return (q, k, a, bm, au, dots), x
 
         def walk(n, m, qb, kb, g, dqv):  # key chunk m of query chunk n, far to near; g = d chain[m - 1]
             x = _at(chain, m, c, False)
-            dx, dw, du = _carry_bwd(x, kb["w"], kb["u"], g)
-            d_dots, dqv_t, dkv, dv = _tile_bwd(st, _dot(x, kb["ke"], NT), qb, kb, n, m)
-            accumulate(m, {"ke": _dot(d_dots, x, TN), "v": dv, "w": dw, "u": du, "values": dkv}, True)
-            return dx + _dot(d_dots, kb["ke"]), jax.tree.map(jnp.add, dqv, dqv_t)
+            dx, dw, du = _carry_bwd(st, x, kb["w"], kb["u"], g)
+            d_dots, dqv_t, dkv, dv = _tile_bwd(st, st.dot(x, kb["ke"], NT), qb, kb, n, m)
+            accumulate(m, {"ke": st.dot(d_dots, x, TN), "v": dv, "w": dw, "u": du, "values": dkv}, True)
+            return dx + st.dot(d_dots, kb["ke"]), jax.tree.map(jnp.add, dqv, dqv_t)
 
         def finish(n, qb, kb, g, dqv, at):  # chunk n's in-chunk tile and pieces, g = d q_start; at: its
             (q, k, a, bm, au, dots), _ = start(qb, kb)  # chunk in the q-side outputs (None: theirs)
             d_dots, dqv_t, dkv, dv = _tile_bwd(st, dots, qb, kb, n, n)
-            dq, dk, dw, du = _in_chunk_bwd(q, k, kb["w"], kb["u"], a, bm, au, d_dots, g)
+            dq, dk, dw, du = _in_chunk_bwd(st, q, k, kb["w"], kb["u"], a, bm, au, d_dots, g)
             accumulate(n, {"ke": jnp.zeros_like(dk), "v": dv, "w": dw, "u": du, "values": dkv}, False)
             _put(outs["q"]["q"], at, c, False, dq)
             _put(outs["k"]["k"], at, c, False, dk)
@@ -381,7 +396,7 @@ def _backward(st: _Static, arrays: dict):
                 def keep(j, x):  # chain[m] = x, m = n - 1 - j
                     m = n - 1 - j
                     _put(chain, m, c, False, x)
-                    return _carry(x, _at(ins["k"]["w"], m, c, False), _at(ins["k"]["u"], m, c, False))
+                    return _carry(st, x, _at(ins["k"]["w"], m, c, False), _at(ins["k"]["u"], m, c, False))
 
                 lax.fori_loop(0, n, keep, start(qb, kb)[1])
                 g, dqv = lax.fori_loop(0, n, lambda m, gd: walk(n, m, qb, _load(ins["k"], "k", m, c), *gd),
@@ -405,7 +420,7 @@ def _backward(st: _Static, arrays: dict):
             jax.tree.map(lambda r, x: _put(r, None, c, False, x), qv_refs, dqv)
 
         def extend():  # chain[m - 1] from chain[m], m = n - step
-            _put(chain, n - step - 1, c, False, _carry(_at(chain, n - step, c, False), kb["w"], kb["u"]))
+            _put(chain, n - step - 1, c, False, _carry(st, _at(chain, n - step, c, False), kb["w"], kb["u"]))
 
         pl.when(step == 0)(lambda: keep(zero_g, zero_qv))
         pl.when((step == 0) & (n > 0))(lambda: _put(chain, n - 1, c, False, start(qb, kb)[1]))
@@ -436,7 +451,7 @@ def _backward(st: _Static, arrays: dict):
                      "chain": _spec(outputs["chain"], False, h, None, c)}
         grid, scratch, vmem = (b, h), (), 0
     out = _call(st, kernel, grid, arrays, specs, outputs, out_specs, scratch,
-                ("parallel", "parallel", "arbitrary", "arbitrary"), vmem)
+                ("parallel", "parallel", "arbitrary", "arbitrary"), vmem, part=1)
     return out["q"], out["k"]
 
 
@@ -499,7 +514,8 @@ _path.defvjp(_path_fwd, _path_bwd)
 # ---- the public function ------------------------------------------------------------------------
 def path_attention(q, k, v, w, beta, *, bias_fn: Bias | None = None, segment_ids=None, scale: float | None = None,
                    chunk: int | None = None, block_size: int | None = None, interpret: bool | str | None = None,
-                   stream: bool | None = None, platform: str | None = None) -> jax.Array:
+                   stream: bool | None = None, platform: str | None = None, num_warps: int | tuple | None = None,
+                   num_stages: int | tuple | None = None, transport: str = "highest") -> jax.Array:
     """PaTH attention, q [B, T, H, D]; k, v, w [B, T, K, D] (w unit vectors); beta [B, T, K] in
     [0, 2]; bias_fn a `positional.logits.Bias` or None; segment_ids [B, T] -> [B, T, H, D] in
     q's dtype. Differentiable in q, k, v, w, beta and the bias's values (a custom VJP).
@@ -511,10 +527,15 @@ def path_attention(q, k, v, w, beta, *, bias_fn: Bias | None = None, segment_ids
     True interprets everywhere; "tpu" runs the TPU form in Pallas's TPU interpreter (slower; it
     checks the streamed blocks as Mosaic moves them). `stream`: None streams on TPU only;
     True/False forces it (the interpreter runs both). `platform` ("cpu", "cuda", "tpu"): build
-    that platform's kernel alone.
+    that platform's kernel alone. `num_warps`, `num_stages`: Triton's (GPU), one number for both
+    kernels or (forward, backward); None the defaults of `_Static`. `transport`: the precision
+    of the fp32 products on GPU (`TRANSPORT`: "highest", "tf32x3" or "tf32"); the interpreter
+    and TPU always compute them at "highest".
     """
     check_shapes(q, k, v, segment_ids)
     check_transport(k, w, beta)
+    if transport not in TRANSPORT:
+        raise ValueError(f"PaTH kernel transport={transport!r} must be one of {sorted(TRANSPORT)}")
     why = refusal(bias_fn, k, "cpu")
     if why:
         raise ValueError(f"PaTH kernel: {why}; use impl='blockwise'")
@@ -536,10 +557,13 @@ def path_attention(q, k, v, w, beta, *, bias_fn: Bias | None = None, segment_ids
         why = None if interpret else refusal(bias_fn, k, backend, c)
         if why:
             raise ValueError(f"PaTH kernel: {why}; use impl='blockwise'")
+        triton = {name: (x, x) if isinstance(x, int) else tuple(x)
+                  for name, x in (("num_warps", num_warps), ("num_stages", num_stages)) if x is not None}
         return _Static(bias=bias_fn.fn if bias_fn is not None else None, chunk=c, heads=h,
                        scale=d ** -0.5 if scale is None else float(scale),
                        stream=backend == "tpu" and not interpret if stream is None else bool(stream),
-                       interpret=interpret, backend=backend)
+                       interpret=interpret, backend=backend,
+                       transport=transport if backend == "gpu" and not interpret else "highest", **triton)
 
     seg = jnp.zeros((b, t), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
     if interpret == "tpu":
