@@ -50,8 +50,9 @@ flags.DEFINE_string("lengths", "4096,8192,16384,32768", "lengths, comma-separate
 flags.DEFINE_string("head_dims", "64,128", "head dimensions, comma-separated", flag_values=FLAGS)
 flags.DEFINE_integer("model_dim", 2048, "heads = model_dim / head_dim", flag_values=FLAGS)
 flags.DEFINE_string("gates", "0,1", "without (0) and with (1) the PaTH-FoX gate", flag_values=FLAGS)
-flags.DEFINE_string("tiles", "16", "our kernel's settings, comma-separated: chunk[/w<warps>][/s<stages>][/<transport>], "
-                    "warps and stages one number or forward.backward (16/w4.8/s2.1/tf32x3)", flag_values=FLAGS)
+flags.DEFINE_string("tiles", "16", "our kernel's settings, comma-separated: chunk[/w<warps>][/s<stages>][/g<groups>]"
+                    "[/<transport>], warps and stages one number or forward.backward (16/w4.8/s2.1/g4/tf32x3)",
+                    flag_values=FLAGS)
 flags.DEFINE_integer("blockwise_max", 8192, "longest length for our plain-JAX chunked form", flag_values=FLAGS)
 flags.DEFINE_integer("repeats", 10, "timed calls", flag_values=FLAGS)
 flags.DEFINE_bool("check", True, "run the checks first", flag_values=FLAGS)
@@ -77,12 +78,16 @@ def make_inputs(seed, b, t, h, kh, d) -> dict:
 
 
 def tile(spec: str) -> dict:
-    """'64/w4.8/s2/tf32x3' -> {'chunk': 64, 'num_warps': (4, 8), 'num_stages': (2, 2), 'transport': 'tf32x3'}."""
+    """'64/w4.8/s2/g4/tf32x3' -> {'chunk': 64, 'num_warps': (4, 8), 'num_stages': (2, 2), 'groups': 4,
+    'transport': 'tf32x3'}."""
     chunk, *rest = spec.split("/")
     out = {"chunk": int(chunk)}
     for part in rest:
         if part in TRANSPORT:
             out["transport"] = part
+            continue
+        if part[0] == "g":
+            out["groups"] = int(part[1:])
             continue
         numbers = tuple(int(x) for x in part[1:].split("."))
         out[{"w": "num_warps", "s": "num_stages"}[part[0]]] = numbers * (3 - len(numbers))

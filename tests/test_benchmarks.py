@@ -123,15 +123,14 @@ def test_attention_runs(capsys):
 
 
 def test_path_kernel_runs(capsys, tmp_path):
-    """On CPU: the kernel in the interpreter and the chunked form, with and without the gate (no
-    fla, and cuDNN fails and is reported), and the JSON it writes."""
+    """On CPU: the kernel in the interpreter and the chunked form, with the gate (no fla, and
+    cuDNN fails and is reported), and the JSON it writes."""
     out = tmp_path / "path.json"
     result = run("path_kernel", ["--lengths", "40", "--head_dims", "16", "--model_dim", "32", "--repeats", "1",
-                                 "--tiles", "16/w8/s1.3/tf32x3", "--blockwise_max", "64", "--nocheck", "--nofla",
+                                 "--tiles", "16/w8/s1.3/g2/tf32x3", "--blockwise_max", "64", "--gates", "1", "--nocheck", "--nofla",
                                  f"--json={out}"])
-    rows = result["rows"]
-    assert {(r["impl"], r["gate"]) for r in rows} == {(i, g) for i in ("path/pallas 16/w8/s1.3/tf32x3", "path/blockwise")
-                                                      for g in (False, True)}
+    rows, kernel = result["rows"], "path/pallas 16/w8/s1.3/g2/tf32x3"
+    assert {(r["impl"], r["gate"]) for r in rows} == {(kernel, True), ("path/blockwise", True)}
     assert all(r["ms"] > 0 for r in rows) and json.loads(out.read_text())["rows"] == rows
     text = capsys.readouterr().out
     assert "cudnn D16 T40: failed" in text and "| 16 | 40 | yes | path/blockwise |" in text

@@ -65,10 +65,10 @@ def rel(a, b):
     return float(np.linalg.norm(a - b) / (np.linalg.norm(b) or 1.0))
 
 
-def check(t, d, chunk, stream, *, kh=2, gated=True, packed=True, tol=1e-5):
+def check(t, d, chunk, stream, *, kh=2, gated=True, packed=True, tol=1e-5, groups=1):
     args = inputs(t, d, kh=kh)
     seg = segments(t) if packed else None
-    got, got_grads = value_and_grads("kernel", args, seg, gated, chunk=chunk, stream=stream)
+    got, got_grads = value_and_grads("kernel", args, seg, gated, chunk=chunk, stream=stream, groups=groups)
     want, want_grads = value_and_grads("reference", args, seg, gated)
     assert rel(got, want) < tol
     for name, g, w in zip(NAMES, got_grads, want_grads):
@@ -91,6 +91,12 @@ SLOW = pytest.mark.slow  # interpreting costs about 10 s a case on a 2-core CPU,
 def test_kernel_equals_reference_values_and_gradients(t, d, chunk, stream, kh, gated, packed):
     """Values, and gradients of q, k, v, w, beta and the FoX gates (the Bias's per-slot arrays)."""
     check(t, d, chunk, stream, kh=kh, gated=gated, packed=packed, tol=2e-5 if t > 200 else 1e-5)
+
+
+def test_grouped_backward_equals_reference():
+    """groups=4 programs per head over 6 chunks (groups of 2, 2, 1 and 1 chunks), each with
+    its own accumulators and chain: the same values and gradients."""
+    check(11, 16, 2, False, kh=2, gated=True, packed=True, groups=4)
 
 
 @pytest.mark.parametrize("stream", [False, pytest.param(True, marks=SLOW)])
@@ -232,14 +238,15 @@ def test_a_chunk_one_platform_refuses_fails_only_its_lowering():
 
 
 def test_gpu_settings_reach_triton_alone():
-    """transport, num_warps and num_stages change what is lowered for cuda (the Triton kernel's
-    dots and launch), not the TPU kernel."""
+    """transport, num_warps, num_stages and groups change what is lowered for cuda (the Triton
+    kernel's dots, launch and backward grid), not the TPU kernel."""
     q, k, v, w, beta, _ = inputs(64, 16)
     grad = lambda **kw: jax.grad(lambda *a: path_attention(*a, **kw).sum(), range(5))  # noqa: E731
     for platform in ("cuda", "tpu"):
         text = {kw: lowered(grad(**dict([kw])), q, k, v, w, beta, platforms=[platform])
-                for kw in (("transport", "highest"), ("transport", "tf32x3"), ("num_warps", 8), ("num_stages", 3))}
-        assert len(set(text.values())) == (4 if platform == "cuda" else 1), platform
+                for kw in (("transport", "highest"), ("transport", "tf32x3"), ("num_warps", 8), ("num_stages", 3),
+                           ("groups", 4))}
+        assert len(set(text.values())) == (5 if platform == "cuda" else 1), platform
 
 
 def test_bad_input_is_one_line_naming_the_field():
@@ -255,6 +262,7 @@ def test_bad_input_is_one_line_naming_the_field():
         (dict(chunk=0, interpret=True), "PaTH kernel chunk=0 is not usable: it must be a positive integer"),
         (dict(interpret="gpu"), "interpret='gpu' must be None, True, False or 'tpu'"),
         (dict(transport="bf16"), r"transport='bf16' must be one of \['highest', 'tf32', 'tf32x3'\]"),
+        (dict(groups=0), r"groups=0 must be an integer >= 1"),
     ]
     for change, message in cases:
         kw = dict(q=q, k=k, v=v, w=w, beta=beta) | change

@@ -29,7 +29,8 @@ is the kernels', which read q, k, v, w, U, k_end, the bias's per-slot values and
     is singular at beta_t = 1), hence kept; the key side's gradients (dk_end, dv, dw, dU and the
     bias values read at key slots) accumulate over the query chunks in whole-sequence buffers
     the program owns (O(T * D) per head). This is householder._far_bwd with groups of one
-    chunk, run per head; parallel over batch and heads only.
+    chunk, run per head; parallel over batch and heads, and on GPU optionally over `groups`
+    programs per head, each taking every groups-th query chunk with accumulators of its own.
 
 Two loop structures share the tile functions (as in flash.py): on GPU (Triton) and by default
 in the interpreter, a program loops over whole-sequence refs (blocks loaded as needed; the
@@ -44,8 +45,8 @@ backward reads back, in the same program, chain rows and accumulators it wrote t
 memory a step before; that relies on Triton giving each load the layout of the store it reads
 (the same shape and slicing). The GPU form has run on an H100 (benchmarks/RESULTS.md): it
 matches the reference (fp32 relative error 4e-7 to 2e-6, values and every gradient), but its
-backward, parallel over batch x heads only, is 5-8x slower than the plain-JAX chunked form
-there, so `auto` does not pick it on GPU. The TPU form has run only in Pallas's TPU
+backward, parallel over batch x heads only (groups=1), is 5-8x slower than the plain-JAX
+chunked form there, so `auto` does not pick it on GPU. The TPU form has run only in Pallas's TPU
 interpreter; both lower for cuda and tpu.
 
 Transport arithmetic and softmax statistics are fp32 whatever the input dtype, its products at
@@ -117,6 +118,7 @@ class _Static:
     num_warps: tuple = (4, 4)  # Triton's, (forward, backward)
     num_stages: tuple = (2, 1)
     transport: str = "highest"  # the precision of fp32 tiles' products (TRANSPORT); GPU only
+    groups: int = 1  # loop form's backward: programs per head, each its own query chunks (n % groups)
 
     def dot(self, a, b, dims=NN):
         """a . b accumulated in fp32; fp32 operands at the `transport` precision, others (P . V) as given."""
@@ -351,13 +353,16 @@ def _backward(st: _Static, arrays: dict):
     f32 = jnp.float32
     ks = arrays["k"]
 
-    def per_head(x):
-        return jax.ShapeDtypeStruct((b, h, *x.shape[2:]), f32)
+    groups = 1 if st.stream else st.groups
+
+    def per_head(x, copies=1):  # copies: one buffer per group of query chunks
+        return jax.ShapeDtypeStruct((b, h * copies, *x.shape[2:]), f32)
 
     outputs = {"q": {"q": per_head(arrays["q"]["q"]), "values": jax.tree.map(per_head, arrays["q"]["values"])},
-               "k": {name: jax.tree.map(per_head, ks[name]) for name in ("k",) + ACCUMULATED}}
+               "k": {"k": per_head(ks["k"]),
+                     **{name: jax.tree.map(lambda x: per_head(x, groups), ks[name]) for name in ACCUMULATED}}}
     if not st.stream:  # the chain: an output the program writes and reads back (Triton has no scratch)
-        outputs["chain"] = jax.ShapeDtypeStruct((b, h, t, d), f32)
+        outputs["chain"] = jax.ShapeDtypeStruct((b, h * groups, t, d), f32)
 
     def kernel(ins, outs, scratch):
         chain = scratch[0] if st.stream else outs["chain"]
@@ -382,7 +387,8 @@ def _backward(st: _Static, arrays: dict):
             (q, k, a, bm, au, dots), _ = start(qb, kb)  # chunk in the q-side outputs (None: theirs)
             d_dots, dqv_t, dkv, dv = _tile_bwd(st, dots, qb, kb, n, n)
             dq, dk, dw, du = _in_chunk_bwd(st, q, k, kb["w"], kb["u"], a, bm, au, d_dots, g)
-            accumulate(n, {"ke": jnp.zeros_like(dk), "v": dv, "w": dw, "u": du, "values": dkv}, False)
+            # The chunk's first write sets its accumulators; with groups they start at zero (below).
+            accumulate(n, {"ke": jnp.zeros_like(dk), "v": dv, "w": dw, "u": du, "values": dkv}, groups > 1)
             _put(outs["q"]["q"], at, c, False, dq)
             _put(outs["k"]["k"], at, c, False, dk)
             jax.tree.map(lambda ref, x, y: _put(ref, at, c, False, x + y), outs["q"]["values"], dqv, dqv_t)
@@ -404,7 +410,18 @@ def _backward(st: _Static, arrays: dict):
                 finish(n, qb, kb, g, dqv, n)
                 return carry
 
-            lax.fori_loop(0, n_chunks, chunk, 0)
+            # Query chunks first, first + groups, ...; with groups, each its own accumulators, zeroed first.
+            first = pl.program_id(2)
+
+            def clear(m, carry):
+                for name in ACCUMULATED:
+                    jax.tree.map(lambda ref, row=name in ROWS: _put(ref, m, c, row, jnp.zeros(
+                        (1, c) if row else (c, ref.shape[1]), f32)), outs["k"][name])
+                return carry
+
+            if groups > 1:
+                lax.fori_loop(0, n_chunks, clear, 0)
+            lax.fori_loop(0, (n_chunks - first + groups - 1) // groups, lambda i, x: chunk(first + i * groups, x), 0)
             return
         # Streamed: step 0 starts chunk n's chain, steps 1 .. n-1 extend it, steps n .. 2n-1 walk
         # key chunks 0 .. n-1, step 2n finishes chunk n; later steps idle.
@@ -446,13 +463,19 @@ def _backward(st: _Static, arrays: dict):
         vmem = _resident(t, d, c, len(jax.tree.leaves(arrays["q"]["values"])))
     else:
         whole = lambda name: None  # noqa: E731
+        own_group = lambda x: pl.BlockSpec((None, None, *x.shape[2:]),  # noqa: E731
+                                           lambda b, h, g: (b, h * groups + g, 0, 0))
         specs = {side: _specs(st, side, arrays[side], whole) for side in ("q", "k")}
-        out_specs = {"q": _specs(st, "q", outputs["q"], whole), "k": _specs(st, "k", outputs["k"], whole),
-                     "chain": _spec(outputs["chain"], False, h, None, c)}
-        grid, scratch, vmem = (b, h), (), 0
+        out_specs = {"q": _specs(st, "q", outputs["q"], whole),
+                     "k": {"k": _spec(outputs["k"]["k"], False, h, None, c),
+                           **{name: jax.tree.map(own_group, outputs["k"][name]) for name in ACCUMULATED}},
+                     "chain": own_group(outputs["chain"])}
+        grid, scratch, vmem = (b, h, groups), (), 0
     out = _call(st, kernel, grid, arrays, specs, outputs, out_specs, scratch,
                 ("parallel", "parallel", "arbitrary", "arbitrary"), vmem, part=1)
-    return out["q"], out["k"]
+    summed = {name: jax.tree.map(lambda x: x.reshape(b, h, groups, *x.shape[2:]).sum(2), out["k"][name])
+              for name in ACCUMULATED}
+    return out["q"], {**out["k"], **summed}
 
 
 def _resident(t, d, c, n_values) -> int:
@@ -515,7 +538,7 @@ _path.defvjp(_path_fwd, _path_bwd)
 def path_attention(q, k, v, w, beta, *, bias_fn: Bias | None = None, segment_ids=None, scale: float | None = None,
                    chunk: int | None = None, block_size: int | None = None, interpret: bool | str | None = None,
                    stream: bool | None = None, platform: str | None = None, num_warps: int | tuple | None = None,
-                   num_stages: int | tuple | None = None, transport: str = "highest") -> jax.Array:
+                   num_stages: int | tuple | None = None, transport: str = "highest", groups: int = 1) -> jax.Array:
     """PaTH attention, q [B, T, H, D]; k, v, w [B, T, K, D] (w unit vectors); beta [B, T, K] in
     [0, 2]; bias_fn a `positional.logits.Bias` or None; segment_ids [B, T] -> [B, T, H, D] in
     q's dtype. Differentiable in q, k, v, w, beta and the bias's values (a custom VJP).
@@ -530,12 +553,17 @@ def path_attention(q, k, v, w, beta, *, bias_fn: Bias | None = None, segment_ids
     that platform's kernel alone. `num_warps`, `num_stages`: Triton's (GPU), one number for both
     kernels or (forward, backward); None the defaults of `_Static`. `transport`: the precision
     of the fp32 products on GPU (`TRANSPORT`: "highest", "tf32x3" or "tf32"); the interpreter
-    and TPU always compute them at "highest".
+    and TPU always compute them at "highest". `groups`: the loop form's backward (GPU, and the
+    interpreter unless `stream`) runs that many programs per head, program g taking query chunks
+    g, g + groups, ... with key-side accumulators and a chain of its own (summed after): more
+    parallel, `groups` times that O(T * D) memory.
     """
     check_shapes(q, k, v, segment_ids)
     check_transport(k, w, beta)
     if transport not in TRANSPORT:
         raise ValueError(f"PaTH kernel transport={transport!r} must be one of {sorted(TRANSPORT)}")
+    if not (isinstance(groups, int) and groups >= 1):
+        raise ValueError(f"PaTH kernel groups={groups!r} must be an integer >= 1 (programs per head in the backward)")
     why = refusal(bias_fn, k, "cpu")
     if why:
         raise ValueError(f"PaTH kernel: {why}; use impl='blockwise'")
@@ -563,7 +591,8 @@ def path_attention(q, k, v, w, beta, *, bias_fn: Bias | None = None, segment_ids
                        scale=d ** -0.5 if scale is None else float(scale),
                        stream=backend == "tpu" and not interpret if stream is None else bool(stream),
                        interpret=interpret, backend=backend,
-                       transport=transport if backend == "gpu" and not interpret else "highest", **triton)
+                       transport=transport if backend == "gpu" and not interpret else "highest", groups=groups,
+                       **triton)
 
     seg = jnp.zeros((b, t), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
     if interpret == "tpu":
