@@ -56,6 +56,7 @@ flags.DEFINE_string("tiles", "16", "our kernel's settings, comma-separated: chun
 flags.DEFINE_integer("blockwise_max", 8192, "longest length for our plain-JAX chunked form", flag_values=FLAGS)
 flags.DEFINE_integer("repeats", 10, "timed calls", flag_values=FLAGS)
 flags.DEFINE_bool("check", True, "run the checks first", flag_values=FLAGS)
+flags.DEFINE_integer("checks", 6, "run the first this many of CHECKS", flag_values=FLAGS)
 flags.DEFINE_bool("fla", True, "include fla (needs torch and flash-linear-attention)", flag_values=FLAGS)
 flags.DEFINE_string("json", None, "also write the results to this JSON file", flag_values=FLAGS)
 
@@ -79,7 +80,9 @@ def make_inputs(seed, b, t, h, kh, d) -> dict:
 
 def tile(spec: str) -> dict:
     """'64/w4.8/s2/g4/tf32x3' -> {'chunk': 64, 'num_warps': (4, 8), 'num_stages': (2, 2), 'groups': 4,
-    'transport': 'tf32x3'}."""
+    'transport': 'tf32x3'}; '' -> {} (the kernel's defaults)."""
+    if not spec:
+        return {}
     chunk, *rest = spec.split("/")
     out = {"chunk": int(chunk)}
     for part in rest:
@@ -162,29 +165,30 @@ def fla_step(attn, xs, gated, c=None):
 
 
 # ---- checks ---------------------------------------------------------------------------------------
-CHECKS = [  # b, t, h, kh, d, dtype, chunk (None: the default), gated, packed
-    (2, 777, 4, 2, 64, "float32", None, True, True),
-    (1, 1000, 8, 2, 128, "bfloat16", None, True, False),
-    (1, 300, 4, 4, 48, "bfloat16", 32, False, True),
-    (1, 520, 4, 1, 64, "float32", 16, True, False),
-    (1, 1000, 4, 4, 64, "bfloat16", None, False, False),
+CHECKS = [  # b, t, h, kh, d, dtype, kernel settings (as --tiles; "" the defaults), gated, packed
+    (2, 777, 4, 2, 64, "float32", "", True, True),
+    (2, 777, 4, 2, 64, "float32", "16/g4", True, True),
+    (2, 777, 4, 2, 64, "float32", "16/g4/tf32x3", True, True),
+    (1, 300, 4, 4, 48, "bfloat16", "32", False, True),
+    (1, 1000, 8, 2, 128, "bfloat16", "16/g4", True, False),
+    (1, 1000, 4, 4, 64, "bfloat16", "", False, False),
 ]
 
 
 def check() -> list[dict]:
     attn = fla_fn()
     rows = []
-    for b, t, h, kh, d, dtype, chunk, gated, packed in CHECKS:
+    for b, t, h, kh, d, dtype, settings, gated, packed in CHECKS[:FLAGS.checks]:
         x = make_inputs(t, b, t, h, kh, d)
         seg = jnp.asarray((np.arange(t) >= t // 3).astype(np.int32)[None].repeat(b, 0)) if packed else None
         n = 6 if gated else 5
         with jax.default_matmul_precision("highest"):
             (_, want), want_g = jax.jit(jax_grads(ours("reference", gated, seg), n))(*to_jax(x, jnp.float32).values(),
                                                                                      weights(x["q"].shape))
-        name = (f"B{b} T{t} H{h} K{kh} D{d} {dtype} c{chunk or 'default'}{' gate' if gated else ''}"
+        name = (f"B{b} T{t} H{h} K{kh} D{d} {dtype} {settings or 'default'}{' gate' if gated else ''}"
                 f"{' segments' if packed else ''}")
         try:
-            (_, got), got_g = jax.jit(jax_grads(ours("pallas", gated, seg, chunk), n))(*to_jax(x, dtype).values(),
+            (_, got), got_g = jax.jit(jax_grads(ours("pallas", gated, seg, **tile(settings)), n))(*to_jax(x, dtype).values(),
                                                                                       weights(x["q"].shape))
         except Exception as e:  # noqa: BLE001 - report the failure, keep checking the rest
             log(f"check {name}: ours failed: {type(e).__name__}: {str(e)[:2000]}")
