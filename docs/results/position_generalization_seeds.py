@@ -1,0 +1,75 @@
+"""Does the feature shift explain extrapolation, over seeds? For each trained model and seed:
+the KL of attention outputs at 512-1,024 tokens (4-8x the training length) over the
+within-length control (mean over layers; analyze.py's feature shift), and the perplexity ratio
+at 64x and 8x the training length (eval.py, within documents); then the Spearman correlation
+across the ten schemes, per seed, and of the seed means.
+
+    python docs/results/position_generalization_seeds.py <analyze out>/analysis.json \
+        <eval out>/results.json[,<eval out>/results.json ...] docs/results/position_generalization_seeds.json
+
+Run names are `<prefix><scheme>_s<seed>` (prefix `acc_` or `pg_` or none); `so2_learned_qk`
+runs, not in the ten, are left out.
+"""
+
+import json
+import re
+import sys
+
+import numpy as np
+from scipy.stats import spearmanr
+
+SCHEMES = ("rope", "rope_qkv", "alibi", "nope", "so2_random_qkv", "so2_learned_qkv", "so2_learned_qkv+alibi",
+           "path", "fox", "path_fox")
+
+
+def split(name: str) -> tuple[str, int]:
+    scheme, seed = re.fullmatch(r"(?:acc_|pg_)?(.+)_s(\d+)", name).groups()
+    return scheme.replace("_plus_", "+"), int(seed)
+
+
+def main(analysis: str, evals: str, target: str) -> None:
+    shift = {}
+    for name, run in json.load(open(analysis))["runs"].items():
+        fs = run["feature_shift"]
+        shift[split(name)] = float(np.mean(np.asarray(fs["kl"])[:, -1]) / np.mean(fs["kl_control"]))
+    ratio = {}
+    for path in evals.split(","):
+        results = json.load(open(path))
+        for name, run in results["runs"].items():
+            ppl = {x["length"]: x["ppl"] for x in run["results"]}
+            train = run.get("train_len", 128)
+            ratio[split(name)] = {m: ppl[m * train] / ppl[train] for m in (8, 64)}
+    seeds = sorted({s for _, s in shift})
+    table = {s: {} for s in SCHEMES}
+    for scheme in SCHEMES:
+        for seed in seeds:
+            if (scheme, seed) in shift and (scheme, seed) in ratio:
+                table[scheme][seed] = {"kl_over_control": shift[scheme, seed], **{
+                    f"ppl_ratio_{m}x": r for m, r in ratio[scheme, seed].items()}}
+    out = {"schemes": table, "spearman": {}}
+    print("| scheme | KL 512-1024 / control, seeds " + " / ".join(map(str, seeds)) + " | 64x ratio | 8x ratio |")
+    print("|---|---|---|---|")
+    for scheme, per in table.items():
+        cells = [" / ".join(f"{per[s][k]:.2f}" for s in seeds if s in per) for k in
+                 ("kl_over_control", "ppl_ratio_64x", "ppl_ratio_8x")]
+        print(f"| {scheme} | " + " | ".join(cells) + " |")
+    for m in (64, 8):
+        key = f"ppl_ratio_{m}x"
+        per_seed = {}
+        for seed in seeds:
+            have = [s for s in SCHEMES if seed in table[s]]
+            rho = spearmanr([table[s][seed]["kl_over_control"] for s in have], [table[s][seed][key] for s in have])
+            per_seed[seed] = {"rho": float(rho.statistic), "p": float(rho.pvalue), "models": len(have)}
+        full = [s for s in SCHEMES if all(seed in table[s] for seed in seeds)]
+        means = spearmanr([np.mean([table[s][x]["kl_over_control"] for x in seeds]) for s in full],
+                          [np.mean([table[s][x][key] for x in seeds]) for s in full])
+        out["spearman"][f"{m}x"] = {"per_seed": per_seed, "of_seed_means": {
+            "rho": float(means.statistic), "p": float(means.pvalue), "models": len(full)}}
+        print(f"Spearman with the {m}x ratio: per seed " + ", ".join(
+            f"{v['rho']:.2f} ({v['models']} models)" for v in per_seed.values())
+              + f"; of the seed means {means.statistic:.2f} ({len(full)} models, p {means.pvalue:.1g})")
+    json.dump(out, open(target, "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
