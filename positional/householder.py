@@ -666,7 +666,7 @@ class Path(Scheme):
         if impl == "auto" and ring_active():  # the sequence split over a mesh: PaTH's own ring
             impl = "ring"
             log_ring(type(self).__name__)
-        if impl == "auto":  # on CPU what the generic auto picks (by length), elsewhere the kernel
+        if impl == "auto":  # on CPU what the generic auto picks (by length), on GPU blockwise, on TPU the kernel
             def pick(platform):
                 chosen, why = choose(q, k, v, platform="cpu")
                 if platform == "cuda":
