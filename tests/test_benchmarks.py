@@ -122,6 +122,7 @@ def test_attention_runs(capsys):
     assert "| 64 | alibi/pallas |" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # about 25 s of interpreting; the script ran on an H100 (benchmarks/RESULTS.md)
 def test_path_kernel_runs(capsys, tmp_path):
     """On CPU: the kernel in the interpreter and the chunked form, with the gate (no fla, and
     cuDNN fails and is reported), and the JSON it writes."""
