@@ -7,6 +7,13 @@ across the ten schemes, per seed, and of the seed means.
     python docs/results/position_generalization_seeds.py <analyze out>/analysis.json \
         <eval out>/results.json[,<eval out>/results.json ...] docs/results/position_generalization_seeds.json
 
+With `decompositions` first: the logit decompositions' mean r per model and seed (3-axis and
+fake-distance fits over every map), and their Spearman correlation with the 64x ratio taken
+from the json the first form wrote:
+
+    python docs/results/position_generalization_seeds.py decompositions <analyze out>/analysis.json \
+        docs/results/position_generalization_seeds.json docs/results/position_generalization_decomposition_seeds.json
+
 Run names are `<prefix><scheme>_s<seed>` (prefix `acc_` or `pg_` or none); `so2_learned_qk`
 runs, not in the ten, are left out.
 """
@@ -71,5 +78,35 @@ def main(analysis: str, evals: str, target: str) -> None:
     json.dump(out, open(target, "w"), indent=1)
 
 
+def decompositions(analysis: str, shift_json: str, target: str) -> None:
+    ratios = json.load(open(shift_json))["schemes"]
+    rows = {}
+    for name, run in json.load(open(analysis))["runs"].items():
+        rows.setdefault(split(name)[0], {})[split(name)[1]] = {
+            key: float(np.mean(np.concatenate([np.ravel(layer[f"{key}_all"]) for layer in run["layers"]])))
+            for key in ("three_axis_r", "fake_r")}
+    out = {"schemes": {s: rows[s] for s in SCHEMES if s in rows}, "spearman_with_64x": {}}
+    print("| run | 3-axis r, seeds 0 / 1 / 2 | mean +- std | fake-distance r, seeds 0 / 1 / 2 | mean +- std |")
+    print("|---|---|---|---|---|")
+    for scheme, per in out["schemes"].items():
+        cells = []
+        for key in ("three_axis_r", "fake_r"):
+            x = np.array([per[seed][key] for seed in sorted(per)])
+            cells += [" / ".join(f"{v:.3f}" for v in x), f"{x.mean():.3f} +- {x.std(ddof=1):.3f}"]
+        print(f"| {scheme} | " + " | ".join(cells) + " |")
+    for key in ("three_axis_r", "fake_r"):
+        per_seed = []
+        for seed in sorted({seed for per in rows.values() for seed in per}):
+            have = [s for s in out["schemes"] if seed in rows[s] and str(seed) in ratios.get(s, {})]
+            per_seed.append(float(spearmanr([rows[s][seed][key] for s in have],
+                                            [ratios[s][str(seed)]["ppl_ratio_64x"] for s in have]).statistic))
+        out["spearman_with_64x"][key] = per_seed
+        print(f"{key}: Spearman with the 64x ratio per seed " + " / ".join(f"{x:.2f}" for x in per_seed))
+    json.dump(out, open(target, "w"), indent=1)
+
+
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    if sys.argv[1] == "decompositions":
+        decompositions(*sys.argv[2:])
+    else:
+        main(*sys.argv[1:])
