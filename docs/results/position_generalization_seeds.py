@@ -8,8 +8,8 @@ across the ten schemes, per seed, and of the seed means.
         <eval out>/results.json[,<eval out>/results.json ...] docs/results/position_generalization_seeds.json
 
 With `decompositions` first: the logit decompositions' mean r per model and seed (3-axis and
-fake-distance fits over every map), and their Spearman correlation with the 64x ratio taken
-from the json the first form wrote:
+fake-distance fits over every map), their Spearman correlation with the 64x ratio taken from the
+json the first form wrote, and three perturbation cells (relative change in perplexity):
 
     python docs/results/position_generalization_seeds.py decompositions <analyze out>/analysis.json \
         docs/results/position_generalization_seeds.json docs/results/position_generalization_decomposition_seeds.json
@@ -85,6 +85,10 @@ def decompositions(analysis: str, shift_json: str, target: str) -> None:
         rows.setdefault(split(name)[0], {})[split(name)[1]] = {
             key: float(np.mean(np.concatenate([np.ravel(layer[f"{key}_all"]) for layer in run["layers"]])))
             for key in ("three_axis_r", "fake_r")}
+    perturbed = ("text/0.1/10", "keys/0.1/10", "positions/0.1/10")
+    for name, run in json.load(open(analysis))["runs"].items():  # relative change in perplexity
+        p = run["perturbation"]
+        rows[split(name)[0]][split(name)[1]]["perturbation"] = {c: p["delta_ppl"][c] / p["clean_ppl"] for c in perturbed}
     out = {"schemes": {s: rows[s] for s in SCHEMES if s in rows}, "spearman_with_64x": {}}
     print("| run | 3-axis r, seeds 0 / 1 / 2 | mean +- std | fake-distance r, seeds 0 / 1 / 2 | mean +- std |")
     print("|---|---|---|---|---|")
@@ -94,6 +98,11 @@ def decompositions(analysis: str, shift_json: str, target: str) -> None:
             x = np.array([per[seed][key] for seed in sorted(per)])
             cells += [" / ".join(f"{v:.3f}" for v in x), f"{x.mean():.3f} +- {x.std(ddof=1):.3f}"]
         print(f"| {scheme} | " + " | ".join(cells) + " |")
+    print("| run | " + " | ".join(f"{c}, seeds 0 / 1 / 2" for c in perturbed) + " |")
+    print("|---|" + "---|" * len(perturbed))
+    for scheme, per in out["schemes"].items():
+        print(f"| {scheme} | " + " | ".join(" / ".join(f"{100 * per[seed]['perturbation'][c]:+.1f}%" for seed in sorted(per))
+                                         for c in perturbed) + " |")
     for key in ("three_axis_r", "fake_r"):
         per_seed = []
         for seed in sorted({seed for per in rows.values() for seed in per}):
