@@ -31,6 +31,10 @@ def default_data_config() -> ml_collections.ConfigDict:
       retrieval_mix: the fraction of training rows replaced by a retrieval example (passkey or
         needles in the row's own text: `data.needles.mix_row`), 0 for none.
       retrieval_tasks: comma-separated tasks of that mix (`data.needles.TASKS`).
+      retrieval_answer_weight: the training-loss weight of each answer token of a mixed
+        retrieval example, relative to every other token (1: the plain LM loss, where a 5-token
+        answer in a 256-token row is 2% of that row's loss). Other than 1, every row carries a
+        per-token 'loss_weight'.
       task: a synthetic task's options (`data.tasks.default_options(name)` lists them all;
         missing ones take their defaults).
     """
@@ -48,6 +52,7 @@ def default_data_config() -> ml_collections.ConfigDict:
             streams=1,
             retrieval_mix=0.0,
             retrieval_tasks="passkey",
+            retrieval_answer_weight=1.0,
             task=ml_collections.ConfigDict({}),
         )
     )

@@ -160,19 +160,28 @@ def separators(tokenizer) -> list[int]:
     return [i for i in (tokenizer.pad_id, tokenizer.eos_id, tokenizer.bos_id) if i is not None]
 
 
-def mix_row(tokenizer, fraction: float, tasks: tuple, row: dict, rng: np.random.Generator) -> dict:
+def mix_row(tokenizer, fraction: float, tasks: tuple, answer_weight: float, row: dict,
+            rng: np.random.Generator) -> dict:
     """A training row, or with probability `fraction` a retrieval example in its place: one of
     `tasks` at a uniform depth, its haystack the row's own text (separators removed), one
     document (segment 1, positions 0..L-1) of the row's length L. The loss covers every token,
-    the answer included. A row too short for the task's needles stays as it is."""
-    if rng.random() >= fraction:
-        return row
-    length = len(row["tokens"])
-    task, depth = tasks[rng.integers(len(tasks))], float(rng.random())
-    text = row["tokens"][~np.isin(row["tokens"], separators(tokenizer))]
-    example = make_example(task, tokenizer, np.resize(text, length), length, depth, rng.integers(2 ** 63))
-    if example is None or not len(text):
-        return row
-    tokens = np.concatenate([example.prompt, example.answer])
-    return {**row, "tokens": tokens.astype(np.int32), "segment_ids": np.ones(length, np.int32),
-            "positions": np.arange(length, dtype=np.int32)}
+    the answer's with weight `answer_weight`; other than 1, every row (mixed or not) gets a
+    float32 'loss_weight', 1 on every token but the answer's. A row too short for the task's
+    needles stays as it is."""
+    example = None
+    if rng.random() < fraction:
+        length = len(row["tokens"])
+        task, depth = tasks[rng.integers(len(tasks))], float(rng.random())
+        text = row["tokens"][~np.isin(row["tokens"], separators(tokenizer))]
+        example = make_example(task, tokenizer, np.resize(text, length), length, depth, rng.integers(2 ** 63))
+        if example is not None and len(text):
+            row = {**row, "tokens": np.concatenate([example.prompt, example.answer]).astype(np.int32),
+                   "segment_ids": np.ones(length, np.int32), "positions": np.arange(length, dtype=np.int32)}
+        else:
+            example = None
+    if answer_weight != 1:
+        weight = np.ones(len(row["tokens"]), np.float32)
+        if example is not None:
+            weight[len(weight) - len(example.answer):] = answer_weight
+        row = {**row, "loss_weight": weight}
+    return row

@@ -164,9 +164,9 @@ def train_loader(
     return iter(rows.batch(batch_size, drop_remainder=True))
 
 
-def retrieval_mix(config: ml_collections.ConfigDict) -> tuple[float, tuple[str, ...]] | None:
-    """(fraction, tasks) of `data.retrieval_mix` / `data.retrieval_tasks`, None for no mix;
-    DataError naming the field for a bad value."""
+def retrieval_mix(config: ml_collections.ConfigDict) -> tuple[float, tuple[str, ...], float] | None:
+    """(fraction, tasks, answer weight) of `data.retrieval_mix` / `retrieval_tasks` /
+    `retrieval_answer_weight`, None for no mix; DataError naming the field for a bad value."""
     fraction = config.get("retrieval_mix", 0.0)
     if not 0 <= fraction <= 1:
         raise DataError(f"data.retrieval_mix={fraction} is the fraction of training rows that are retrieval "
@@ -176,7 +176,11 @@ def retrieval_mix(config: ml_collections.ConfigDict) -> tuple[float, tuple[str, 
     if unknown or not tasks:
         raise DataError(f"data.retrieval_tasks={config.retrieval_tasks!r} names no task or unknown ones "
                         f"{unknown}; valid: one or more of {', '.join(needles.TASKS)}, comma-separated")
-    return (fraction, tasks) if fraction else None
+    weight = config.get("retrieval_answer_weight", 1.0)
+    if not (isinstance(weight, (int, float)) and 0 < weight < float("inf")):
+        raise DataError(f"data.retrieval_answer_weight={weight!r} is the loss weight of a retrieval answer's "
+                        "tokens relative to the other tokens; valid: a finite number > 0 (1: the plain LM loss)")
+    return (fraction, tasks, float(weight)) if fraction else None
 
 
 def _check_fills_a_row(docs: grain.MapDataset, seq_len: int, config: ml_collections.ConfigDict,

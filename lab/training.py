@@ -55,8 +55,9 @@ def make_loss(graphdef, rest, config):
         model = nnx.merge(graphdef, params, rest)
         nll, w = token_nll(model, batch["tokens"], segment_ids=batch["segment_ids"],
                            positions=batch["positions"], impl=config.model.attention_impl, rng=rng)
-        if "loss_mask" in batch:  # a synthetic task: only its answers are scored
-            w = w * batch["loss_mask"][:, 1:]
+        for key in ("loss_mask", "loss_weight"):  # a synthetic task scores only its answers;
+            if key in batch:                        # a retrieval mix may weight its answers up
+                w = w * batch[key][:, 1:]
         return jnp.sum(nll * w) / jnp.maximum(jnp.sum(w), 1.0)
 
     return loss_fn

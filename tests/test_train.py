@@ -300,3 +300,24 @@ def test_weight_decay_takes_matrices_and_position_matrices_only_when_asked(posit
     np.testing.assert_allclose(layer["attn"]["q"]["kernel"], shrink * old["attn"]["q"]["kernel"], rtol=1e-6)
     np.testing.assert_array_equal(layer["attn_norm"]["scale"], old["attn_norm"]["scale"])
     np.testing.assert_allclose(layer["attn"]["features"]["table"], shrink if position else 1.0, rtol=1e-6)
+
+
+def test_loss_weight_weights_tokens_as_data_retrieval_answer_weight_asks(tmp_path):
+    """The training loss with a batch's 'loss_weight' (a retrieval mix with
+    data.retrieval_answer_weight) is the weighted mean NLL: all-ones weights change nothing, and
+    one token weighted far above the rest gives that token's NLL alone (a 'loss_mask' on it)."""
+    from lab.state import init_state, make_mesh
+    from lab.training import make_loss
+    config = tiny_config(tmp_path)
+    graphdef, rest, _, _, state = init_state(config, 64, make_mesh(config))
+    loss = jax.jit(make_loss(graphdef, rest, config))
+    tokens = jax.random.randint(jax.random.key(0), (2, 33), 0, 64)
+    batch = {"tokens": tokens, "segment_ids": jnp.ones_like(tokens), "positions": jnp.arange(33)[None].repeat(2, 0)}
+    one = jnp.zeros(tokens.shape).at[1, 20].set(1.0)
+    plain = loss(state["params"], batch, None)
+    ones = loss(state["params"], {**batch, "loss_weight": jnp.ones(tokens.shape)}, None)
+    assert float(ones) == pytest.approx(float(plain), rel=1e-6)
+    alone = loss(state["params"], {**batch, "loss_mask": one}, None)
+    weighted = loss(state["params"], {**batch, "loss_weight": 1 + 1e7 * one}, None)
+    assert float(weighted) == pytest.approx(float(alone), rel=1e-4)
+    assert abs(float(alone) - float(plain)) > 1e-3  # the one token differs from the mean

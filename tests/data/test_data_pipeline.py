@@ -218,9 +218,34 @@ def test_retrieval_mix_replaces_a_fraction_of_rows_with_examples_and_resumes_exa
             assert all(np.array_equal(got[k], expected[k]) for k in expected)
 
 
+def test_retrieval_answer_weight_weights_the_answer_tokens_and_nothing_else(corpus_config):
+    """data.retrieval_answer_weight: the same rows as without it, each with a float32
+    'loss_weight' that is 1 everywhere but on a mixed example's answer (the row's last tokens)."""
+    mixed = corpus_config.copy_and_resolve_references()
+    mixed.update(retrieval_mix=0.5, retrieval_tasks="passkey")
+    weighted = mixed.copy_and_resolve_references()
+    weighted.retrieval_answer_weight = 20.0
+    rows = stack(take(pipeline.train_loader(mixed, seed=2, batch_size=4, seq_len=320), 5))
+    got = stack(take(pipeline.train_loader(weighted, seed=2, batch_size=4, seq_len=320), 5))
+    assert "loss_weight" not in rows and got["loss_weight"].dtype == np.float32
+    assert all(np.array_equal(got[k], rows[k]) for k in rows)
+    examples = 0
+    for tokens, weight in zip(got["tokens"], got["loss_weight"]):
+        text = ByteTokenizer().decode(tokens)
+        if "What is the pass key?" not in text:
+            np.testing.assert_array_equal(weight, 1)
+            continue
+        examples += 1
+        answer = re.search(r"The pass key is (\d{5})$", text).group(1)
+        np.testing.assert_array_equal(weight[-len(answer):], 20)
+        np.testing.assert_array_equal(weight[:-len(answer)], 1)
+    assert examples >= 3
+
+
 @pytest.mark.parametrize("field, value, error", [
     ("retrieval_mix", 1.5, "data.retrieval_mix=1.5 is the fraction of training rows that are retrieval examples"),
     ("retrieval_tasks", "passkey,nope", "data.retrieval_tasks='passkey,nope' names no task or unknown ones ['nope']"),
+    ("retrieval_answer_weight", 0.0, "data.retrieval_answer_weight=0.0 is the loss weight of a retrieval answer's"),
 ])
 def test_bad_retrieval_mix_is_one_line(corpus_config, field, value, error):
     bad = corpus_config.copy_and_resolve_references()
