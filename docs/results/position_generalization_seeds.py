@@ -9,7 +9,9 @@ across the ten schemes, per seed, and of the seed means.
 
 With `decompositions` first: the logit decompositions' mean r per model and seed (3-axis and
 fake-distance fits over every map), their Spearman correlation with the 64x ratio taken from the
-json the first form wrote, and three perturbation cells (relative change in perplexity):
+json the first form wrote, and the perturbations (every cell's clean and perturbed perplexity in
+the json; printed: three cells as a relative change per seed, and the page's eight cells as the
+change in perplexity, mean +- std over seeds):
 
     python docs/results/position_generalization_seeds.py decompositions <analyze out>/analysis.json \
         docs/results/position_generalization_seeds.json docs/results/position_generalization_decomposition_seeds.json
@@ -86,9 +88,8 @@ def decompositions(analysis: str, shift_json: str, target: str) -> None:
             key: float(np.mean(np.concatenate([np.ravel(layer[f"{key}_all"]) for layer in run["layers"]])))
             for key in ("three_axis_r", "fake_r")}
     perturbed = ("text/0.1/10", "keys/0.1/10", "positions/0.1/10")
-    for name, run in json.load(open(analysis))["runs"].items():  # relative change in perplexity
-        p = run["perturbation"]
-        rows[split(name)[0]][split(name)[1]]["perturbation"] = {c: p["delta_ppl"][c] / p["clean_ppl"] for c in perturbed}
+    for name, run in json.load(open(analysis))["runs"].items():
+        rows[split(name)[0]][split(name)[1]]["perturbation"] = run["perturbation"]  # clean_ppl, delta_ppl per cell
     out = {"schemes": {s: rows[s] for s in SCHEMES if s in rows}, "spearman_with_64x": {}}
     print("| run | 3-axis r, seeds 0 / 1 / 2 | mean +- std | fake-distance r, seeds 0 / 1 / 2 | mean +- std |")
     print("|---|---|---|---|---|")
@@ -100,9 +101,19 @@ def decompositions(analysis: str, shift_json: str, target: str) -> None:
         print(f"| {scheme} | " + " | ".join(cells) + " |")
     print("| run | " + " | ".join(f"{c}, seeds 0 / 1 / 2" for c in perturbed) + " |")
     print("|---|" + "---|" * len(perturbed))
+    relative = lambda p, c: p["delta_ppl"][c] / p["clean_ppl"]  # noqa: E731
     for scheme, per in out["schemes"].items():
-        print(f"| {scheme} | " + " | ".join(" / ".join(f"{100 * per[seed]['perturbation'][c]:+.1f}%" for seed in sorted(per))
-                                         for c in perturbed) + " |")
+        print(f"| {scheme} | " + " | ".join(" / ".join(f"{100 * relative(per[seed]['perturbation'], c):+.1f}%"
+                                                   for seed in sorted(per)) for c in perturbed) + " |")
+    cells = ("text/0.1/10", "text/0.5/100", "keys/0.1/10", "keys/0.1/100", "keys/0.5/100", "positions/0.1/10",
+             "positions/0.1/100", "positions/0.5/100")
+    print("| run | clean ppl | " + " | ".join(c.replace("/", " ", 1) for c in cells) + " |")
+    print("|---|---|" + "---|" * len(cells))
+    for scheme, per in out["schemes"].items():
+        mean_std = lambda x: f"{np.mean(x):.2f} +- {np.std(x, ddof=1):.2f}"  # noqa: E731
+        print(f"| {scheme} | {mean_std([per[seed]['perturbation']['clean_ppl'] for seed in per])} | "
+              + " | ".join("+" + mean_std([per[seed]['perturbation']['delta_ppl'][c] for seed in per])
+                           for c in cells) + " |")
     for key in ("three_axis_r", "fake_r"):
         per_seed = []
         for seed in sorted({seed for per in rows.values() for seed in per}):
