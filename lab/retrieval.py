@@ -337,9 +337,9 @@ def plot_lengths(results: dict, path: str) -> None:
         ax.set_xlabel("length (tokens)")
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("exact match")
-    axes[0][0].legend(fontsize=6)
     fig.tight_layout()
-    files.save_figure(fig, path, dpi=110)
+    axes[0][-1].legend(fontsize=6, loc="center left", bbox_to_anchor=(1.02, 0.5))  # beside the plots
+    files.save_figure(fig, path, dpi=110, bbox_inches="tight")
     plt.close(fig)
 
 
