@@ -85,11 +85,10 @@ def decompositions(analysis: str, shift_json: str, target: str) -> None:
     rows = {}
     for name, run in json.load(open(analysis))["runs"].items():
         rows.setdefault(split(name)[0], {})[split(name)[1]] = {
-            key: float(np.mean(np.concatenate([np.ravel(layer[f"{key}_all"]) for layer in run["layers"]])))
-            for key in ("three_axis_r", "fake_r")}
+            **{key: float(np.mean(np.concatenate([np.ravel(layer[f"{key}_all"]) for layer in run["layers"]])))
+               for key in ("three_axis_r", "fake_r")},
+            "perturbation": run["perturbation"]}  # clean_ppl, delta_ppl per cell
     perturbed = ("text/0.1/10", "keys/0.1/10", "positions/0.1/10")
-    for name, run in json.load(open(analysis))["runs"].items():
-        rows[split(name)[0]][split(name)[1]]["perturbation"] = run["perturbation"]  # clean_ppl, delta_ppl per cell
     out = {"schemes": {s: rows[s] for s in SCHEMES if s in rows}, "spearman_with_64x": {}}
     print("| run | 3-axis r, seeds 0 / 1 / 2 | mean +- std | fake-distance r, seeds 0 / 1 / 2 | mean +- std |")
     print("|---|---|---|---|---|")
@@ -102,6 +101,7 @@ def decompositions(analysis: str, shift_json: str, target: str) -> None:
     print("| run | " + " | ".join(f"{c}, seeds 0 / 1 / 2" for c in perturbed) + " |")
     print("|---|" + "---|" * len(perturbed))
     relative = lambda p, c: p["delta_ppl"][c] / p["clean_ppl"]  # noqa: E731
+    mean_std = lambda x: f"{np.mean(x):.2f} +- {np.std(x, ddof=1):.2f}"  # noqa: E731
     for scheme, per in out["schemes"].items():
         print(f"| {scheme} | " + " | ".join(" / ".join(f"{100 * relative(per[seed]['perturbation'], c):+.1f}%"
                                                    for seed in sorted(per)) for c in perturbed) + " |")
@@ -110,7 +110,6 @@ def decompositions(analysis: str, shift_json: str, target: str) -> None:
     print("| run | clean ppl | " + " | ".join(c.replace("/", " ", 1) for c in cells) + " |")
     print("|---|---|" + "---|" * len(cells))
     for scheme, per in out["schemes"].items():
-        mean_std = lambda x: f"{np.mean(x):.2f} +- {np.std(x, ddof=1):.2f}"  # noqa: E731
         print(f"| {scheme} | {mean_std([per[seed]['perturbation']['clean_ppl'] for seed in per])} | "
               + " | ".join("+" + mean_std([per[seed]['perturbation']['delta_ppl'][c] for seed in per])
                            for c in cells) + " |")
