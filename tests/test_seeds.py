@@ -4,6 +4,8 @@ import importlib.util
 import json
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parents[1] / "docs" / "results" / "seeds.py"
 
 
@@ -35,3 +37,43 @@ def test_seeds_groups_runs_by_arm_and_gives_mean_and_sample_std(tmp_path, capsys
     assert "| path+fox (seeds 1) | 4.0000 | 4.5000 |" in table and "nan" not in table, table
     assert "| alibi seed 1 | 6.0000 | 7.5000 |" in table
     assert (tmp_path / "out.png").stat().st_size > 0
+
+
+def retrieval_report(runs: dict) -> dict:
+    """A retrieval_merge.py report: {name: {task: {length: [accuracy at depth 0, at depth 1]}}}."""
+    return {"lengths": [128, 256], "runs": {name: {"tasks": {task: {
+        "cells": [{"length": n, "depth": d, "examples": 4, "accuracy": a} for n, accs in by_len.items()
+                  for d, a in zip((0.0, 1.0), accs)],
+        "skipped": {str(n): "too short" for n in (128, 256) if n not in by_len}}
+        for task, by_len in tasks.items()}} for name, tasks in runs.items()}}
+
+
+def test_seeds_adds_seeds_to_its_own_json_and_reads_retrieval_reports(tmp_path, capsys):
+    seeds = load()
+    first, second = tmp_path / "first.json", tmp_path / "second.json"
+    first.write_text(json.dumps(retrieval_report({"pk_rope": {"passkey": {128: [1.0, 0.5], 256: [1.0, 1.0]},
+                                                               "single": {256: [0.0, 0.5]}}})))
+    second.write_text(json.dumps(retrieval_report({"pk_rope_s1": {"passkey": {128: [0.5, 0.5], 256: [0.0, 1.0]},
+                                                                  "single": {256: [0.5, 0.5]}}})))
+    seeds.main(str(first), str(tmp_path / "seed0.json"))  # a name without a suffix is seed 0
+    seeds.main(str(tmp_path / "seed0.json"), str(second), str(tmp_path / "both.json"), str(tmp_path / "both.png"))
+    out = json.loads((tmp_path / "both.json").read_text())
+    assert out["measure"] == "exact match" and out["columns"] == [128, 256]
+    # exact match per length is the mean over depths; a length too short for the task is null
+    assert out["arms"]["pk_rope passkey"] == {"seeds": [0, 1], "values": [[0.75, 1.0], [0.5, 0.5]]}
+    assert out["arms"]["pk_rope single"] == {"seeds": [0, 1], "values": [[None, 0.25], [None, 0.5]]}
+    table = capsys.readouterr().out
+    # passkey at 128: mean 0.625, sample std 0.25 / sqrt(2) = 0.1768
+    assert "| pk_rope passkey (seeds 0, 1) | 0.6250 +- 0.1768 | 0.7500 +- 0.3536 |" in table, table
+    assert "| pk_rope single (seeds 0, 1) | - | 0.3750 +- 0.1768 |" in table, table
+
+
+def test_seeds_refuses_a_seed_twice_and_sources_that_do_not_fit(tmp_path):
+    seeds = load()
+    text, task = tmp_path / "text.json", tmp_path / "task.json"
+    text.write_text(json.dumps(report({"rope_s0": [5.0, 6.0]})))
+    task.write_text(json.dumps(retrieval_report({"rope": {"passkey": {128: [1.0, 1.0], 256: [1.0, 1.0]}}})))
+    with pytest.raises(SystemExit, match="arm rope seed 0 is also in an earlier source"):
+        seeds.main(str(text), str(text), str(tmp_path / "out.json"))
+    with pytest.raises(SystemExit, match="differ from .*merge only like with like"):
+        seeds.main(str(text), str(task), str(tmp_path / "out.json"))

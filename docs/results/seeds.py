@@ -1,10 +1,15 @@
-"""Mean +- sample standard deviation over seeds of an eval.py report, the runs grouped by name
-without their seed suffix (`<name>_s<seed>` or `<name>/seed<seed>`): perplexity per length, or
-for a synthetic task accuracy over all examples and per group (lag). Prints the markdown table
-(means, then every seed; an arm of one seed gets its value, no interval), writes the json (per arm: seeds, values [seed, column]) and, with a
-third argument, the plot with error bars.
+"""Mean +- sample standard deviation over seeds, the runs grouped by name without their seed
+suffix (`<name>_s<seed>` or `<name>/seed<seed>`; a name without one is seed 0, the configs'
+default seed). A source is an eval.py report (results.json: perplexity per length, or for a
+synthetic task accuracy over all examples and per group, lag), a retrieval report as
+retrieval_merge.py writes it (exact match per length, mean over depths; one arm per run and
+task), or this script's own json (to add seeds to a committed table). Several sources merge;
+they must have the same columns and measure, and no arm's seed may come twice. Prints the
+markdown table (means, then every seed; an arm of one seed gets its value, no interval; '-'
+where a task does not fit the length), writes the json (per arm: seeds, values [seed, column],
+null for '-') and, with a .png last, the plot with error bars.
 
-    python docs/results/seeds.py <eval out>/results.json docs/results/X.json [docs/results/X.png]
+    python docs/results/seeds.py SOURCE.json [SOURCE.json ...] docs/results/X.json [docs/results/X.png]
 """
 
 import json
@@ -13,21 +18,51 @@ import sys
 
 import numpy as np
 
+from lab.retrieval import by_length
 
-def arms(results: dict) -> tuple[list, dict]:
-    """(columns, {arm: {seed: [value per column]}}): lengths and perplexities, or for a task
-    'all' and its groups, and accuracies."""
-    out, columns = {}, results["lengths"]
+
+def arms(results: dict) -> tuple[list, str, dict]:
+    """(columns, measure, {arm: {seed: [value per column, nan where none]}}) of one source."""
+    if "arms" in results:
+        measure = results.get("measure", "accuracy" if results["columns"][0] == "all" else "perplexity per byte")
+        return results["columns"], measure, {
+            arm: {seed: [np.nan if v is None else v for v in row] for seed, row in zip(rec["seeds"], rec["values"])}
+            for arm, rec in results["arms"].items()}
+    out, columns, measure = {}, results["lengths"], "perplexity per byte"
     for name, run in results["runs"].items():
-        arm, seed = re.fullmatch(r"(.+?)(?:_s|/seed)(\d+)", name).groups()
+        arm, seed = re.fullmatch(r"(.+?)(?:(?:_s|/seed)(\d+))?", name).groups()
+        arm, seed = arm.replace("_plus_", "+"), int(seed or 0)
+        if "tasks" in run:  # a retrieval report
+            measure = "exact match"
+            for task, scores in run["tasks"].items():
+                values = [by_length(scores, n, "accuracy") for n in columns]
+                out.setdefault(f"{arm} {task}", {})[seed] = [np.nan if v is None else v for v in values]
+            continue
         if "task_results" in run:
-            task = run["task_results"]
+            task, measure = run["task_results"], "accuracy"
             columns = ["all", *task["by_group"]]
             values = [task["accuracy"], *task["by_group"].values()]
         else:
             values = [{x["length"]: x["ppl"] for x in run["results"]}[n] for n in columns]
-        out.setdefault(arm.replace("_plus_", "+"), {})[int(seed)] = values
-    return columns, out
+        out.setdefault(arm, {})[seed] = values
+    return columns, measure, out
+
+
+def merged(sources: list[str]) -> tuple[list, str, dict]:
+    """`arms` of every source together; SystemExit, one line, where they do not fit together."""
+    columns, measure, groups = None, None, {}
+    for source in sources:
+        cols, meas, found = arms(json.load(open(source)))
+        if columns is not None and (cols, meas) != (columns, measure):
+            raise SystemExit(f"{source}: its columns {cols} ({meas}) differ from {sources[0]}'s "
+                             f"{columns} ({measure}); merge only like with like")
+        columns, measure = cols, meas
+        for arm, seeds in found.items():
+            if twice := set(seeds) & set(groups.get(arm, {})):
+                raise SystemExit(f"{source}: arm {arm} seed {min(twice)} is also in an earlier source; "
+                                 "give each seed of an arm once")
+            groups.setdefault(arm, {}).update(seeds)
+    return columns, measure, groups
 
 
 def spread(values: np.ndarray) -> np.ndarray:
@@ -35,18 +70,24 @@ def spread(values: np.ndarray) -> np.ndarray:
     return values.std(0, ddof=1) if len(values) > 1 else np.zeros(values.shape[1:])
 
 
-def main(source: str, target: str, plot: str = "") -> None:
-    columns, groups = arms(json.load(open(source)))
-    out = {"columns": columns, "arms": {}}
+def cell(mean: float, std: float, seeds: int) -> str:
+    return "-" if np.isnan(mean) else f"{mean:.4f} +- {std:.4f}" if seeds > 1 else f"{mean:.4f}"
+
+
+def main(*args: str) -> None:
+    *sources, target = args[:-1] if args[-1].endswith(".png") else args
+    plot = args[-1] if args[-1].endswith(".png") else ""
+    columns, measure, groups = merged(sources)
+    out = {"columns": columns, "measure": measure, "arms": {}}
     means = ["| run | " + " | ".join(map(str, columns)) + " |", "|---|" + "---|" * len(columns)]
     each = []
     for arm, seeds in groups.items():
-        values = np.array([seeds[s] for s in sorted(seeds)])
-        out["arms"][arm] = {"seeds": sorted(seeds), "values": values.tolist()}
+        values = np.array([seeds[s] for s in sorted(seeds)], float)
+        out["arms"][arm] = {"seeds": sorted(seeds), "values": [[None if np.isnan(v) else v for v in row]
+                                                              for row in values.tolist()]}
         means.append(f"| {arm} (seeds {', '.join(map(str, sorted(seeds)))}) | "
-                     + " | ".join(f"{m:.4f} +- {s:.4f}" if len(values) > 1 else f"{m:.4f}"
-                                  for m, s in zip(values.mean(0), spread(values))) + " |")
-        each += [f"| {arm} seed {s} | " + " | ".join(f"{x:.4f}" for x in row) + " |"
+                     + " | ".join(cell(m, s, len(values)) for m, s in zip(values.mean(0), spread(values))) + " |")
+        each += [f"| {arm} seed {s} | " + " | ".join(cell(x, 0, 1) for x in row) + " |"
                  for s, row in zip(sorted(seeds), values)]
     print("\n".join(means + each))
     with open(target, "w") as f:
@@ -59,11 +100,10 @@ def main(source: str, target: str, plot: str = "") -> None:
         task = columns[0] == "all"
         x = [int(c) for c in columns[1:]] if task else columns
         for arm, rec in out["arms"].items():
-            values = np.array(rec["values"])[:, 1:] if task else np.array(rec["values"])
+            values = np.array(rec["values"], float)[:, 1 if task else 0:]
             ax.errorbar(x, values.mean(0), yerr=spread(values), marker="o", capsize=3,
                         label=f"{arm} (mean +- std, {len(rec['seeds'])} seeds)" if len(values) > 1 else f"{arm} (1 seed)")
-        ax.set(xscale="log", xlabel="lag" if task else "evaluation length (tokens)",
-               ylabel="accuracy" if task else "perplexity per byte")
+        ax.set(xscale="log", xlabel="lag" if task else "evaluation length (tokens)", ylabel=measure)
         ax.set_xticks(x, [str(v) for v in x])
         ax.minorticks_off()
         ax.grid(alpha=0.3)
