@@ -293,7 +293,7 @@ def plot_heatmaps(results: dict, path: str) -> None:
     plt = pyplot()
     runs, tasks, lengths, depths = results["runs"], results["tasks"], results["lengths"], results["depths"]
     fig, axes = plt.subplots(len(runs), len(tasks), figsize=(2.6 * len(tasks) + 1, 2.4 * len(runs) + 0.4),
-                             squeeze=False)
+                             squeeze=False, layout="constrained")  # titles clear of the row above
     for row, (name, run) in zip(axes, runs.items()):
         for ax, task in zip(row, tasks):
             grid = np.full((len(depths), len(lengths)), np.nan)
