@@ -96,7 +96,7 @@ def main(*args: str) -> None:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-        fig, ax = plt.subplots(figsize=(6, 4))
+        fig, ax = plt.subplots(figsize=(6, 4))  # the legend beside the axes: it covered curves
         task = columns[0] == "all"
         x = [int(c) for c in columns[1:]] if task else columns
         for arm, rec in out["arms"].items():
@@ -107,9 +107,8 @@ def main(*args: str) -> None:
         ax.set_xticks(x, [str(v) for v in x])
         ax.minorticks_off()
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(plot, dpi=110)
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
+        fig.savefig(plot, dpi=110, bbox_inches="tight")
 
 
 if __name__ == "__main__":
