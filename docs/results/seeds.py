@@ -22,12 +22,11 @@ from lab.retrieval import by_length
 
 
 def arms(results: dict) -> tuple[list, str, dict]:
-    """(columns, measure, {arm: {seed: [value per column, nan where none]}}) of one source."""
+    """(columns, measure, {arm: {seed: [value per column, None where none]}}) of one source."""
     if "arms" in results:
         measure = results.get("measure", "accuracy" if results["columns"][0] == "all" else "perplexity per byte")
-        return results["columns"], measure, {
-            arm: {seed: [np.nan if v is None else v for v in row] for seed, row in zip(rec["seeds"], rec["values"])}
-            for arm, rec in results["arms"].items()}
+        return results["columns"], measure, {arm: dict(zip(rec["seeds"], rec["values"]))
+                                             for arm, rec in results["arms"].items()}
     out, columns, measure = {}, results["lengths"], "perplexity per byte"
     for name, run in results["runs"].items():
         arm, seed = re.fullmatch(r"(.+?)(?:(?:_s|/seed)(\d+))?", name).groups()
@@ -35,8 +34,7 @@ def arms(results: dict) -> tuple[list, str, dict]:
         if "tasks" in run:  # a retrieval report
             measure = "exact match"
             for task, scores in run["tasks"].items():
-                values = [by_length(scores, n, "accuracy") for n in columns]
-                out.setdefault(f"{arm} {task}", {})[seed] = [np.nan if v is None else v for v in values]
+                out.setdefault(f"{arm} {task}", {})[seed] = [by_length(scores, n, "accuracy") for n in columns]
             continue
         if "task_results" in run:
             task, measure = run["task_results"], "accuracy"
@@ -75,14 +73,14 @@ def cell(mean: float, std: float, seeds: int) -> str:
 
 
 def main(*args: str) -> None:
-    *sources, target = args[:-1] if args[-1].endswith(".png") else args
     plot = args[-1] if args[-1].endswith(".png") else ""
+    *sources, target = args[:-1] if plot else args
     columns, measure, groups = merged(sources)
     out = {"columns": columns, "measure": measure, "arms": {}}
     means = ["| run | " + " | ".join(map(str, columns)) + " |", "|---|" + "---|" * len(columns)]
     each = []
     for arm, seeds in groups.items():
-        values = np.array([seeds[s] for s in sorted(seeds)], float)
+        values = np.array([seeds[s] for s in sorted(seeds)], float)  # None -> nan
         out["arms"][arm] = {"seeds": sorted(seeds), "values": [[None if np.isnan(v) else v for v in row]
                                                               for row in values.tolist()]}
         means.append(f"| {arm} (seeds {', '.join(map(str, sorted(seeds)))}) | "
