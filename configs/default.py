@@ -29,12 +29,15 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         tie_embeddings=True,
         scale_tied_logits=True,  # tied head: logits x E^T / sqrt(d_model); False: x E^T (HF checkpoints)
         qkv_bias=False,  # biases on the q, k, v projections (Qwen2)
+        init="normal",  # linear layers: "normal" N(0, 1/fan_in) weights, zero biases; "torch" (models/layers.py)
         norm_eps=1e-6,  # RMSNorm epsilon
         attention_impl="auto",  # the fastest valid per platform (positional/attention.py), or by name:
         # 'reference' | 'blockwise' | 'ring' | 'pallas' | 'cudnn' | 'splash
         block_size=512,
         dtype="float32",  # compute dtype ("bfloat16": bf16 matmuls, fp32 parameters and optimizer)
         remat="none",  # "none" | "block" | "dots": what each block keeps for the backward pass
+        mixer="attention",  # or a Sessa macro-block mixer (configs/sessa.py, models/sessa.py)
+        mixer_options=ml_collections.ConfigDict({}),  # e.g. {'solve': 'blocked'} for Sessa
     ))
 
     c.model.update(config_defaults(c.model.scheme))  # what the scheme's classes declare (PaTH's block_size)

@@ -68,6 +68,9 @@ class ModelConfig:
     def __post_init__(self):
         if self.init not in INITS:
             raise ValueError(f"model.init={self.init!r} is not an initialisation; valid: {', '.join(INITS)}")
+        if self.mixer == "attention" and self.mixer_options:
+            raise ValueError(f"model.mixer_options {dict(self.mixer_options)} set, but model.mixer='attention' "
+                             "has none; they configure the Sessa macro-block mixers (models/sessa.py)")
         if self.remat not in REMAT_POLICIES:
             raise ValueError(f"model.remat={self.remat!r} is not a rematerialisation policy; valid: "
                              f"{', '.join(REMAT_POLICIES)}")

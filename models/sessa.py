@@ -57,9 +57,9 @@ class AttentionMixer(nnx.Module):
     def __init__(self, cfg, *, feedback: bool, rngs: nnx.Rngs):
         self.attn = Attention(cfg, rngs=rngs)
         self.feedback = feedback
+        opts = _options(cfg, SESSA_DEFAULTS if feedback else {})
         if not feedback:
             return
-        opts = _options(cfg, SESSA_DEFAULTS)
         gain(jnp.zeros(()), opts["gamma_max"])  # a clear error now for gamma_max outside (0, 1)
         self.gamma_max, self.solve = opts["gamma_max"], opts["solve"]
         self.solve_block = opts["solve_block"]

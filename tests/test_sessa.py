@@ -126,6 +126,10 @@ def test_bad_input_is_a_clear_error():
         DecoderLM(_config("rnn"), rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="mixer 'sessa' has no option\\(s\\) \\['state_dim'\\]"):
         DecoderLM(_config("sessa", mixer_options=(("state_dim", 4),)), rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="mixer 'transformer' has no option\\(s\\) \\['solve'\\]"):
+        DecoderLM(_config("transformer", mixer_options=(("solve", "blocked"),)), rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="model.mixer='attention' has none"):
+        _config("attention", mixer_options=(("solve", "blocked"),))
     model = DecoderLM(_config("sessa"), rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="too long for the cache.*larger max_len"):
         model.decode(jnp.zeros((1, 5), jnp.int32), model.init_cache(1, 4))

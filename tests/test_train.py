@@ -212,6 +212,7 @@ def test_sharded_training_on_8_devices_matches_one_device(tiny_run, tmp_path):
     ("--config.train.stepz=3", "unknown config field 'train.stepz'"),
     ("--config.modle.d_model=1", "unknown config field 'modle'; Did you mean \"model\""),
     ("--config.model.scheme_options.gate_bias=5.0", "scheme 'rope' has no option(s) ['gate_bias']"),
+    ("--config.model.mixer_options.solve=blocked", "model.mixer='attention' has none"),
     ("--config.evals=lengths,nope", "unknown evaluator in config.evals 'nope'; valid: lengths, transport, "),
 ])
 def test_bad_input_exits_with_one_readable_line(tmp_path, flag, message):
