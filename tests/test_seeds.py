@@ -77,3 +77,21 @@ def test_seeds_refuses_a_seed_twice_and_sources_that_do_not_fit(tmp_path):
         seeds.main(str(text), str(text), str(tmp_path / "out.json"))
     with pytest.raises(SystemExit, match="differ from .*merge only like with like"):
         seeds.main(str(text), str(task), str(tmp_path / "out.json"))
+
+
+def test_seeds_plots_a_one_column_table_as_arms_side_by_side(tmp_path):
+    """A task with one group (SymbolSoup: accuracy over all examples) has no axis of lags: the arms
+    stand side by side, the mean with its error bar and every seed a dot beside it."""
+    seeds = load()
+    source = tmp_path / "results.json"
+    accuracy = {"sessa/seed0": 0.05, "sessa/seed1": 0.15, "transformer/seed0": 0.3}
+    source.write_text(json.dumps({"lengths": [], "runs": {name: {"task_results": {"accuracy": a, "by_group": {"0": a}}}
+                                                          for name, a in accuracy.items()}}))
+    seeds.main(str(source), str(tmp_path / "out.json"))
+    ax = seeds.draw(json.loads((tmp_path / "out.json").read_text()), str(tmp_path / "out.png"))
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["sessa", "transformer"]
+    means = [line.get_ydata() for line in ax.lines if line.get_marker() == "o" and line.get_alpha() is None]
+    dots = [line.get_ydata() for line in ax.lines if line.get_alpha() == 0.5]
+    assert [list(m) for m in means] == [[pytest.approx(0.1)], [pytest.approx(0.3)]]
+    assert [list(d) for d in dots] == [[0.05, 0.15], [0.3]]
+    assert (tmp_path / "out.png").stat().st_size > 0

@@ -7,7 +7,7 @@ task), or this script's own json (to add seeds to a committed table). Several so
 they must have the same columns and measure, and no arm's seed may come twice. Prints the
 markdown table (means, then every seed; an arm of one seed gets its value, no interval; '-'
 where a task does not fit the length), writes the json (per arm: seeds, values [seed, column],
-null for '-') and, with a .png last, the plot with error bars.
+null for '-') and, with a .png last, the plot with error bars (`draw`).
 
     python docs/results/seeds.py SOURCE.json [SOURCE.json ...] docs/results/X.json [docs/results/X.png]
 """
@@ -91,22 +91,40 @@ def main(*args: str) -> None:
     with open(target, "w") as f:
         json.dump(out, f, indent=1)
     if plot:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        fig, ax = plt.subplots(figsize=(6, 4))  # the legend beside the axes: it covered curves
-        task = columns[0] == "all"
-        x = [int(c) for c in columns[1:]] if task else columns
-        for arm, rec in out["arms"].items():
-            values = np.array(rec["values"], float)[:, 1 if task else 0:]
-            ax.errorbar(x, values.mean(0), yerr=spread(values), marker="o", capsize=3,
-                        label=f"{arm} (mean +- std, {len(rec['seeds'])} seeds)" if len(values) > 1 else f"{arm} (1 seed)")
-        ax.set(xscale="log", xlabel="lag" if task else "evaluation length (tokens)", ylabel=measure)
+        draw(out, plot)
+
+
+def draw(out: dict, path: str):
+    """The plot of `main`'s json: mean +- std per arm along the lengths (lags), or, where a table has
+    one column, the arms side by side with every seed a dot. Returns the axes."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6, 4))
+    columns, task = out["columns"], out["columns"][0] == "all"
+    x = [int(c) for c in columns[1:]] if task else columns
+    single = len(x) < 2  # a task without groups (its one group is the whole), or one length
+    names = list(out["arms"])
+    for i, (arm, rec) in enumerate(out["arms"].items()):
+        values = np.array(rec["values"], float)
+        values = values[:, :1] if single else values[:, 1 if task else 0:]
+        label = f"{arm} (mean +- std, {len(values)} seeds)" if len(values) > 1 else f"{arm} (1 seed)"
+        line = ax.errorbar([i] if single else x, values.mean(0), yerr=spread(values), marker="o", capsize=3,
+                           label=label)
+        if single:  # every seed beside its mean
+            ax.plot(np.full(len(values), i + 0.15), values[:, 0], "o", alpha=0.5, color=line[0].get_color())
+    if single:
+        ax.set_xticks(range(len(names)), names)
+        ax.set(xlim=(-0.5, len(names) - 0.5), ylabel=f"{out['measure']} (dots: the seeds)",
+               xlabel="" if task else f"at {x[0]} tokens")
+    else:
+        ax.set(xscale="log", xlabel="lag" if task else "evaluation length (tokens)", ylabel=out["measure"])
         ax.set_xticks(x, [str(v) for v in x])
         ax.minorticks_off()
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
-        fig.savefig(plot, dpi=110, bbox_inches="tight")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))  # beside the axes: it covered curves
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    return ax
 
 
 if __name__ == "__main__":
