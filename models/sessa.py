@@ -44,8 +44,8 @@ def _options(cfg, defaults: dict) -> dict:
     options = dict(cfg.mixer_options)
     unknown = set(options) - set(defaults)
     if unknown:
-        raise ValueError(f"mixer {cfg.mixer!r} has no option(s) {sorted(unknown)}; its options: "
-                         f"{sorted(defaults)}")
+        takes = f"its options: {sorted(defaults)}" if defaults else "it takes none; leave model.mixer_options empty"
+        raise ValueError(f"mixer {cfg.mixer!r} has no option(s) {sorted(unknown)}; {takes}")
     return {**defaults, **options}
 
 

@@ -126,7 +126,7 @@ def test_bad_input_is_a_clear_error():
         DecoderLM(_config("rnn"), rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="mixer 'sessa' has no option\\(s\\) \\['state_dim'\\]"):
         DecoderLM(_config("sessa", mixer_options=(("state_dim", 4),)), rngs=nnx.Rngs(0))
-    with pytest.raises(ValueError, match="mixer 'transformer' has no option\\(s\\) \\['solve'\\]"):
+    with pytest.raises(ValueError, match="mixer 'transformer' has no option\\(s\\) \\['solve'\\]; it takes none"):
         DecoderLM(_config("transformer", mixer_options=(("solve", "blocked"),)), rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="model.mixer='attention' has none"):
         _config("attention", mixer_options=(("solve", "blocked"),))
