@@ -95,3 +95,26 @@ def test_seeds_plots_a_one_column_table_as_arms_side_by_side(tmp_path):
     assert [list(m) for m in means] == [[pytest.approx(0.1)], [pytest.approx(0.3)]]
     assert [list(d) for d in dots] == [[0.05, 0.15], [0.3]]
     assert (tmp_path / "out.png").stat().st_size > 0
+
+
+def test_seeds_reads_learning_curves_from_metrics(tmp_path, capsys):
+    """A run's metrics.jsonl gives its in-training task accuracy by step, the arm and seed from its
+    directory; a run without in-training evaluations is one clear line."""
+    seeds = load()
+    curves = {"sessa/seed0": [0.05, 0.25], "sessa/seed1": [0.15, 0.35], "transformer/seed0": [0.1, 0.2]}
+    for name, accuracy in curves.items():
+        (tmp_path / name).mkdir(parents=True)
+        lines = [{"step": 50, "loss": 3.0}, {"step": 100, "loss": 2.9, "lengths/accuracy": accuracy[0]},
+                 {"step": 150, "loss": 2.8}, {"step": 200, "loss": 2.7, "lengths/accuracy": accuracy[1]}]
+        (tmp_path / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    sources = [str(tmp_path / name / "metrics.jsonl") for name in curves]
+    seeds.main(*sources, str(tmp_path / "out.json"), str(tmp_path / "out.png"))
+    out = json.loads((tmp_path / "out.json").read_text())
+    assert (out["columns"], out["measure"], out["axis"]) == ([100, 200], "accuracy", "training step")
+    assert out["arms"]["sessa"] == {"seeds": [0, 1], "values": [[0.05, 0.25], [0.15, 0.35]]}
+    # sessa at step 100: mean 0.1, sample std 0.1 / sqrt(2) = 0.0707
+    assert "| sessa (seeds 0, 1) | 0.1000 +- 0.0707 | 0.3000 +- 0.0707 |" in capsys.readouterr().out
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "plain" / "metrics.jsonl").write_text(json.dumps({"step": 50, "loss": 3.0}) + "\n")
+    with pytest.raises(SystemExit, match="no in-training lengths evaluation; train with --config.evals=lengths"):
+        seeds.main(str(tmp_path / "plain" / "metrics.jsonl"), str(tmp_path / "x.json"))

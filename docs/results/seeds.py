@@ -3,16 +3,20 @@ suffix (`<name>_s<seed>` or `<name>/seed<seed>`; a name without one is seed 0, t
 default seed). A source is an eval.py report (results.json: perplexity per length, or for a
 synthetic task accuracy over all examples and per group, lag), a retrieval report as
 retrieval_merge.py writes it (exact match per length, mean over depths; one arm per run and
-task), or this script's own json (to add seeds to a committed table). Several sources merge;
-they must have the same columns and measure, and no arm's seed may come twice. Prints the
+task), a run's metrics.jsonl (a learning curve: its in-training `lengths` evaluations by step,
+the run named by its last two directories, `<name>/seed<seed>`), or this script's own json (to
+add seeds to a committed table). Several sources merge; they must have the same columns,
+measure and axis, and no arm's seed may come twice. Prints the
 markdown table (means, then every seed; an arm of one seed gets its value, no interval; '-'
 where a task does not fit the length), writes the json (per arm: seeds, values [seed, column],
 null for '-') and, with a .png last, the plot with error bars (`draw`).
 
     python docs/results/seeds.py SOURCE.json [SOURCE.json ...] docs/results/X.json [docs/results/X.png]
+    python docs/results/seeds.py runs/*/seed*/metrics.jsonl docs/results/X_curves.json X_curves.png
 """
 
 import json
+import os
 import re
 import sys
 
@@ -21,16 +25,24 @@ import numpy as np
 from lab.retrieval import by_length
 
 
-def arms(results: dict) -> tuple[list, str, dict]:
-    """(columns, measure, {arm: {seed: [value per column, None where none]}}) of one source."""
+LENGTH, LAG, STEP = "evaluation length (tokens)", "lag", "training step"  # what the columns are
+
+
+def arm_and_seed(name: str) -> tuple[str, int]:
+    arm, seed = re.fullmatch(r"(.+?)(?:(?:_s|/seed)(\d+))?", name).groups()
+    return arm.replace("_plus_", "+"), int(seed or 0)
+
+
+def arms(results: dict) -> tuple[list, str, str, dict]:
+    """(columns, measure, axis, {arm: {seed: [value per column, None where none]}}) of one source."""
     if "arms" in results:
-        measure = results.get("measure", "accuracy" if results["columns"][0] == "all" else "perplexity per byte")
-        return results["columns"], measure, {arm: dict(zip(rec["seeds"], rec["values"]))
-                                             for arm, rec in results["arms"].items()}
+        task = results["columns"][0] == "all"
+        measure = results.get("measure", "accuracy" if task else "perplexity per byte")
+        return results["columns"], measure, results.get("axis", LAG if task else LENGTH), {
+            arm: dict(zip(rec["seeds"], rec["values"])) for arm, rec in results["arms"].items()}
     out, columns, measure = {}, results["lengths"], "perplexity per byte"
     for name, run in results["runs"].items():
-        arm, seed = re.fullmatch(r"(.+?)(?:(?:_s|/seed)(\d+))?", name).groups()
-        arm, seed = arm.replace("_plus_", "+"), int(seed or 0)
+        arm, seed = arm_and_seed(name)
         if "tasks" in run:  # a retrieval report
             measure = "exact match"
             for task, scores in run["tasks"].items():
@@ -43,24 +55,38 @@ def arms(results: dict) -> tuple[list, str, dict]:
         else:
             values = [{x["length"]: x["ppl"] for x in run["results"]}[n] for n in columns]
         out.setdefault(arm, {})[seed] = values
-    return columns, measure, out
+    return columns, measure, LAG if measure == "accuracy" else LENGTH, out
 
 
-def merged(sources: list[str]) -> tuple[list, str, dict]:
-    """`arms` of every source together; SystemExit, one line, where they do not fit together."""
-    columns, measure, groups = None, None, {}
+def curve(path: str) -> tuple[list, str, str, dict]:
+    """`arms` of one run's in-training `lengths` evaluations (its metrics.jsonl): task accuracy, or
+    perplexity at the longest length, by step; the arm and seed from the run's directory."""
+    records = [json.loads(line) for line in open(path)]
+    key = "lengths/accuracy" if any("lengths/accuracy" in r for r in records) else "lengths/ppl_longest"
+    by_step = {r["step"]: r[key] for r in records if key in r}
+    if not by_step:
+        raise SystemExit(f"{path}: no in-training lengths evaluation; train with --config.evals=lengths "
+                         "and train.eval_every")
+    arm, seed = arm_and_seed("/".join(os.path.normpath(path).split(os.sep)[-3:-1]))
+    measure = "accuracy" if key == "lengths/accuracy" else "perplexity per byte at the longest length"
+    return list(by_step), measure, STEP, {arm: {seed: list(by_step.values())}}
+
+
+def merged(sources: list[str]) -> tuple[list, str, str, dict]:
+    """`arms` (or `curve`) of every source together; SystemExit, one line, where they do not fit."""
+    first, groups = None, {}
     for source in sources:
-        cols, meas, found = arms(json.load(open(source)))
-        if columns is not None and (cols, meas) != (columns, measure):
-            raise SystemExit(f"{source}: its columns {cols} ({meas}) differ from {sources[0]}'s "
-                             f"{columns} ({measure}); merge only like with like")
-        columns, measure = cols, meas
+        *kind, found = curve(source) if source.endswith(".jsonl") else arms(json.load(open(source)))
+        if first is not None and kind != first:
+            raise SystemExit(f"{source}: its columns {kind[0]} ({kind[1]} by {kind[2]}) differ from "
+                             f"{sources[0]}'s {first[0]} ({first[1]} by {first[2]}); merge only like with like")
+        first = kind
         for arm, seeds in found.items():
             if twice := set(seeds) & set(groups.get(arm, {})):
                 raise SystemExit(f"{source}: arm {arm} seed {min(twice)} is also in an earlier source; "
                                  "give each seed of an arm once")
             groups.setdefault(arm, {}).update(seeds)
-    return columns, measure, groups
+    return *first, groups
 
 
 def spread(values: np.ndarray) -> np.ndarray:
@@ -75,8 +101,8 @@ def cell(mean: float, std: float, seeds: int) -> str:
 def main(*args: str) -> None:
     plot = args[-1] if args[-1].endswith(".png") else ""
     *sources, target = args[:-1] if plot else args
-    columns, measure, groups = merged(sources)
-    out = {"columns": columns, "measure": measure, "arms": {}}
+    columns, measure, axis, groups = merged(sources)
+    out = {"columns": columns, "measure": measure, "axis": axis, "arms": {}}
     means = ["| run | " + " | ".join(map(str, columns)) + " |", "|---|" + "---|" * len(columns)]
     each = []
     for arm, seeds in groups.items():
@@ -101,7 +127,7 @@ def draw(out: dict, path: str):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(6, 4))
-    columns, task = out["columns"], out["columns"][0] == "all"
+    columns, task, axis = out["columns"], out["columns"][0] == "all", out.get("axis", LENGTH)
     x = [int(c) for c in columns[1:]] if task else columns
     single = len(x) < 2  # a task without groups (its one group is the whole), or one length
     names = list(out["arms"])
@@ -116,9 +142,9 @@ def draw(out: dict, path: str):
     if single:
         ax.set_xticks(range(len(names)), names)
         ax.set(xlim=(-0.5, len(names) - 0.5), ylabel=f"{out['measure']} (dots: the seeds)",
-               xlabel="" if task else f"at {x[0]} tokens")
+               xlabel="" if task else f"{axis}: {x[0]}")
     else:
-        ax.set(xscale="log", xlabel="lag" if task else "evaluation length (tokens)", ylabel=out["measure"])
+        ax.set(xscale="linear" if axis == STEP else "log", xlabel=axis, ylabel=out["measure"])
         ax.set_xticks(x, [str(v) for v in x])
         ax.minorticks_off()
     ax.grid(alpha=0.3)
