@@ -8,6 +8,7 @@ import dataclasses
 import functools
 import json
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -100,9 +101,11 @@ def named_runs(runs, untrained: bool = False):
 
 def run_name(workdir: str, workdirs) -> str:
     """A run's name in reports: its folder name, with as many parent folders as it takes to
-    tell it apart from the other runs compared (runs/a/tapa vs runs/b/tapa -> a/tapa, b/tapa)."""
+    tell it apart from the other runs compared (runs/a/tapa vs runs/b/tapa -> a/tapa, b/tapa).
+    A folder named seed<k> always keeps its parent, the arm it is a seed of (sessa/seed1)."""
     parts = lambda w: os.path.normpath(w).split(os.sep)  # noqa: E731
-    for depth in range(1, len(parts(workdir)) + 1):
+    seed_folder = re.fullmatch(r"seed\d+", parts(workdir)[-1]) is not None
+    for depth in range(1 + seed_folder, len(parts(workdir)) + 1):
         name = "/".join(parts(workdir)[-depth:])
         if sum("/".join(parts(w)[-depth:]) == name for w in workdirs) == 1:
             return name

@@ -177,6 +177,8 @@ def test_near_far_command(tiny_run, tmp_path):
 def test_run_names_tell_runs_with_the_same_folder_name_apart():
     runs = ["runs/tapa/extend/tapa", "runs/tapa/zeroshot/tapa", "runs/tapa/extend/rope"]
     assert [run_name(w, runs) for w in runs] == ["extend/tapa", "zeroshot/tapa", "rope"]
+    seeds = ["runs/ssf/sessa_nofb/seed1", "runs/ssf/sessa_nofb/seed2"]  # seeds.py groups them by the arm
+    assert [run_name(w, seeds) for w in seeds] == ["sessa_nofb/seed1", "sessa_nofb/seed2"]
 
 
 def test_long_evaluation_switches_only_the_reference_to_blockwise():
