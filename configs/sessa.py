@@ -30,7 +30,10 @@ Parameters as the authors' code (LibratioAI/sessa) builds them: biases on the fo
 q/k/v projections (`model.qkv_bias`) and PyTorch's default initialisation of every linear
 layer, weights and biases U(+-1/sqrt(fan_in)) (`model.init="torch"`), for every mixer alike.
 The choice the results before 2026-11-24 used is `--config.model.qkv_bias=False
---config.model.init=normal` (N(0, 1/fan_in) weights, zero biases, no q/k/v biases).
+--config.model.init=normal` (N(0, 1/fan_in) weights, zero biases, no q/k/v biases). With the
+authors' initialisation SymbolSoup stays at chance at this lr (3e-3, chosen with the project's
+initialisation) even at 5,000 steps; `--config.train.lr=1e-3` learns it (docs/results/sessa.md,
+the SymbolSoup ablation).
 
 Sessa's feedback solve is the blocked one (`model.mixer_options.solve="blocked"`, blocks of 128;
 positional/feedback.py): the same values as the dense solve the results before 2026-11-24 used
