@@ -121,13 +121,15 @@ def main(*args: str) -> None:
 
 
 def draw(out: dict, path: str):
-    """The plot of `main`'s json: mean +- std per arm along the lengths (lags), or, where a table has
-    one column, the arms side by side with every seed a dot. Returns the axes."""
+    """The plot of `main`'s json: mean +- std per arm along its columns (lengths, lags or training
+    steps), or, where a table has one column, the arms side by side with every seed a dot.
+    Returns the axes."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(6, 4))
-    columns, task, axis = out["columns"], out["columns"][0] == "all", out.get("axis", LENGTH)
+    columns, task = out["columns"], out["columns"][0] == "all"
+    axis = out.get("axis", LAG if task else LENGTH)  # jsons written before the axis was named
     x = [int(c) for c in columns[1:]] if task else columns
     single = len(x) < 2  # a task without groups (its one group is the whole), or one length
     names = list(out["arms"])
