@@ -39,8 +39,11 @@ def commuting_setup(rng, m=3, d_c=2, d=D):
     return u, beta, gens
 
 
+_rotation = jax.jit(espr.rotation)  # compiled once per shape: the tests call it for every pair (i, j)
+
+
 def rot(r, gens):
-    return np.asarray(espr.rotation(jnp.asarray(r, jnp.float32), jnp.asarray(gens, jnp.float32)), np.float64)
+    return np.asarray(_rotation(jnp.asarray(r, jnp.float32), jnp.asarray(gens, jnp.float32)), np.float64)
 
 
 def test_commuting_generators_give_rotations_with_the_group_and_relative_properties():
