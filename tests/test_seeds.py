@@ -97,6 +97,14 @@ def test_seeds_plots_a_one_column_table_as_arms_side_by_side(tmp_path):
     assert (tmp_path / "out.png").stat().st_size > 0
 
 
+def test_seeds_names_lengths_of_whole_kibitokens_short_so_close_ticks_stay_apart(tmp_path):
+    """768 and 1,024 lie 0.4 octaves apart on the log axis: "1024" ran into "768"."""
+    out = {"columns": [512, 768, 1024, 2048], "measure": "perplexity", "axis": "evaluation length (tokens)",
+           "arms": {"rope": {"seeds": [0], "values": [[5.0, 5.1, 5.2, 5.4]]}}}
+    ax = load().draw(out, str(tmp_path / "out.png"))
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["512", "768", "1K", "2K"]
+
+
 def test_seeds_reads_learning_curves_from_metrics(tmp_path, capsys):
     """A run's metrics.jsonl gives its in-training task accuracy by step, the arm and seed from its
     directory; a run without in-training evaluations is one clear line."""

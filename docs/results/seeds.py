@@ -147,7 +147,7 @@ def draw(out: dict, path: str):
                xlabel="" if task else f"{axis}: {x[0]}")
     else:
         ax.set(xscale="linear" if axis == STEP else "log", xlabel=axis, ylabel=out["measure"])
-        ax.set_xticks(x, [str(v) for v in x])
+        ax.set_xticks(x, [f"{v // 1024}K" if v >= 1024 and v % 1024 == 0 else str(v) for v in x])  # 768 | 1K
         ax.minorticks_off()
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))  # beside the axes: it covered curves
