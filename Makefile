@@ -1,16 +1,54 @@
-# `make demo` and `make test` are the whole set-up on a machine with Python 3.11+.
-PYTHON ?= python3
+# `make demo` and `make test` are the whole set-up on a machine with Python >= 3.12.
+# The interpreter: PYTHON if given, else the first of python3, python3.13, python3.12 that is
+# 3.12 or newer (pyenv and uv users get one from .python-version).
+NEWEST_PYTHON := $(firstword $(foreach p,python3 python3.13 python3.12,$(shell $(p) -c 'import sys; print("$(p)" if sys.version_info >= (3, 12) else "")' 2>/dev/null)))
+PYTHON ?= $(NEWEST_PYTHON)
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# `make test-min`: the oldest releases pyproject.toml allows (jax 0.11.2, the lent GPU machine's).
+MIN_VENV := .venv-min
+MIN_STAMP := $(MIN_VENV)/.installed
+# The TPU compiler (libtpu) of the installed JAX, for compiling for TPU topologies on this host
+# (benchmarks/compile_tpu.py, tests/test_compile_tpu.py). It goes in <venv>/libtpu, outside the
+# import path: JAX would otherwise try to start a TPU at every run on a host without one.
+# `pip install -e '.[tpu]'` installs it on the path instead (a TPU host).
+LIBTPU = $(1)/bin/python -m pip install --quiet --no-deps --target $(1)/libtpu \
+	"$$($(1)/bin/python -c 'from importlib.metadata import requires; print(next(r.split(";")[0] for r in requires("jax") if r.startswith("libtpu")))')"
+# JAX's persistent compilation cache, outside the clone; a changed program (kernel, shape,
+# flag, JAX version) misses it and compiles anew. Tests that must compile fresh turn it off.
+export JAX_COMPILATION_CACHE_DIR ?= $(HOME)/.cache/positional/jax
+export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS ?= 0
+# What `make test-min` runs on the oldest releases: kernels, dispatch, vendor calls, lowering and
+# compiling for the accelerators, precision, the conformance suite, packaging.
+MIN_TESTS := tests/test_flash.py tests/test_path_kernel.py tests/test_feedback.py tests/test_vendor.py \
+	tests/test_auto.py tests/test_precision.py tests/test_householder.py tests/test_compile_tpu.py \
+	tests/test_conformance.py tests/test_attention.py tests/test_packaging.py tests/test_benchmarks.py
+# `make test-quick` leaves out the modules that train, evaluate or run several processes.
+QUICK_SKIP := test_train test_runs_safety test_distributed test_eval test_retrieval test_hf_import test_analyze \
+	test_scale test_ring test_evaluators test_seeds test_perturb test_logit_probes test_lm_infinite test_grid2d
 
-.PHONY: demo demo-fast lint test test-slow clean
+.PHONY: python demo demo-fast lint test test-quick test-min test-slow clean
 
-$(STAMP): pyproject.toml
+python:
+	@test -n "$(PYTHON)" || { echo "error: no Python >= 3.12 found (tried python3, python3.13, python3.12); install one, or run make PYTHON=/path/to/python3.12" >&2; exit 1; }
+
+$(STAMP): pyproject.toml | python
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test,hf]'
+	$(PY) -m pip install --quiet --upgrade -e '.[test,hf]'
+	$(call LIBTPU,$(VENV))
+	@$(PY) -c 'import sys, jax; print(f"installed: Python {sys.version.split()[0]}, jax {jax.__version__}")'
 	touch $(STAMP)
+
+$(MIN_STAMP): pyproject.toml | python
+	test -x $(MIN_VENV)/bin/python || $(PYTHON) -m venv $(MIN_VENV)
+	$(MIN_VENV)/bin/python -m pip install --quiet --upgrade pip uv
+	$(MIN_VENV)/bin/python -m uv pip install --quiet --python $(MIN_VENV)/bin/python --resolution lowest-direct \
+		-e '.[test,hf]'
+	$(call LIBTPU,$(MIN_VENV))
+	@$(MIN_VENV)/bin/python -c 'import sys, jax; print(f"installed: Python {sys.version.split()[0]}, jax {jax.__version__}")'
+	touch $(MIN_STAMP)
 
 demo: $(STAMP)
 	$(PY) demo.py
@@ -24,6 +62,13 @@ lint: $(STAMP)
 # Two workers (pytest-xdist): compiling dominates, and one process leaves a core idle.
 test: lint
 	$(PY) -m pytest -q -n 2
+
+test-quick: lint
+	@echo "test-quick leaves out: $(QUICK_SKIP) (make test runs them)"
+	$(PY) -m pytest -q -n 2 $(foreach m,$(QUICK_SKIP),--ignore=tests/$(m).py)
+
+test-min: $(MIN_STAMP)
+	$(MIN_VENV)/bin/python -m pytest -q -n 2 $(MIN_TESTS)
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow

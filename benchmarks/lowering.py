@@ -53,15 +53,14 @@ import sys
 from collections import Counter
 
 import jax
-import jax.numpy as jnp
 from absl import app, flags
 from ml_collections import config_flags
 
 from data import pipeline
 from lab import cli
-from lab.state import check_config, init_state, mesh_and_batch, model_config
-from lab.lowering import CUDNN, MOSAIC, TRITON, UNSTABLE_CALLS, simplified, stand_in
-from lab.training import make_train_step
+from lab.state import check_config, mesh_and_batch, model_config
+from lab.lowering import CUDNN, MOSAIC, TRITON, UNSTABLE_CALLS, simplified, target
+from lab.training import abstract_train_step
 from models.registry import make_scheme
 from positional.attention import REFERENCE_MAX
 
@@ -120,20 +119,21 @@ def captured_choices():
         log.propagate = propagate
 
 
-def lowered_train_step(config, platform: str) -> tuple[str, list[tuple], list]:
-    """(StableHLO text of the config's train step exported for `platform`, the dispatcher's
-    records, the parameters' shapes). Everything is abstract: nothing is allocated."""
-    mesh, batch_sharding = mesh_and_batch(config)
-    graphdef, rest, tx, _, state = init_state(config, vocab_size(config), mesh, abstract=True)
-    rest = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), rest)  # small non-parameter state
-    row = jax.ShapeDtypeStruct((config.batch_size, config.seq_len + 1), jnp.int32, sharding=batch_sharding)
-    batch = {"tokens": row, "segment_ids": row, "positions": row}
-    step = make_train_step(graphdef, rest, tx, config, jax.tree.map(lambda x: x.sharding, state), batch_sharding)
-    checks = [jax.export.DisabledSafetyCheck.custom_call(name) for name in UNSTABLE_CALLS]
-    with stand_in(platform), captured_choices() as records:
-        exported = jax.export.export(step, platforms=[platform], disabled_checks=checks)(state, batch)
-    param_shapes = [tuple(x.shape) for x in jax.tree.leaves(state["params"])]
-    return simplified(exported.mlir_module()), records, param_shapes
+def lowered_train_step(config, platform: str, devices=None) -> tuple[str, list[tuple], list, object]:
+    """(StableHLO text of the config's train step for `platform`, the dispatcher's records, the
+    parameters' shapes, the jax Lowered to compile or None). Exported with jax.export over this
+    host's devices, or, given `devices` (a TPU topology's), lowered by jit for them, compilable.
+    Everything is abstract: nothing is allocated."""
+    step, args, mesh = abstract_train_step(config, vocab_size(config), devices)
+    with target(platform, mesh=mesh), captured_choices() as records:
+        if devices is None:
+            checks = [jax.export.DisabledSafetyCheck.custom_call(name) for name in UNSTABLE_CALLS]
+            lowered, text = None, jax.export.export(step, platforms=[platform], disabled_checks=checks)(*args).mlir_module()
+        else:
+            lowered = step.lower(*args)
+            text = lowered.as_text()
+    param_shapes = [tuple(x.shape) for x in jax.tree.leaves(args[0]["params"])]
+    return simplified(text), records, param_shapes, lowered
 
 
 def vocab_size(config) -> int:
@@ -167,9 +167,9 @@ def custom_calls(text: str) -> tuple[dict[str, int], dict[str, int]]:
             functions[name] = (Counter(), Counter())
         if name is None:
             continue
-        for target in re.findall(r'custom_call\s*@"?([\w$.\-]+)', line):
-            if _kind(target):
-                functions[name][0][_kind(target)] += 1
+        for call in re.findall(r'custom_call\s*@"?([\w$.\-]+)', line):
+            if _kind(call):
+                functions[name][0][_kind(call)] += 1
         # `func.call`, printed `call` inside a function once the module has been through MLIR.
         for callee in re.findall(r'(?<![\w.])(?:func\.)?call\s+@"?([\w$.\-]+)', line):
             functions[name][1][callee] += 1
@@ -244,18 +244,19 @@ def layers_text(layers) -> str:
 
 # ---- the check -----------------------------------------------------------------------------
 
-def configured():
+def configured(flag_values=FLAGS):
     """The config of the flags, its overrides checked (a typo is one ValueError line)."""
-    flag = FLAGS["config"]
-    if FLAGS.config is None:
+    flag = flag_values["config"]
+    if flag_values.config is None:
         raise ValueError("pass --config configs/<file>.py[:arg], e.g. --config configs/default.py:alibi")
     cli.check_overrides(config_flags.get_config_filename(flag), config_flags.get_override_values(flag))
-    return FLAGS.config
+    return flag_values.config
 
 
-def check(config, platform: str, force_auto: bool = True) -> dict:
-    """Lower `config`'s train step for `platform`, print the report; returns it as a dict whose
-    'failure' is the one line to exit with (None: the check passed)."""
+def check(config, platform: str, force_auto: bool = True, devices=None) -> dict:
+    """Lower `config`'s train step for `platform` (over `devices`, see lowered_train_step), print
+    the report; returns it as a dict whose 'failure' is the one line to exit with (None: the
+    check passed) and whose 'lowered' compiles it (given devices)."""
     lines = []
     impl = config.model.attention_impl
     if impl != "auto" and force_auto:
@@ -275,8 +276,8 @@ def check(config, platform: str, force_auto: bool = True) -> dict:
                     f"jax {jax.__version__}")
     lines.append(f"fused path: {'yes' if fused else 'no'} ({label} impls: {', '.join(scheme.impls)})")
 
-    text, records, param_shapes = lowered_train_step(config, platform)
-    sequence = mesh_and_batch(config)[0].shape["sequence"]
+    text, records, param_shapes, lowered = lowered_train_step(config, platform, devices)
+    sequence = mesh_and_batch(config, devices)[0].shape["sequence"]
 
     mine = [r for r in records if r[1] == platform]
     sites: dict[tuple, list] = {}
@@ -331,7 +332,8 @@ def check(config, platform: str, force_auto: bool = True) -> dict:
     lines.append(f"result: {'FAIL' if failure else 'ok'}")
     print("\n".join(lines), flush=True)
     return {"platform": platform, "scheme": config.model.scheme, "label": label, "fused_path": fused,
-            "sites": sites, "custom_calls": calls, "t_by_t": square, "failure": failure, "lines": lines}
+            "sites": sites, "custom_calls": calls, "t_by_t": square, "failure": failure, "lines": lines,
+            "lowered": lowered}
 
 
 def benchmark() -> dict:

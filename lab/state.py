@@ -70,8 +70,9 @@ def model_config(config, vocab_size: int) -> ModelConfig:
     return ModelConfig.from_dict(d)
 
 
-def make_mesh(config) -> jax.sharding.Mesh:
-    n = jax.device_count()
+def make_mesh(config, devices=None) -> jax.sharding.Mesh:
+    """The config's mesh over `devices` (default: every device of the job)."""
+    n = len(devices) if devices is not None else jax.device_count()
     sizes = dict(config.mesh)
     free = [a for a, s in sizes.items() if s == -1]
     fixed = math.prod(s for s in sizes.values() if s != -1)
@@ -83,7 +84,7 @@ def make_mesh(config) -> jax.sharding.Mesh:
         raise ValueError(f"mesh {sizes} uses {math.prod(sizes.values())} devices, but there are {n}")
     # Auto axes: the partitioner propagates shardings from the annotated inputs and outputs.
     return jax.make_mesh(tuple(sizes.values()), tuple(sizes),
-                         axis_types=(jax.sharding.AxisType.Auto,) * len(sizes))
+                         axis_types=(jax.sharding.AxisType.Auto,) * len(sizes), devices=devices)
 
 
 def make_optimizer(cfg) -> tuple[optax.GradientTransformation, optax.Schedule]:
@@ -133,9 +134,9 @@ def apply_optimizer(tx, grads, opt_state, params):
     return jax.tree.map(lambda x, p: x.astype(p.dtype), new, params), opt_state
 
 
-def mesh_and_batch(config):
+def mesh_and_batch(config, devices=None):
     """The device mesh and the batch's sharding (rows over data x fsdp)."""
-    mesh = make_mesh(config)
+    mesh = make_mesh(config, devices)
     n_batch_shards = mesh.shape["data"] * mesh.shape["fsdp"]
     if config.batch_size % n_batch_shards:
         raise ValueError(f"batch_size={config.batch_size} is not divisible by the {n_batch_shards} "

@@ -80,26 +80,38 @@ def make_train_step(graphdef, rest, tx, config, state_shardings, batch_sharding)
                    out_shardings=(state_shardings, None), donate_argnums=0)
 
 
-def dry_run(config: ml_collections.ConfigDict) -> dict:
-    """Compile the sharded train step of `config` on abstract inputs, allocating and running
-    nothing: the parameter count and XLA's memory analysis of the program each device runs."""
+def abstract_train_step(config: ml_collections.ConfigDict, vocab_size: int, devices=None):
+    """(the jitted train step of `config`, its abstract arguments (state, batch), the mesh) over
+    `devices` (default: the job's), every array a ShapeDtypeStruct: nothing is allocated."""
     check_config(config)
-    mesh, batch_sharding = mesh_and_batch(config)
-    vocab = config.model.vocab_size or pipeline.tokenizer(config.data).vocab_size
-    graphdef, rest, tx, _, state = init_state(config, vocab, mesh, abstract=True)
-    rest = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), rest)
+    mesh, batch_sharding = mesh_and_batch(config, devices)
+    graphdef, rest, tx, _, state = init_state(config, vocab_size, mesh, abstract=True)
+    rest = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), rest)  # small non-parameter state
     row = jax.ShapeDtypeStruct((config.batch_size, config.seq_len + 1), jnp.int32, sharding=batch_sharding)
     batch = {"tokens": row, "segment_ids": row, "positions": row}
-    step = make_train_step(graphdef, rest, tx, config, jax.tree.map(lambda x: x.sharding, state),
-                           batch_sharding)
-    mem = step.lower(state, batch).compile().memory_analysis()
-    out = {"devices": jax.device_count(), "mesh": dict(mesh.shape),
-           "params": sum(math.prod(x.shape) for x in jax.tree.leaves(state["params"])),
-           "argument_bytes": mem.argument_size_in_bytes, "output_bytes": mem.output_size_in_bytes,
+    step = make_train_step(graphdef, rest, tx, config, jax.tree.map(lambda x: x.sharding, state), batch_sharding)
+    return step, (state, batch), mesh
+
+
+def memory(compiled) -> dict:
+    """The compiler's memory analysis of the program each device runs, in bytes."""
+    mem = compiled.memory_analysis()
+    out = {"argument_bytes": mem.argument_size_in_bytes, "output_bytes": mem.output_size_in_bytes,
            "alias_bytes": mem.alias_size_in_bytes, "temp_bytes": mem.temp_size_in_bytes}
     # Donated state is aliased to the output: it is counted once.
     out["total_bytes"] = out["argument_bytes"] + out["output_bytes"] - out["alias_bytes"] + out["temp_bytes"]
     return out
+
+
+def dry_run(config: ml_collections.ConfigDict) -> dict:
+    """Compile the sharded train step of `config` on abstract inputs, allocating and running
+    nothing: the parameter count and XLA's memory analysis of the program each device runs."""
+    check_config(config)
+    vocab = config.model.vocab_size or pipeline.tokenizer(config.data).vocab_size
+    step, (state, batch), mesh = abstract_train_step(config, vocab)
+    return {"devices": jax.device_count(), "mesh": dict(mesh.shape),
+            "params": sum(math.prod(x.shape) for x in jax.tree.leaves(state["params"])),
+            **memory(step.lower(state, batch).compile())}
 
 
 def dry_run_report(r: dict) -> str:

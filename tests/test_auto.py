@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from draws import normal
-from lab.lowering import cudnn_stand_in
+from lab.lowering import target
 from lowering import MOSAIC, TRITON, lowered, simplified
 from models.registry import make_scheme
 from positional import attention as dispatch
@@ -23,7 +23,7 @@ ALIBI = make_scheme("alibi", num_heads=4, head_dim=128).bias_fn(None, None)
 @pytest.fixture
 def cudnn():
     """This CPU jaxlib has no cuDNN: `choose` asks whether jax could build a cuDNN call."""
-    with cudnn_stand_in():
+    with target("cuda"):
         yield
 
 

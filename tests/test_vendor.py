@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from draws import normal
-from lab.lowering import cudnn_stand_in
+from lab.lowering import target
 from lowering import MOSAIC, lowered
 from positional import vendor
 from positional.softmax import reference_attention
@@ -126,7 +126,7 @@ def test_splash_interpreted_equals_reference(t, with_segments, dtype):
 @pytest.fixture
 def cudnn_version():
     """For the whole test (lowering for cpu traces the cuda branch too): lab.lowering's stand-in."""
-    with cudnn_stand_in():
+    with target("cuda"):
         yield
 
 

@@ -1,0 +1,110 @@
+"""Compile a config's train step for a TPU topology with the TPU compiler, on a host without a TPU.
+
+    python benchmarks/compile_tpu.py --topology v5e:2x2 --config configs/default.py:alibi \
+        --config.seq_len=8192 --config.model.dtype=bfloat16
+    python benchmarks/compile_tpu.py --topology v5p:2x2x4 --config configs/long_context.py:tpu16/rope
+
+The full train step (forward, backward and the AdamW update, as train.py builds it) is built
+from abstract shapes over the topology's devices, with the config's mesh (default: every axis 1
+but data, which takes every device; `--config.mesh.X=N` as for training), lowered by jit for
+those devices (the Pallas kernels are sized for the topology's own chip: `lab.lowering.target`)
+and compiled by libtpu (`make` installs it in .venv/libtpu; `pip install -e '.[tpu]'` does
+too). Nothing runs. It prints what benchmarks/lowering.py prints (what auto chose at each call
+site and why, the fused custom calls, the largest tensor, any T x T tensor), then the compile
+time and the TPU compiler's memory per device (arguments, outputs, temporaries, their total)
+against the chip's HBM.
+
+Exit status 1, with one line on stderr ("error: ..."), on what benchmarks/lowering.py fails (a
+scheme with a fused path fell back to a T x T path), a compile error (its first line: VMEM or
+HBM exhausted, a Mosaic check), or a total over the device's HBM. A bad flag, an unknown
+topology or no libtpu: one line and exit 1.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import jax
+from absl import app, flags
+from ml_collections import config_flags
+
+import lowering  # beside this file
+from lab import cli
+from lab.lowering import tpu_hbm_per_device, tpu_topology
+from lab.training import memory
+
+FLAGS = flags.FLAGS if __name__ == "__main__" else flags.FlagValues()
+flags.DEFINE_string("topology", None, "TPU topology <generation>:<chips per axis>: v4:2x2x1, v5e:2x2, v5p:2x2x1, "
+                    "v6e:2x2, ... (required)", flag_values=FLAGS)
+flags.DEFINE_bool("force_auto", True, "set model.attention_impl='auto' (as benchmarks/lowering.py)", flag_values=FLAGS)
+config_flags.DEFINE_config_file("config", None, "experiment config: configs/<file>.py[:arg] (required)",
+                                flag_values=FLAGS, lock_config=False, accept_new_attributes=True)
+
+
+def gib(n: int) -> str:
+    return f"{n / 2 ** 30:,.2f} GiB"
+
+
+def first_line(e: Exception) -> str:
+    return next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
+
+
+def compile_check(config, topology: str, force_auto: bool = True) -> dict:
+    """Lower and compile `config`'s train step for `topology`, print the report; returns
+    benchmarks/lowering.py's dict with 'compile_s', 'memory' and 'hbm_bytes' added, 'failure'
+    the one line to exit with (None: it compiled and fits)."""
+    devices = tpu_topology(topology)
+    try:
+        result = lowering.check(config, "tpu", force_auto, devices=devices)
+    except Exception as e:  # noqa: BLE001 -- lowering for these devices failed: JAX's reason, in one line
+        reason = first_line(e)
+        print(f"lowering: FAILED: {reason}", flush=True)
+        return {"topology": topology, "scheme": config.model.scheme, "device_kind": devices[0].device_kind,
+                "failure": f"{config.model.scheme} does not lower for {topology}: {reason}", "compile_s": None,
+                "memory": None, "sites": {}, "custom_calls": {}}
+    hbm = tpu_hbm_per_device(topology, devices)
+    result.update(topology=topology, device_kind=devices[0].device_kind, hbm_bytes=hbm, compile_s=None,
+                  memory=None)
+    start = time.perf_counter()
+    try:
+        compiled = result["lowered"].compile()
+    except Exception as e:  # noqa: BLE001 -- the TPU compiler's reason, in one line
+        result["compile_s"] = time.perf_counter() - start
+        reason = first_line(e)
+        result["failure"] = result["failure"] or f"the TPU compiler refused it ({topology}): {reason}"
+        print(f"compile: FAILED after {result['compile_s']:.1f} s: {reason}", flush=True)
+        return result
+    result["compile_s"] = time.perf_counter() - start
+    mem = result["memory"] = memory(compiled)
+    fits = mem["total_bytes"] <= hbm
+    print(f"compiled for {topology} ({len(devices)} x {devices[0].device_kind}) in {result['compile_s']:.1f} s, "
+          f"jax {jax.__version__}\n"
+          f"per device (TPU compiler): arguments {gib(mem['argument_bytes'])}, outputs {gib(mem['output_bytes'])} "
+          f"(aliased {gib(mem['alias_bytes'])}), temporaries {gib(mem['temp_bytes'])}; total "
+          f"{gib(mem['total_bytes'])} of {gib(hbm)} HBM: {'fits' if fits else 'DOES NOT FIT'}", flush=True)
+    if not fits and result["failure"] is None:
+        result["failure"] = (f"{config.model.scheme} needs {gib(mem['total_bytes'])} per device on {topology}, over the "
+                             f"{gib(hbm)} of HBM; shard it further (--config.mesh.fsdp=N) or shorten the batch")
+    return result
+
+
+def benchmark() -> dict:
+    if FLAGS.topology is None:
+        raise ValueError("pass --topology <generation>:<chips per axis>, e.g. --topology v5e:2x2")
+    return compile_check(lowering.configured(FLAGS), FLAGS.topology, FLAGS.force_auto)
+
+
+def main(argv):
+    if len(argv) > 1:
+        print(f"error: unexpected arguments {argv[1:]}; flags only", file=sys.stderr)
+        sys.exit(1)
+    cli.quiet()
+    result = cli.run_cli(benchmark)
+    if result["failure"]:
+        print(f"error: {result['failure']}", file=sys.stderr)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    app.run(main, flags_parser=cli.parse_flags)

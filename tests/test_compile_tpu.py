@@ -1,0 +1,57 @@
+"""benchmarks/compile_tpu.py: a train step compiled for a TPU by libtpu on this CPU host (no TPU):
+a bias scheme and a score scheme on the fused kernel, PaTH-FoX on its own kernel, each through
+the TPU compiler for one generation; and its one-line failures."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lab import lowering
+from lab.lowering import tpu_topology
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ["--config.seq_len=256", "--config.batch_size=2", "--config.model.d_model=64",
+        "--config.model.num_layers=1", "--config.model.dtype=bfloat16"]
+
+
+def compile_tpu(*argv) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "benchmarks/compile_tpu.py", *argv], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600)
+
+
+@pytest.mark.parametrize("scheme,site", [("alibi", "1 x Alibi (layer 0): pallas -- the fused kernel"),
+                                         ("tapa", "1 x Tapa (layer 0): pallas -- the fused kernel"),
+                                         ("path_fox", "1 x Path (layer 0): pallas -- PaTH's kernel")])
+def test_a_train_step_compiles_for_tpu(scheme, site):
+    run = compile_tpu("--topology", "v5e:1x1", "--config", f"configs/default.py:{scheme}", *TINY)
+    assert run.returncode == 0, run.stdout + run.stderr
+    out = run.stdout
+    assert site in out, out
+    mosaic = int(out.split("mosaic (tpu_custom_call) ")[1].split(",")[0])
+    assert mosaic >= 2, out  # forward and backward kernels, in the step the TPU compiler took
+    assert "compiled for v5e:1x1 (1 x TPU v5 lite)" in out and "of 16.00 GiB HBM: fits" in out, out
+
+
+def test_a_step_over_the_chips_memory_fails_in_one_line(monkeypatch):
+    """The total the TPU compiler plans is checked against the chip's HBM (here a pretend 0-GiB chip)."""
+    monkeypatch.setitem(lowering.TPU_HBM_GIB, "v5e", 0)
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import compile_tpu
+    from configs.default import get_config
+    config = get_config("rope")
+    config.update_from_flattened_dict({"seq_len": 256, "batch_size": 2, "model.d_model": 64,
+                                       "model.num_layers": 1, "model.dtype": "bfloat16"})
+    result = compile_tpu.compile_check(config, "v5e:1x1")
+    assert result["memory"]["total_bytes"] > 0
+    assert "per device on v5e:1x1, over the 0.00 GiB of HBM" in result["failure"], result["failure"]
+
+
+def test_bad_topology_or_no_libtpu_is_one_line(monkeypatch):
+    run = compile_tpu("--topology", "v9x:2x2", "--config", "configs/default.py:rope")
+    assert run.returncode == 1 and run.stderr.strip().count("\n") == 0, run.stderr
+    assert "unknown TPU topology 'v9x:2x2': pass <generation>:<chips per axis>" in run.stderr
+    monkeypatch.setattr(lowering, "libtpu_path", lambda: None)
+    with pytest.raises(ValueError, match=r"needs the TPU compiler \(libtpu\): run `make`"):
+        tpu_topology("v5e:2x2")
