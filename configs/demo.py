@@ -1,4 +1,4 @@
-"""The demo: small byte-level LMs on the embedded corpus (the Python standard library), trained
+"""The demo: small byte-level LMs on the default corpus (data.corpus: pinned Python sources), trained
 at length 256 and evaluated from 128 to 4,096 tokens (16x).
 
     python train.py --config configs/demo.py:alibi          # one scheme

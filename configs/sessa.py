@@ -23,7 +23,7 @@ official generator with every parameter as published except the length, 100 to 1
 instead of 400 to 600 (the same layout, shorter blocks; `symbolsoup_full` keeps the official
 400 to 600); the training set is the official
 20,000 examples, of which a run sees 16,000. Diffuse MQAR trains at lags 16 to 32 and is tested
-at 8 to 128 (4x the longest training lag). LM: bytes of the standard library, length 128.
+at 8 to 128 (4x the longest training lag). LM: bytes of the default corpus (data.corpus), length 128.
 The test sets are smaller than the paper's 2,000 to keep evaluation under a minute.
 
 Parameters as the authors' code (LibratioAI/sessa) builds them: biases on the forward branch's
@@ -52,7 +52,7 @@ TASKS = {
     "symbolsoup": dict(min_tokens=100, max_tokens=150, eval_examples=400),
     "symbolsoup_full": dict(min_tokens=400, max_tokens=600, eval_examples=400),  # the official lengths
     "mqar": dict(lag_min=16, lag_max=32, eval_lags=(8, 16, 32, 64, 128), eval_examples=500),
-    "lm": None,  # byte-level LM on the embedded corpus (the Python standard library)
+    "lm": None,  # byte-level LM on the default corpus (data.corpus)
 }
 
 

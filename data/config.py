@@ -13,11 +13,12 @@ def default_data_config() -> ml_collections.ConfigDict:
     Fields:
       name: 'local_text' (a directory of text files), a prepared TFDS data set: 'pg19',
         'lm1b', 'c4', or a synthetic task (`data.tasks`): 'symbolsoup', 'diffuse_mqar'.
-      source_dir: for 'local_text'; '' means the running Python's standard library
-        (its *.py files), which every machine with Python has; a .jsonl or .parquet file is a
-        corpus of one document per record (its 'text' field).
-      suffixes: comma-separated file suffixes read from `source_dir` (the standard
-        library corpus is always its *.py files).
+      source_dir: for 'local_text'; '' means the default corpus, the Python sources of two
+        pinned releases from PyPI (`data.corpus`: sympy 1.13.3 and Django 5.1.4, fetched and
+        hash-checked once), the same on every machine; a .jsonl or .parquet file is a corpus of
+        one document per record (its 'text' field).
+      suffixes: comma-separated file suffixes read from `source_dir` (the default corpus is
+        always its *.py files).
       data_dir: where TFDS files and tokenizer models go: $POSITIONAL_DATA_DIR, else
         ~/.cache/positional.
       tokenizer: 'byte', 'sentencepiece' (trained on the train split, cached in data_dir), or 'hf':

@@ -2,8 +2,9 @@
 
 `LocalText` turns a directory of text files into a TFDS data set, one example per file:
 {"text": the file's bytes, "path": its path relative to the directory}. The default
-directory is the running Python's standard library (its *.py files, site-packages excluded):
-real text that every machine with Python has, with many files over 64K bytes.
+directory is the pinned corpus of `data.corpus` (the Python sources of two releases from PyPI,
+their hashes in its manifest): real text, the same on every machine and Python version, with
+many files over 64K bytes.
 
 Files are split train / validation / test (90 / 5 / 5) by a SHA-256 of their relative path,
 so the split never depends on file order, the machine or the run. Each directory (and set of
@@ -37,14 +38,13 @@ import json
 import os
 import re
 import sys
-import sysconfig
 from typing import Any, Iterator, Mapping, NamedTuple, Sequence
 
 import ml_collections
 from etils import epath
 import tensorflow_datasets as tfds
 
-from data import DataError, absent_dirs, remove_empty_dirs
+from data import DataError, absent_dirs, corpus, remove_empty_dirs
 
 SPLITS = ("train", "validation", "test")
 DEFAULT_SUFFIXES = (".py", ".txt", ".md", ".rst")
@@ -55,11 +55,6 @@ _SPLIT_BOUNDS = ((0.90, "train"), (0.95, "validation"), (1.0, "test"))
 # invalid UTF-8 (each becomes one U+FFFD when decoded with errors="replace") in a text file.
 SNIFF_BYTES = 8192
 MAX_INVALID_UTF8 = 0.05
-
-
-def stdlib_dir() -> str:
-    """The running interpreter's standard library directory."""
-    return sysconfig.get_paths()["stdlib"]
 
 
 def split_of(relative_path: str) -> str:
@@ -110,7 +105,7 @@ def find_documents(source_dir: str, suffixes: Sequence[str]) -> list[str]:
         problem = "is not a directory" if os.path.exists(source_dir) else "does not exist"
         raise DataError(
             f"Text source directory {source_dir!r} {problem}. Set config.data.source_dir to a "
-            "directory of text files, or to '' for the Python standard library."
+            "directory of text files, or to '' for the default corpus."
         )
     if not suffixes:
         raise DataError(
@@ -187,16 +182,13 @@ class LocalTextConfig(tfds.core.BuilderConfig):
     suffixes: tuple[str, ...] = DEFAULT_SUFFIXES
 
 
-def local_text_config(source_dir: str = "", suffixes: Sequence[str] = DEFAULT_SUFFIXES) -> LocalTextConfig:
-    """The builder config of a directory; '' means the standard library with suffix .py.
+def local_text_config(source_dir: str, suffixes: Sequence[str] = DEFAULT_SUFFIXES) -> LocalTextConfig:
+    """The builder config of a directory (or a .jsonl / .parquet file).
 
     Its name, `<dir name>-<hash of absolute path and suffixes>`, keeps corpora apart in the cache.
     """
-    if source_dir:
-        label = os.path.basename(source_dir.rstrip("/"))
-        source_dir = os.path.abspath(os.path.expanduser(source_dir))
-    else:
-        source_dir, label, suffixes = stdlib_dir(), "stdlib", (".py",)
+    label = os.path.basename(source_dir.rstrip("/"))
+    source_dir = os.path.abspath(os.path.expanduser(source_dir))
     suffixes = tuple(sorted(set(suffixes)))
     key = hashlib.sha256(f"{source_dir}\n{','.join(suffixes)}".encode("utf-8")).hexdigest()[:10]
     label = re.sub(r"[^A-Za-z0-9_]+", "_", label) or "dir"
@@ -263,11 +255,14 @@ class LocalText(tfds.core.GeneratorBasedBuilder):
 
 
 def prepare(data_dir: str, source_dir: str = "", suffixes: Sequence[str] = DEFAULT_SUFFIXES) -> LocalText:
-    """Prepares (once; later calls only read metadata) and returns the builder of a directory.
+    """Prepares (once; later calls only read metadata) and returns the builder of a directory;
+    '' is the default corpus (`data.corpus`, its *.py files), made in data_dir first.
 
     If preparing fails, the folders this call created (data_dir and the ones TFDS makes in it)
     are removed again where they are empty; nothing that existed before is touched.
     """
+    if not source_dir:
+        source_dir, suffixes = corpus.corpus_dir(data_dir), corpus.SUFFIXES
     config = local_text_config(source_dir, suffixes)
     builder = LocalText(config=config, data_dir=data_dir, file_format="array_record")
     if builder.is_prepared():

@@ -194,7 +194,7 @@ def _check_fills_a_row(docs: grain.MapDataset, seq_len: int, config: ml_collecti
         if tokens >= seq_len:
             return
     shard = f" (shard {shard_index} of {num_shards})" if num_shards > 1 else ""
-    where = (config.source_dir or "the standard library") if config.name == "local_text" else config.name
+    where = (config.source_dir or "the default corpus") if config.name == "local_text" else config.name
     raise DataError(
         f"The train split{shard} of {where} has {len(docs)} documents and {tokens} tokens, fewer "
         f"than one training row of {seq_len}: use a larger corpus or a smaller seq_len."

@@ -2,10 +2,12 @@
 told they target, and a reading of the module. Used by benchmarks/lowering.py (jax.export),
 benchmarks/compile_tpu.py (the TPU compiler through libtpu) and the tests' lowering checks.
 
-Pallas sizes a kernel for the chip of the abstract mesh's device where one is set (else it asks
-the default device, here a CPU, which it refuses); `target` sets it while a function is lowered:
-for cuda an H100 (and jax's query of the cuDNN version, which a CPU jaxlib cannot answer, answers
-9.10), for tpu the generation asked for (v5e unless told), or the devices of a TPU topology.
+Pallas sizes a kernel for the chip it lowers for, which it reads from the device of the
+abstract mesh in context, else from the default device, here a CPU (which it refuses).
+`target` names the chip while a function is lowered: over a TPU topology's devices, their
+mesh (the real chip); exported from this host's devices, a stand-in for this host's device kind,
+an H100 for cuda (with jax's query of the cuDNN version, which a CPU jaxlib cannot answer, at
+9.10), a TPU generation for tpu (v5e unless told).
 """
 
 from __future__ import annotations
@@ -19,10 +21,16 @@ from unittest import mock
 
 import jax
 from jax._src import cloud_tpu_init
-from jax.experimental import topologies
 from jax._src.cudnn import fused_attention_stablehlo
 from jax._src.interpreters import mlir as jax_mlir
 from jax._src.lib.mlir import ir, passmanager
+from jax._src.pallas.triton import gpu_info
+from jax.experimental import topologies
+
+try:
+    from jax._src.pallas.mosaic import tpu_info
+except ImportError:  # a jaxlib without Mosaic
+    tpu_info = None
 
 TRITON = "__gpu$xla.gpu.triton"  # a Pallas kernel on GPU
 MOSAIC = "tpu_custom_call"  # a Pallas kernel (ours or splash) on TPU
@@ -33,29 +41,31 @@ UNSTABLE_CALLS = (TRITON, *(f"{CUDNN}{name}" for name in (
     "SoftmaxDropoutBackward", "ScaleBiasSoftmaxDropout", "ScaleBiasSoftmaxDropoutBackward", "SoftmaxF8",
     "SoftmaxBackwardF8")))
 
-# The device kind a platform's kernels are lowered for when no device is named: (kind, cores).
-DEFAULT_CHIPS = {"cuda": ("NVIDIA H100 80GB HBM3", 132), "tpu": ("TPU v5 lite", 1)}
-_JAX_PLATFORM = {"cuda": "gpu", "tpu": "tpu"}
+
+def _chip_info(platform: str, chip: str):
+    """The hardware description Pallas would read on `chip` ("H100"; "TPU_V5E", ...)."""
+    if platform == "cuda":
+        return gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion[chip])
+    if tpu_info is None:
+        raise ValueError("this jaxlib has no Mosaic TPU support to lower for tpu")
+    return tpu_info.get_tpu_info_for_chip(tpu_info.ChipVersion[chip], 1)
 
 
 @contextlib.contextmanager
-def target(platform: str, device=None, mesh: jax.sharding.Mesh | None = None):
-    """While the block runs, Pallas kernels lower for `device` (a jax device or
-    jax.sharding.AbstractDevice; default DEFAULT_CHIPS[platform]), through the abstract mesh of
-    `mesh` (default one device); on cuda the cuDNN version query answers 9.10. Other platforms:
-    nothing is set."""
-    if platform not in _JAX_PLATFORM:
+def target(platform: str, mesh: jax.sharding.Mesh | None = None, chip: str | None = None):
+    """While the block runs, Pallas kernels lower for the chip of `mesh`'s devices where they are
+    the platform's (a TPU topology), else for `chip` (default H100 for cuda, TPU_V5E for tpu),
+    stood in for this host's device kind; on cuda the cuDNN version query answers 9.10."""
+    if platform not in ("cuda", "tpu"):
         yield
         return
-    if device is None:
-        kind, cores = DEFAULT_CHIPS[platform]
-        device = jax.sharding.AbstractDevice(device_kind=kind, num_cores=cores, platform=_JAX_PLATFORM[platform])
-    elif not isinstance(device, jax.sharding.AbstractDevice):
-        device = jax.sharding.AbstractDevice(device_kind=device.device_kind, platform=device.platform,
-                                             num_cores=getattr(device, "num_cores", None))
-    abstract = (mesh.abstract_mesh if mesh is not None else jax.sharding.AbstractMesh((1,), ("target",), (jax.sharding.AxisType.Auto,)))
     with contextlib.ExitStack() as stack:
-        stack.enter_context(jax.sharding.use_abstract_mesh(abstract.update(abstract_device=device)))
+        if mesh is not None and mesh.devices.flat[0].platform == platform:
+            stack.enter_context(jax.sharding.use_abstract_mesh(mesh.abstract_mesh))
+        else:
+            registry = (gpu_info if platform == "cuda" else tpu_info).registry
+            info = _chip_info(platform, chip or ("H100" if platform == "cuda" else "TPU_V5E"))
+            stack.enter_context(mock.patch.dict(registry, {jax.devices()[0].device_kind: lambda: info}))
         if platform == "cuda":
             stack.enter_context(mock.patch.object(fused_attention_stablehlo, "check_cudnn_version", lambda: 91000))
         yield
@@ -109,9 +119,11 @@ def tpu_topology(name: str) -> list:
                          ".venv/libtpu) or `pip install -e '.[tpu]'`")
     os.environ["TPU_LIBRARY_PATH"] = path
     # libtpu reads this host's TPU from these when it loads and, on a host without one, prints a
-    # page of errors; they do not choose what is compiled for (the topology does).
+    # page of errors; they do not choose what is compiled for (the topology does). Its lock
+    # file, which keeps a second process off a TPU, would stop two compiling processes.
     os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5litepod-1")
     os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     try:
         # v4 and v5p chips have two TensorCores, which JAX shows as one device ("megacore").
         megacore = {"chip_config_name": "megacore"} if name.split(":")[0] in ("v4", "v5p") else {}

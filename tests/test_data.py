@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import sysconfig
 
 import numpy as np
 import pytest
@@ -56,7 +57,7 @@ def test_text_files_and_stdlib_files_give_no_warning(tmp_path, capsys):
     root = write_files(tmp_path / "src", n=4)
     local_text.check_text(root, sorted(os.listdir(root)))
     stdlib = ["os.py", "json/__init__.py", "textwrap.py", "this.py", "encodings/cp1252.py"]
-    local_text.check_text(local_text.stdlib_dir(), stdlib)
+    local_text.check_text(sysconfig.get_paths()["stdlib"], stdlib)
     assert capsys.readouterr().err == ""
 
 

