@@ -18,10 +18,18 @@ Exit status 1, with one line on stderr ("error: ..."), on what benchmarks/loweri
 scheme with a fused path fell back to a T x T path), a compile error (its first line: VMEM or
 HBM exhausted, a Mosaic check), or a total over the device's HBM. A bad flag, an unknown
 topology or no libtpu: one line and exit 1.
+
+The table of benchmarks/RESULTS.md: `--schemes all --lengths 8192,32768 --topology
+v4:1x1x1,v5e:1x1,v5p:1x1x1,v6e:1x1 --json benchmarks/results/compile_tpu.jsonl` compiles
+configs/default.py for every registered scheme and the Sessa mixer (`sessa`) at each length,
+bf16, on each topology, one JSON line per compile appended to --json (rows already there are
+skipped: rerun to go on), and prints the markdown table of the file; `--table` only prints it.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import sys
 import time
 
@@ -30,13 +38,21 @@ from absl import app, flags
 from ml_collections import config_flags
 
 import lowering  # beside this file
+from configs.default import get_config
 from lab import cli
 from lab.lowering import tpu_hbm_per_device, tpu_topology
 from lab.training import memory
+from models.registry import REGISTRY
 
 FLAGS = flags.FLAGS if __name__ == "__main__" else flags.FlagValues()
-flags.DEFINE_string("topology", None, "TPU topology <generation>:<chips per axis>: v4:2x2x1, v5e:2x2, v5p:2x2x1, "
-                    "v6e:2x2, ... (required)", flag_values=FLAGS)
+flags.DEFINE_list("topology", None, "TPU topology <generation>:<chips per axis>: v4:2x2x1, v5e:2x2, v5p:2x2x1, "
+                  "v6e:2x2, ... (required; several with --schemes)", flag_values=FLAGS)
+flags.DEFINE_list("schemes", [], "a table: these schemes of configs/default.py ('all': every registered one and "
+                  "the Sessa mixer, 'sessa')", flag_values=FLAGS)
+flags.DEFINE_list("lengths", ["8192", "32768"], "the table's sequence lengths", flag_values=FLAGS)
+flags.DEFINE_string("json", "benchmarks/results/compile_tpu.jsonl", "the table's rows, one JSON line per compile",
+                    flag_values=FLAGS)
+flags.DEFINE_bool("table", False, "only print the markdown table of --json", flag_values=FLAGS)
 flags.DEFINE_bool("force_auto", True, "set model.attention_impl='auto' (as benchmarks/lowering.py)", flag_values=FLAGS)
 config_flags.DEFINE_config_file("config", None, "experiment config: configs/<file>.py[:arg] (required)",
                                 flag_values=FLAGS, lock_config=False, accept_new_attributes=True)
@@ -89,10 +105,66 @@ def compile_check(config, topology: str, force_auto: bool = True) -> dict:
     return result
 
 
-def benchmark() -> dict:
+def row(result: dict, seq_len: int) -> dict:
+    """What the table keeps of one compile."""
+    choices = sorted({f"{label} {chosen}" for label, chosen, _ in result.get("sites", {})})
+    return {"scheme": result["scheme"], "seq_len": seq_len, "topology": result["topology"],
+            "device_kind": result["device_kind"], "compiled": result.get("memory") is not None,
+            "auto": choices, "mosaic_calls": result.get("custom_calls", {}).get("mosaic"),
+            "compile_s": result["compile_s"], "memory": result.get("memory"), "hbm_bytes": result.get("hbm_bytes"),
+            "failure": result["failure"], "jax": jax.__version__}
+
+
+def table(path: str) -> str:
+    lines = ["| scheme | tokens | topology | compiled | auto chose | Mosaic calls | compile s | peak GiB / HBM | failure |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in map(json.loads, open(path)):
+        mem = r["memory"]
+        peak = f"{mem['total_bytes'] / 2 ** 30:.2f} / {r['hbm_bytes'] / 2 ** 30:.0f}" if mem else "-"
+        secs = f"{r['compile_s']:.0f}" if r["compile_s"] is not None else "-"
+        lines.append(f"| {r['scheme']} | {r['seq_len']:,} | {r['topology']} | {'yes' if r['compiled'] else 'no'} | "
+                     f"{', '.join(r['auto']) or '-'} | {r['mosaic_calls'] if r['mosaic_calls'] is not None else '-'} | "
+                     f"{secs} | {peak} | {(r['failure'] or '').replace('|', '/')} |")
+    return "\n".join(lines)
+
+
+def sweep(schemes, lengths, topologies, path: str) -> list:
+    """Compile configs/default.py for each scheme x length x topology (see the module's doc)."""
+    schemes = [*sorted(REGISTRY), "sessa"] if schemes == ["all"] else schemes
+    done = {(r["scheme"], r["seq_len"], r["topology"]) for r in map(json.loads, open(path))} if os.path.exists(path) else set()
+    failures = []
+    for topology in topologies:
+        for seq_len in map(int, lengths):
+            for scheme in schemes:
+                name = "rope" if scheme == "sessa" else scheme
+                if (scheme, seq_len, topology) in done:
+                    continue
+                config = get_config(name)
+                config.update_from_flattened_dict({"seq_len": seq_len, "model.dtype": "bfloat16"})
+                if scheme == "sessa":
+                    config.model.mixer = "sessa"
+                print(f"\n== {scheme} at {seq_len:,} on {topology}", flush=True)
+                result = compile_check(config, topology)
+                result["scheme"] = scheme
+                os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+                with open(path, "a") as f:
+                    f.write(json.dumps(row(result, seq_len)) + "\n")
+                failures += [result["failure"]] if result["failure"] else []
+    print("\n" + table(path))
+    return failures
+
+
+def benchmark():
+    if FLAGS.table:
+        print(table(FLAGS.json))
+        return None
     if FLAGS.topology is None:
         raise ValueError("pass --topology <generation>:<chips per axis>, e.g. --topology v5e:2x2")
-    return compile_check(lowering.configured(FLAGS), FLAGS.topology, FLAGS.force_auto)
+    if FLAGS.schemes:
+        return sweep(FLAGS.schemes, FLAGS.lengths, FLAGS.topology, FLAGS.json)
+    if len(FLAGS.topology) > 1:
+        raise ValueError("pass one --topology, or several with --schemes")
+    return compile_check(lowering.configured(FLAGS), FLAGS.topology[0], FLAGS.force_auto)
 
 
 def main(argv):
@@ -101,8 +173,10 @@ def main(argv):
         sys.exit(1)
     cli.quiet()
     result = cli.run_cli(benchmark)
-    if result["failure"]:
-        print(f"error: {result['failure']}", file=sys.stderr)
+    failures = result if isinstance(result, list) else [result["failure"]] if result else []
+    for failure in filter(None, failures):
+        print(f"error: {failure}", file=sys.stderr)
+    if any(failures):
         sys.exit(1)
 
 

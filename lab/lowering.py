@@ -126,8 +126,11 @@ def tpu_topology(name: str) -> list:
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     try:
         # v4 and v5p chips have two TensorCores, which JAX shows as one device ("megacore").
-        megacore = {"chip_config_name": "megacore"} if name.split(":")[0] in ("v4", "v5p") else {}
-        return list(topologies.get_topology_desc(platform="tpu", topology_name=name, **megacore).devices)
+        options = {"chip_config_name": "megacore"} if name.split(":")[0] in ("v4", "v5p") else {}
+        # Hosts of up to 2x2x1 chips (older libtpu refuses a topology smaller than its default host).
+        shape = [int(n) for n in name.split(":")[1].split("x")] + [1]
+        options["chips_per_host_bounds"] = tuple(min(n, most) for n, most in zip(shape, (2, 2, 1)))
+        return list(topologies.get_topology_desc(platform="tpu", topology_name=name, **options).devices)
     except Exception as e:  # noqa: BLE001 -- libtpu's own message, in one line
         raise ValueError(f"TPU topology {name!r}: {str(e).splitlines()[0]}") from None
 

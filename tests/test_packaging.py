@@ -85,6 +85,9 @@ REQUIRED_BY = [
     # fail to build from source here.
     ("pyarrow", "14.0", "the first pyarrow with Python 3.12 wheels", r"\.iter_batches\("),
     ("tiktoken", "0.5.2", "the first tiktoken with Python 3.12 wheels", r"\btiktoken\.Encoding\("),
+    # 1.0.0's config_dict.py has an invalid escape, a SyntaxWarning on Python 3.12 at its first
+    # import: a stray line before a command's one-line error.
+    ("ml-collections", "1.1.0", "no SyntaxWarning on Python 3.12", r"\baccept_new_attributes="),
     # 0.11.14 to 0.11.16 use jax.experimental.layout.DeviceLocalLayout, which jax 0.7 removed.
     ("orbax-checkpoint", "0.11.17", "importable with jax 0.7.1", r"^import orbax\.checkpoint as ocp\b"),
     ("numpy", "1.26", "jax 0.7.1 requires numpy>=1.26", r"^import numpy as np\b"),
