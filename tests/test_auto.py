@@ -10,7 +10,7 @@ import pytest
 
 from draws import normal
 from lab.lowering import target
-from lowering import MOSAIC, TRITON, lowered, simplified
+from exported import MOSAIC, TRITON, lowered, simplified
 from models.registry import make_scheme
 from positional import attention as dispatch
 from positional.attention import REFERENCE_MAX, attention, choose

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from draws import normal
-from lowering import MOSAIC, TRITON, lowered
+from exported import MOSAIC, TRITON, lowered
 from positional import feedback as fb
 from positional.kernels.feedback_solve import check_blocks, feedback_solve_pallas
 

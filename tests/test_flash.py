@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from draws import normal
-from lowering import MOSAIC, TRITON, lowered
+from exported import MOSAIC, TRITON, lowered
 from models.registry import REGISTRY, Entry, make_scheme
 from positional import kernels
 from positional.kernels.flash import fused_attention

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from draws import normal, uniform
-from lowering import MOSAIC, TRITON, lowered, simplified
+from exported import MOSAIC, TRITON, lowered, simplified
 from models.registry import make_scheme
 from positional import householder as hh
 from positional.fox import forget_bias

@@ -16,7 +16,7 @@ import pytest
 
 from draws import normal
 from lab.lowering import target
-from lowering import MOSAIC, lowered
+from exported import MOSAIC, lowered
 from positional import vendor
 from positional.softmax import reference_attention
 
