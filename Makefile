@@ -26,7 +26,8 @@ MIN_TESTS := tests/test_flash.py tests/test_path_kernel.py tests/test_feedback.p
 	tests/test_conformance.py tests/test_attention.py tests/test_packaging.py tests/test_benchmarks.py
 # `make test-quick` leaves out the modules that train, evaluate or run several processes.
 QUICK_SKIP := test_train test_runs_safety test_distributed test_eval test_retrieval test_hf_import test_analyze \
-	test_scale test_ring test_evaluators test_seeds test_perturb test_logit_probes test_lm_infinite test_grid2d
+	test_scale test_ring test_evaluators test_seeds test_perturb test_logit_probes test_lm_infinite test_grid2d \
+	test_compile_tpu test_readme
 
 .PHONY: python demo demo-fast lint test test-quick test-min test-slow clean
 

@@ -21,7 +21,8 @@ topology or no libtpu: one line and exit 1.
 
 The table of benchmarks/RESULTS.md: `--schemes all --lengths 8192,32768 --topology
 v4:1x1x1,v5e:1x1,v5p:1x1x1,v6e:1x1 --json benchmarks/results/compile_tpu.jsonl` compiles
-configs/default.py for every registered scheme and the Sessa mixer (`sessa`) at each length,
+configs/default.py for every registered scheme and the Sessa mixer (`sessa`, its solve the
+Pallas kernel) at each length,
 bf16, on each topology, one JSON line per compile appended to --json (rows already there are
 skipped: rerun to go on), and prints the markdown table of the file; `--table` only prints it.
 """
@@ -141,8 +142,8 @@ def sweep(schemes, lengths, topologies, path: str) -> list:
                     continue
                 config = get_config(name)
                 config.update_from_flattened_dict({"seq_len": seq_len, "model.dtype": "bfloat16"})
-                if scheme == "sessa":
-                    config.model.mixer = "sessa"
+                if scheme == "sessa":  # the Sessa mixer (over rope), its feedback solve the Pallas kernel
+                    config.model.update(mixer="sessa", mixer_options={"solve": "pallas"})
                 print(f"\n== {scheme} at {seq_len:,} on {topology}", flush=True)
                 result = compile_check(config, topology)
                 result["scheme"] = scheme
