@@ -32,7 +32,8 @@ QUICK_SKIP := test_train test_runs_safety test_distributed test_eval test_retrie
 .PHONY: python demo demo-fast lint test test-quick test-min test-slow clean
 
 python:
-	@test -n "$(PYTHON)" || { echo "error: no Python >= 3.12 found (tried python3, python3.13, python3.12); install one, or run make PYTHON=/path/to/python3.12" >&2; exit 1; }
+	@"$(PYTHON)" -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null || { echo "error: make needs Python >= 3.12 \
+	(found: $(or $(PYTHON),none of python3 / python3.13 / python3.12)); install one, or run make PYTHON=/path/to/python3.12" >&2; exit 1; }
 
 $(STAMP): pyproject.toml | python
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)

@@ -119,7 +119,7 @@ def row(result: dict, seq_len: int) -> dict:
 def table(path: str) -> str:
     lines = ["| scheme | tokens | topology | compiled | auto chose | Mosaic calls | compile s | peak GiB / HBM | failure |",
              "|---|---|---|---|---|---|---|---|---|"]
-    for r in map(json.loads, open(path)):
+    for r in sorted(map(json.loads, open(path)), key=lambda r: (r["topology"], r["seq_len"], r["scheme"])):
         mem = r["memory"]
         peak = f"{mem['total_bytes'] / 2 ** 30:.2f} / {r['hbm_bytes'] / 2 ** 30:.0f}" if mem else "-"
         secs = f"{r['compile_s']:.0f}" if r["compile_s"] is not None else "-"
