@@ -23,7 +23,7 @@ The table of benchmarks/RESULTS.md: `--schemes all --lengths 8192,32768 --topolo
 v4:1x1x1,v5e:1x1,v5p:1x1x1,v6e:1x1 --json benchmarks/results/compile_tpu.jsonl` compiles
 configs/default.py for every registered scheme and the Sessa mixer (`sessa`, its solve the
 Pallas kernel) at each length,
-bf16, on each topology, one JSON line per compile appended to --json (rows already there are
+with configs/default.py's tokens per step (16 rows of 8,192; 4 of 32,768), bf16, on each topology, one JSON line per compile appended to --json (rows already there are
 skipped: rerun to go on), and prints the markdown table of the file; `--table` only prints it.
 """
 
@@ -106,10 +106,10 @@ def compile_check(config, topology: str, force_auto: bool = True) -> dict:
     return result
 
 
-def row(result: dict, seq_len: int) -> dict:
+def row(result: dict, seq_len: int, batch: int) -> dict:
     """What the table keeps of one compile."""
     choices = sorted({f"{label} {chosen}" for label, chosen, _ in result.get("sites", {})})
-    return {"scheme": result["scheme"], "seq_len": seq_len, "topology": result["topology"],
+    return {"scheme": result["scheme"], "seq_len": seq_len, "topology": result["topology"], "batch": batch,
             "device_kind": result["device_kind"], "compiled": result.get("memory") is not None,
             "auto": choices, "mosaic_calls": result.get("custom_calls", {}).get("mosaic"),
             "compile_s": result["compile_s"], "memory": result.get("memory"), "hbm_bytes": result.get("hbm_bytes"),
@@ -117,13 +117,13 @@ def row(result: dict, seq_len: int) -> dict:
 
 
 def table(path: str) -> str:
-    lines = ["| scheme | tokens | topology | compiled | auto chose | Mosaic calls | compile s | peak GiB / HBM | failure |",
+    lines = ["| scheme | rows x tokens | topology | compiled | auto chose | Mosaic calls | compile s | peak GiB / HBM | failure |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(map(json.loads, open(path)), key=lambda r: (r["topology"], r["seq_len"], r["scheme"])):
         mem = r["memory"]
         peak = f"{mem['total_bytes'] / 2 ** 30:.2f} / {r['hbm_bytes'] / 2 ** 30:.0f}" if mem else "-"
         secs = f"{r['compile_s']:.0f}" if r["compile_s"] is not None else "-"
-        lines.append(f"| {r['scheme']} | {r['seq_len']:,} | {r['topology']} | {'yes' if r['compiled'] else 'no'} | "
+        lines.append(f"| {r['scheme']} | {r.get('batch', 16)} x {r['seq_len']:,} | {r['topology']} | {'yes' if r['compiled'] else 'no'} | "
                      f"{', '.join(r['auto']) or '-'} | {r['mosaic_calls'] if r['mosaic_calls'] is not None else '-'} | "
                      f"{secs} | {peak} | {(r['failure'] or '').replace('|', '/')} |")
     return "\n".join(lines)
@@ -141,7 +141,9 @@ def sweep(schemes, lengths, topologies, path: str) -> list:
                 if (scheme, seq_len, topology) in done:
                     continue
                 config = get_config(name)
-                config.update_from_flattened_dict({"seq_len": seq_len, "model.dtype": "bfloat16"})
+                # configs/default.py's tokens per step at 8,192: longer rows, fewer of them
+                batch = max(1, config.batch_size * 8192 // seq_len)
+                config.update_from_flattened_dict({"seq_len": seq_len, "model.dtype": "bfloat16", "batch_size": batch})
                 if scheme == "sessa":  # the Sessa mixer (over rope), its feedback solve the Pallas kernel
                     config.model.update(mixer="sessa", mixer_options={"solve": "pallas"})
                 print(f"\n== {scheme} at {seq_len:,} on {topology}", flush=True)
@@ -149,7 +151,7 @@ def sweep(schemes, lengths, topologies, path: str) -> list:
                 result["scheme"] = scheme
                 os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
                 with open(path, "a") as f:
-                    f.write(json.dumps(row(result, seq_len)) + "\n")
+                    f.write(json.dumps(row(result, seq_len, batch)) + "\n")
                 failures += [result["failure"]] if result["failure"] else []
     print("\n" + table(path))
     return failures
