@@ -6,8 +6,9 @@ Pallas sizes a kernel for the chip it lowers for, which it reads from the device
 abstract mesh in context, else from the default device, here a CPU (which it refuses).
 `target` names the chip while a function is lowered: over a TPU topology's devices, their
 mesh (the real chip); exported from this host's devices, a stand-in for this host's device kind,
-an H100 for cuda (with jax's query of the cuDNN version, which a CPU jaxlib cannot answer, at
-9.10), a TPU generation for tpu (v5e unless told).
+an H100 for cuda (with jax's queries of the cuDNN version, which a CPU jaxlib cannot answer, at
+9.10, and of the GPU's compute capability at the chip's), a TPU generation for tpu (v5e unless
+told).
 """
 
 from __future__ import annotations
@@ -55,7 +56,8 @@ def _chip_info(platform: str, chip: str):
 def target(platform: str, mesh: jax.sharding.Mesh | None = None, chip: str | None = None):
     """While the block runs, Pallas kernels lower for the chip of `mesh`'s devices where they are
     the platform's (a TPU topology), else for `chip` (default H100 for cuda, TPU_V5E for tpu),
-    stood in for this host's device kind; on cuda the cuDNN version query answers 9.10."""
+    stood in for this host's device kind; on cuda jax's cuDNN version query answers 9.10 and its
+    compute capability queries the chip's."""
     if platform not in ("cuda", "tpu"):
         yield
         return
@@ -67,8 +69,17 @@ def target(platform: str, mesh: jax.sharding.Mesh | None = None, chip: str | Non
             info = _chip_info(platform, chip or ("H100" if platform == "cuda" else "TPU_V5E"))
             stack.enter_context(mock.patch.dict(registry, {jax.devices()[0].device_kind: lambda: info}))
         if platform == "cuda":
+            capability = _chip_info("cuda", chip or "H100").compute_capability  # 90 for 9.0
             stack.enter_context(mock.patch.object(fused_attention_stablehlo, "check_cudnn_version", lambda: 91000))
+            for name, test in (("check_compute_capability", lambda c: capability >= _capability(c)),
+                               ("is_cuda_compute_capability_equal", lambda c: capability == _capability(c))):
+                stack.enter_context(mock.patch.object(fused_attention_stablehlo, name, test))
         yield
+
+
+def _capability(text: str) -> int:
+    major, minor = text.split(".")
+    return 10 * int(major) + int(minor)
 
 
 def exported_text(fn, *args, platform: str) -> str:

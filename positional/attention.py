@@ -16,8 +16,8 @@ the bias and score hooks):
                score_fn (positional/vendor.py);
   "auto"       the fastest of them that can take the call, for the platform being lowered for
                (`choose`): ring on a sequence mesh; on CPU reference up to REFERENCE_MAX keys,
-               blockwise past it; on GPU cuDNN for plain softmax, on TPU splash, else the fused
-               kernel, else blockwise. Each choice is logged once (logger "positional.attention");
+               blockwise past it; on GPU cuDNN for plain softmax (packed rows in its packed
+               form, Hopper on), on TPU splash, else the fused kernel, else blockwise. Each choice is logged once (logger "positional.attention");
                `per_platform_choice` does the same for a scheme with its own attention (PaTH).
 
 This module sits above every implementation it names, so none of them imports it.
@@ -25,6 +25,7 @@ This module sits above every implementation it names, so none of them imports it
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import jax
@@ -33,8 +34,8 @@ from positional.kernels.flash import fused_attention
 from positional.kernels.flash import refusal as fused_refusal
 from positional.ring import mesh_ring_attention, ring_active
 from positional.softmax import blockwise_attention, reference_attention
-from positional.vendor import (cudnn_attention, cudnn_call, cudnn_present, cudnn_refusal, splash_attention,
-                               splash_call, splash_refusal)
+from positional.vendor import (PACKED_SEGMENTS, cudnn_attention, cudnn_call, cudnn_hopper, cudnn_present, static_int,
+                               cudnn_refusal, splash_attention, splash_call, splash_refusal)
 
 IMPLEMENTATIONS = {"reference": reference_attention, "blockwise": blockwise_attention,
                    "ring": mesh_ring_attention, "pallas": fused_attention, "cudnn": cudnn_attention,
@@ -53,16 +54,23 @@ def choose(q, k, v, *, platform: str, bias_fn=None, score_fn=None, segment_ids=N
             return "reference", f"CPU, {k.shape[1]} keys <= {REFERENCE_MAX}: the T x S scores are small"
         return "blockwise", f"CPU, {k.shape[1]} keys > {REFERENCE_MAX}: memory bounded by the block"
     hooks = dict(segment_ids=segment_ids, q_offset=q_offset, bias_fn=bias_fn, score_fn=score_fn)
+    why = "plain softmax"
     if platform == "cuda":
         vendor, why_not = "cudnn", cudnn_refusal(q, k, v, platform=platform, **hooks)
         if why_not is None and segment_ids is not None:
-            why_not = "packed rows (segment ids) would reach cuDNN as a T x S mask"
+            if not (static_int(q_offset) == 0 and q.shape[1] == k.shape[1]):
+                why_not = "packed rows (segment ids) while decoding would reach cuDNN as a T x S mask"
+            elif not cudnn_hopper():
+                why_not = "packed rows need cuDNN's packed form (Hopper or later); its mask form costs T x S"
+            else:
+                why = (f"plain softmax, packed rows as cuDNN segments (a batch with a row of more than "
+                       f"{PACKED_SEGMENTS} documents: the fused kernel)")
         if why_not is None and not cudnn_present():
             why_not = "this JAX has no cuDNN"
     else:
         vendor, why_not = "splash", splash_refusal(q, k, v, platform=platform, **hooks)
     if why_not is None:
-        return vendor, "plain softmax"
+        return vendor, why
     why_not = why_not.split("; use impl=")[0]
     not_fused = fused_refusal(bias_fn, score_fn, q_offset)
     if not_fused is None:
@@ -82,8 +90,9 @@ def auto_attention(q, k, v, *, label: str = "", bias_fn=None, score_fn=None, seg
         impl, why = choose(q, k, v, platform=platform, bias_fn=bias_fn, score_fn=score_fn,
                            segment_ids=segment_ids, q_offset=q_offset)
         if impl == "cudnn":
+            fused = functools.partial(fused_attention, platform=platform, q_offset=q_offset, scale=scale)
             return impl, why, lambda q, k, v: cudnn_call(q, k, v, segment_ids=segment_ids, q_offset=q_offset,
-                                                         scale=scale)
+                                                         scale=scale, overflow=fused)
         if impl == "splash":
             return impl, why, lambda q, k, v: splash_call(q, k, v, segment_ids=segment_ids, scale=scale,
                                                           block_size=block_size)

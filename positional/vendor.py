@@ -13,14 +13,23 @@ cudnn (`cudnn_attention`)
   bf16 or fp16 q, k, v of one dtype; head_dim a multiple of 8 and at most 128 (256 where this
   process's GPU is Hopper or later: the rule jax applies when it traces the call). GQA is
   native. Causal with q_offset 0 and T == S (training) is cuDNN's causal mask, no bias.
+  Packed rows (segment ids) in the training case are cuDNN's packed form: each maximal run of
+  equal ids is one segment (`packed_segments`: lengths and offsets per row, at most
+  `max_segments` of them, a static number), causal within it (PADDING_CAUSAL), no bias. This
+  equals the same-segment mask when every id is one contiguous run, as the data pipeline makes
+  them (documents numbered 1, 2, ... along a row); an id that comes back after another id is a
+  new document here. cuDNN takes the packed form from Hopper on; an odd length gets one more
+  token in the row's last document (after every real query; its output is dropped). A batch with a row of more
+  runs than `max_segments` takes `overflow` instead (a `lax.cond`: both are compiled, one runs;
+  default the mask form below), so the result is exact for any packing.
   Everything else is an explicit boolean mask that jax passes to cuDNN as a [B or 1, 1, T, S]
-  additive bias: segment ids (any ids, not only contiguous runs) and decoding (q_offset > 0,
+  additive bias: segment ids before Hopper or with max_segments=0, and decoding (q_offset > 0,
   static or traced, T <= S). That bias is O(B T S) memory, and cuDNN's backward also writes
-  its gradient (jax always asks for it), so packed long sequences cost T * S per example where
-  the training case without segment ids costs nothing extra. With a bias, cuDNN's backward needs
-  even lengths: an odd T gets one padded query row, an odd S one padded, masked key. The packed
-  "offsets" form of jax's cuDNN binding (Hopper, contiguous segments, a static segment count)
-  is private and not used.
+  its gradient (jax always asks for it). With a bias, cuDNN's backward needs even lengths: an
+  odd T gets one padded query row, an odd S one padded, masked key.
+  cuDNN's backward is reported to miscompute dq and dk silently past 2^31 elements in one call
+  (the cuDNN that jax 0.11.2 ships): a call whose q or k holds more is split along the batch,
+  and a single row that large is refused.
   jax asks cuDNN for its version when it traces the call, so a process without cuDNN (a CPU-only
   jaxlib) refuses at trace time; where cuDNN is present, the call is built with
   `jax.lax.platform_dependent` (positional.kernels.per_platform), so lowering it for a platform
@@ -42,6 +51,8 @@ splash (`splash_attention`)
 
 from __future__ import annotations
 
+import functools
+import math
 import operator
 
 import jax
@@ -58,7 +69,7 @@ INSTEAD = "use impl='blockwise' or 'auto'"
 _PLATFORM = {"cpu": "cpu", "gpu": "cuda", "tpu": "tpu"}
 
 
-def _static_int(x) -> int | None:
+def static_int(x) -> int | None:
     """x as a Python int when it is known at trace time, else None (a traced value)."""
     if isinstance(x, jax.core.Tracer):
         return None
@@ -105,15 +116,52 @@ def cudnn_present() -> bool:
     return True
 
 
-def cudnn_head_dim_limit() -> int:
-    """The largest head_dim jax lets cuDNN take here: 256 on Hopper or later, else 128. Like jax
-    (which asks when it traces the call), it reads this process's first CUDA device."""
+def cudnn_hopper() -> bool:
+    """Whether this process's GPU is Hopper or later, by jax's own test (it reads the default
+    backend's first device when it traces a cuDNN call; False without a CUDA GPU)."""
     try:
-        device = jax.devices("cuda")[0]
-        capability = tuple(int(x) for x in device.compute_capability.split("."))
+        return fused_attention_stablehlo.check_compute_capability("9.0")
     except (RuntimeError, AttributeError, ValueError):
-        return 128
-    return 256 if capability >= (9, 0) else 128
+        return False
+
+
+def cudnn_head_dim_limit() -> int:
+    """The largest head_dim jax lets cuDNN take here: 256 on Hopper or later, else 128."""
+    return 256 if cudnn_hopper() else 128
+
+
+PACKED_SEGMENTS = 16  # default static maximum of segments per row in cuDNN's packed form
+ELEMENTS_PER_CALL = 2 ** 31  # cuDNN's backward is wrong past this many q (or k) elements in one call
+
+
+def packed_segments(segment_ids, max_segments: int):
+    """cuDNN's packed form of segment ids [B, T]: (seqlen [B, M], offsets [B, M + 1], fits [B]).
+    Segment m of row b is the m-th maximal run of equal ids: it starts at offsets[b, m] and is
+    seqlen[b, m] tokens long; unused slots (and offsets' last) are -1. fits[b]: the row has at
+    most M = max_segments runs (else its runs past the M-th are not described)."""
+    b, t = segment_ids.shape
+    starts = jnp.concatenate([jnp.ones((b, 1), bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
+
+    def row(start):
+        first = jnp.nonzero(start, size=max_segments, fill_value=t)[0]
+        end = jnp.concatenate([first[1:], jnp.full((1,), t, first.dtype)])
+        used = first < t
+        offsets = jnp.concatenate([jnp.where(used, first, -1), jnp.full((1,), -1, first.dtype)])
+        return jnp.where(used, end - first, -1), offsets
+
+    seqlen, offsets = jax.vmap(row)(starts)
+    return seqlen.astype(jnp.int32), offsets.astype(jnp.int32), starts.sum(axis=1) <= max_segments
+
+
+def packed_mask(seqlen, offsets, length: int):
+    """The [B, 1, T, T] boolean mask cuDNN's packed causal form applies: query i reads key j iff
+    both lie in one described segment and j <= i (tokens outside every segment read nothing)."""
+    pos = jnp.arange(length)
+    inside = ((seqlen[..., None] > 0) & (pos >= offsets[:, :-1, None])
+              & (pos < offsets[:, :-1, None] + seqlen[..., None]))  # [B, M, T]
+    segment = jnp.where(inside.any(axis=1), jnp.argmax(inside, axis=1), -1)
+    same = (segment[:, :, None] == segment[:, None, :]) & (segment[:, :, None] >= 0)
+    return (same & (pos[:, None] >= pos[None, :]))[:, None]
 
 
 def cudnn_refusal(q, k, v, *, segment_ids=None, q_offset=0, bias_fn: BiasFn | None = None,
@@ -134,15 +182,52 @@ def cudnn_refusal(q, k, v, *, segment_ids=None, q_offset=0, bias_fn: BiasFn | No
     if d % 8 or d > limit:
         return (f"impl='cudnn' cannot take head_dim={d}: cuDNN needs a multiple of 8 and at most {limit} "
                 f"on this GPU (256 from Hopper on); {INSTEAD}")
+    row = max(math.prod(q.shape[1:]), math.prod(k.shape[1:]))
+    if row >= ELEMENTS_PER_CALL:
+        return (f"impl='cudnn' cannot take {row:,} elements in one row of q or k (length x heads x head_dim): "
+                f"cuDNN's backward miscomputes dq and dk past 2^31 in one call; shorten the rows or {INSTEAD}")
     return None
 
 
 def cudnn_call(q, k, v, *, segment_ids=None, q_offset=0, scale: float | None = None,
-               implementation: str = "cudnn") -> jax.Array:
-    """The `jax.nn.dot_product_attention` call impl='cudnn' makes, with its masks and padding;
-    `implementation` is jax's ("cudnn", or "xla": the same call on any platform, for tests)."""
-    t, s = q.shape[1], k.shape[1]
-    square = _static_int(q_offset) == 0 and t == s  # the training case: cuDNN's own causal mask
+               max_segments: int = PACKED_SEGMENTS, overflow=None, implementation: str = "cudnn") -> jax.Array:
+    """The cuDNN call impl='cudnn' makes, with its masks, padding and packed form (the module
+    doc). max_segments=0: never the packed form. overflow(q, k, v, segment_ids): the batches
+    with a row of more runs than max_segments (default: the mask form). `implementation` is
+    jax's ("cudnn", or "xla": the same masks on any platform, the packed form as `packed_mask`,
+    for tests)."""
+    b, t, s = q.shape[0], q.shape[1], k.shape[1]
+    rows = max(1, (ELEMENTS_PER_CALL - 1) // max(math.prod(q.shape[1:]), math.prod(k.shape[1:])))
+    if b > rows:  # split along the batch, under cuDNN's element limit per call
+        pieces = [cudnn_call(q[i:i + rows], k[i:i + rows], v[i:i + rows], q_offset=q_offset, scale=scale,
+                             segment_ids=None if segment_ids is None else segment_ids[i:i + rows],
+                             max_segments=max_segments, overflow=overflow, implementation=implementation)
+                  for i in range(0, b, rows)]
+        return jnp.concatenate(pieces)
+    square = static_int(q_offset) == 0 and t == s  # the training case: cuDNN's own causal mask
+    packs = implementation == "xla" or cudnn_hopper()
+    if square and segment_ids is not None and max_segments > 0 and packs:
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        if t % 2:  # cuDNN's backward takes even lengths: one more token, in the last document, dropped
+            pad = ((0, 0), (0, 1), (0, 0), (0, 0))
+            out = cudnn_call(jnp.pad(q, pad), jnp.pad(k, pad), jnp.pad(v, pad), scale=scale,
+                             segment_ids=jnp.pad(segment_ids, ((0, 0), (0, 1)), mode="edge"),
+                             max_segments=max_segments, overflow=overflow, implementation=implementation)
+            return out[:, :t]
+        seqlen, offsets, fits = packed_segments(segment_ids, max_segments)
+
+        def packed(q, k, v, _):
+            if implementation == "xla":
+                return jax.nn.dot_product_attention(q, k, v, mask=packed_mask(seqlen, offsets, t), scale=scale,
+                                                    implementation="xla").astype(q.dtype)
+            return fused_attention_stablehlo.dot_product_attention(
+                q, k, v, q_seqlen=seqlen, kv_seqlen=seqlen, q_offsets=offsets, kv_offsets=offsets, scale=scale,
+                mask_type=fused_attention_stablehlo.MaskType.PADDING_CAUSAL).astype(q.dtype)
+
+        overflow = overflow or functools.partial(cudnn_call, scale=scale, max_segments=0,
+                                                 implementation=implementation)
+        return jax.lax.cond(jnp.all(fits), packed, lambda *a: overflow(*a[:3], segment_ids=a[3]),
+                            q, k, v, segment_ids)
     mask = None
     if segment_ids is not None:
         mask = (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]  # [B, 1, T, S]
@@ -166,7 +251,7 @@ def cudnn_call(q, k, v, *, segment_ids=None, q_offset=0, scale: float | None = N
 
 def cudnn_attention(q, k, v, *, bias_fn: BiasFn | None = None, segment_ids=None, q_offset=0,
                     scale: float | None = None, score_fn: ScoreFn | None = None,
-                    block_size: int | None = None) -> jax.Array:
+                    block_size: int | None = None, max_segments: int = PACKED_SEGMENTS) -> jax.Array:
     """Causal softmax attention by cuDNN flash attention (the module doc); block_size is ignored."""
     del block_size
     check_shapes(q, k, v, segment_ids)
@@ -180,14 +265,14 @@ def cudnn_attention(q, k, v, *, bias_fn: BiasFn | None = None, segment_ids=None,
         if reason:
             raise ValueError(reason)
 
-    offset = None if _static_int(q_offset) is not None else jnp.asarray(q_offset)
+    offset = None if static_int(q_offset) is not None else jnp.asarray(q_offset)
     args = tuple(x for x in (q, k, v, segment_ids, offset) if x is not None)
 
     def run(_, q, k, v, *rest):
         rest = list(rest)
         seg = rest.pop(0) if segment_ids is not None else None
         off = rest.pop(0) if offset is not None else q_offset
-        return cudnn_call(q, k, v, segment_ids=seg, q_offset=off, scale=scale)
+        return cudnn_call(q, k, v, segment_ids=seg, q_offset=off, scale=scale, max_segments=max_segments)
 
     try:
         return per_platform(settings, run, args, interpret=False)
@@ -231,7 +316,7 @@ def splash_refusal(q, k, v, *, segment_ids=None, q_offset=0, bias_fn: BiasFn | N
     if not interpret and platform != "tpu":
         return (f"impl='splash' runs on TPU (a Pallas Mosaic kernel), not on platform {platform!r}; "
                 f"{INSTEAD}")
-    offset = _static_int(q_offset)
+    offset = static_int(q_offset)
     if offset != 0:
         shown = "a traced value" if offset is None else offset
         return (f"impl='splash' cannot take q_offset={shown}: it attends a whole sequence to itself "

@@ -31,7 +31,8 @@ def cudnn():
     ("cpu", BF16, {}, "reference", "256 keys <= 2048"),
     ("cpu", jax.ShapeDtypeStruct((1, REFERENCE_MAX + 1, 4, 128), jnp.float32), {}, "blockwise", "> 2048"),
     ("cuda", BF16, {}, "cudnn", "plain softmax"),
-    ("cuda", BF16, {"segment_ids": True}, "pallas", "packed rows"),
+    ("cuda", BF16, {"segment_ids": True}, "cudnn", "packed rows as cuDNN segments"),  # an H100
+    ("cuda", BF16, {"segment_ids": True, "q_offset": 3}, "pallas", "packed rows (segment ids) while decoding"),
     ("cuda", F32, {}, "pallas", "float32"),
     ("cuda", BF16, {"bias_fn": ALIBI}, "pallas", "cannot take bias_fn"),
     ("cuda", BF16, {"bias_fn": lambda qi, kj: 0.0}, "blockwise", "bias_fn must be a positional.logits.Bias"),
@@ -45,6 +46,15 @@ def test_choices(cudnn, platform, x, kw, impl, why):
         kw = {**kw, "segment_ids": jnp.zeros(x.shape[:2], jnp.int32)}
     got, reason = choose(x, x, x, platform=platform, **kw)
     assert (got, why in reason) == (impl, True), reason
+
+
+def test_packed_rows_before_hopper_get_the_fused_kernel():
+    """cuDNN's packed form needs Hopper; its mask form (T x S) is not auto's."""
+    seg = jnp.zeros(BF16.shape[:2], jnp.int32)
+    with target("cuda", chip="A100"):
+        assert choose(BF16, BF16, BF16, platform="cuda") == ("cudnn", "plain softmax")
+        impl, why = choose(BF16, BF16, BF16, platform="cuda", segment_ids=seg)
+    assert impl == "pallas" and "packed rows need cuDNN's packed form (Hopper or later)" in why
 
 
 def test_without_cudnn_the_gpu_gets_the_fused_kernel():

@@ -95,6 +95,84 @@ def test_cudnn_call_scale():
     assert_close(out, reference_attention(*fp32(q, k, v), scale=0.3), 1e-2)
 
 
+# ---- cuDNN's packed form -------------------------------------------------------------------
+
+def random_packing(rng, t, runs):
+    """Ids of `runs` contiguous documents (random lengths >= 1) along a row of t tokens,
+    numbered 1, 2, ... as the data pipeline does; runs=0: a row of padding (id 0)."""
+    if runs == 0:
+        return np.zeros(t, np.int32)
+    cuts = np.sort(rng.choice(np.arange(1, t), size=runs - 1, replace=False))
+    return np.repeat(np.arange(1, runs + 1), np.diff(np.concatenate([[0], cuts, [t]]))).astype(np.int32)
+
+
+def cudnn_packed_semantics(seqlen, offsets, t):
+    """What jax's cuDNN binding documents for its packed form, by loops: segment m of a row
+    covers offsets[m] .. offsets[m] + seqlen[m] - 1 (unused slots -1), causal inside it."""
+    allowed = np.zeros((len(seqlen), t, t), bool)
+    for b, (lengths, starts) in enumerate(zip(seqlen, offsets)):
+        for n, o in zip(lengths, starts):
+            if n >= 0:
+                for i in range(o, o + n):
+                    allowed[b, i, o:i + 1] = True
+    return allowed
+
+
+def test_packed_segments_equal_the_segment_mask():
+    """Random packings of 1-12 documents in rows of 24 (a row of padding, one long document, a
+    document per token): where a row has at most M runs, cuDNN's packed form of it is exactly
+    the causal same-segment mask; `fits` is False for exactly the rows with more."""
+    rng, t, m = np.random.default_rng(0), 24, 6
+    rows = [random_packing(rng, t, n) for n in (0, 1, 2, 3, 5, 6, 7, 12, 24, *rng.integers(1, 13, size=23))]
+    ids = np.stack(rows)
+    seqlen, offsets, fits = jax.jit(vendor.packed_segments, static_argnums=1)(jnp.asarray(ids), m)
+    seqlen, offsets, fits = map(np.asarray, (seqlen, offsets, fits))
+    runs = 1 + (ids[:, 1:] != ids[:, :-1]).sum(1)
+    assert seqlen.shape == (len(rows), m) and offsets.shape == (len(rows), m + 1)
+    assert (fits == (runs <= m)).all() and not fits.all() and fits.any()
+    want = (ids[:, :, None] == ids[:, None, :]) & np.tril(np.ones((t, t), bool))
+    got = cudnn_packed_semantics(seqlen, offsets, t)
+    assert (got[fits] == want[fits]).all()
+    assert (np.asarray(vendor.packed_mask(jnp.asarray(seqlen), jnp.asarray(offsets), t))[:, 0] == got).all()
+    assert (offsets[:, -1] == -1).all() and ((seqlen == -1) == (offsets[:, :-1] == -1)).all()
+
+
+@pytest.mark.parametrize("t,max_segments", [(12, 3), (11, 1)])
+def test_cudnn_packed_by_xla_equals_reference(t, max_segments):
+    """The packed form (run by XLA through `packed_mask`) with its overflow branch: rows of 1-3
+    documents, max_segments 3 (every batch packed) or 1 (the batch overflows: the mask form
+    computes it); values and gradients against the fp32 reference, GQA, bf16, an odd length."""
+    q, k, v = inputs(t, t=t)
+    seg = segments(2, t)
+
+    def ours(q, k, v):
+        return vendor.cudnn_call(q, k, v, segment_ids=seg, max_segments=max_segments, implementation="xla")
+
+    out, grads = values_and_grads(ours, q, k, v)
+    want, want_grads = values_and_grads(lambda q, k, v: reference_attention(q, k, v, segment_ids=seg), *fp32(q, k, v))
+    assert out.dtype == jnp.bfloat16
+    assert_close(out, want, 6e-3)
+    for g, w in zip(grads, want_grads):
+        assert_close(g, w, 1e-2)
+
+
+def test_cudnn_splits_a_batch_past_its_element_limit(monkeypatch):
+    """Past 2^31 elements in one call the batch is split (here the limit is made 3 rows' worth:
+    5 rows go as 2 + 2 + 1), the result unchanged; one row past it is refused in one line."""
+    q, k, v = inputs(5, b=5)
+    whole = vendor.cudnn_call(q, k, v, implementation="xla")
+    calls = []
+    real = jax.nn.dot_product_attention
+    monkeypatch.setattr(jax.nn, "dot_product_attention",
+                        lambda q, *a, **kw: calls.append(q.shape[0]) or real(q, *a, **kw))
+    monkeypatch.setattr(vendor, "ELEMENTS_PER_CALL", 3 * 12 * 4 * 16 - 1)
+    split = vendor.cudnn_call(q, k, v, implementation="xla")
+    assert sorted(calls) == [1, 2, 2] and (np.asarray(split, np.float32) == np.asarray(whole, np.float32)).all()
+    monkeypatch.setattr(vendor, "ELEMENTS_PER_CALL", 12 * 4 * 16)
+    line = vendor.cudnn_refusal(q, k, v, platform="cuda")
+    assert "\n" not in line and line.startswith("impl='cudnn' cannot take 768 elements in one row") and "2^31" in line
+
+
 # ---- splash, interpreted ---------------------------------------------------------------------
 
 def test_splash_tiling():
@@ -135,20 +213,29 @@ def grad_of(fn):
 
 
 def test_cudnn_lowers_for_cuda(cudnn_version):
-    """T = S = 255 (odd: padded): without segment ids the causal flash call, with them the
-    bias call; forward and backward. Lowered for cpu, the same function refuses in one line."""
+    """T = S = 255 (odd: padded): without segment ids the causal flash call; with them the
+    packed form (no bias; PADDING_CAUSAL) and its overflow branch, the mask form (the bias
+    call), or the bias call alone with max_segments=0; forward and backward. Lowered for cpu,
+    the same function refuses in one line."""
     q = jax.ShapeDtypeStruct((2, 255, 4, 64), jnp.bfloat16)
     k = jax.ShapeDtypeStruct((2, 255, 2, 64), jnp.bfloat16)
     seg = jax.ShapeDtypeStruct((2, 255), jnp.int32)
     plain = lambda q, k, v, seg: vendor.cudnn_attention(q, k, v)  # noqa: E731
     packed = lambda q, k, v, seg: vendor.cudnn_attention(q, k, v, segment_ids=seg)  # noqa: E731
-    for fn, calls in [(plain, ["__cudnn$fmhaSoftmax"]),
-                      (grad_of(plain), ["__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward"]),
-                      (packed, ["__cudnn$fmhaScaleBiasSoftmax"]),
-                      (grad_of(packed), ["__cudnn$fmhaScaleBiasSoftmax", "__cudnn$fmhaScaleBiasSoftmaxBackward"])]:
+    masked = lambda q, k, v, seg: vendor.cudnn_attention(q, k, v, segment_ids=seg, max_segments=0)  # noqa: E731
+    fwd, bias = ["__cudnn$fmhaSoftmax"], ["__cudnn$fmhaScaleBiasSoftmax"]
+    for fn, calls, masks in [
+            (plain, fwd, ["CAUSAL"]),
+            (grad_of(plain), [*fwd, "__cudnn$fmhaSoftmaxBackward"], ["CAUSAL"]),
+            (packed, [*bias, *fwd], ["CAUSAL", "PADDING_CAUSAL"]),
+            (grad_of(packed), [bias[0], "__cudnn$fmhaScaleBiasSoftmaxBackward", fwd[0],
+                               "__cudnn$fmhaSoftmaxBackward"], ["CAUSAL", "PADDING_CAUSAL"]),
+            (masked, bias, ["CAUSAL"]),
+            (grad_of(masked), [*bias, "__cudnn$fmhaScaleBiasSoftmaxBackward"], ["CAUSAL"])]:
         text = lowered(fn, q, k, k, seg, platforms=["cuda"])
-        assert sorted(set(re.findall(r"__cudnn\$\w+", text))) == calls
-        assert '\\22mask_type\\22: \\22CAUSAL\\22' in text  # cuDNN skips the future, bias or not
+        assert sorted(set(re.findall(r"__cudnn\$\w+", text))) == sorted(calls)
+        # cuDNN skips the future in every call, bias or not
+        assert sorted(set(re.findall(r'\\22mask_type\\22: \\22(\w+)\\22', text))) == masks
         with pytest.raises(ValueError, match=r"^impl='cudnn' runs on CUDA GPUs .* not on platform 'cpu'; use impl"):
             lowered(fn, q, k, k, seg, platforms=["cpu"])
     # A decoding step at a traced index: the causal mask as a bias.
