@@ -38,4 +38,5 @@ class Alibi(Scheme):
         def bias(q, k, qi, kj):
             return -q["slope"] * (q.get("position", qi) - k.get("position", kj))
 
-        return Bias(bias, {"slope": slopes, **position_values(positions)})
+        return Bias(bias, {"slope": slopes, **position_values(positions)},
+                    key=lambda k, kj: k["slope"] * k.get("position", kj))  # per key: m p_j

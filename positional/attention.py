@@ -10,14 +10,15 @@ the bias and score hooks):
                and values passed around the ring (positional/ring.py); blockwise elsewhere;
   "pallas"     the fused flash-attention kernel (positional/kernels/flash.py): any `Bias` and
                `Score` hook (positional/logits.py) fused into its tiles;
-  "cudnn"      cuDNN flash attention through jax.nn.dot_product_attention, CUDA GPUs, bf16/fp16,
-               no bias_fn or score_fn (positional/vendor.py);
-  "splash"     TPU splash attention (Pallas), training shapes (q_offset 0, T == S), no bias_fn or
-               score_fn (positional/vendor.py);
+  "cudnn"      cuDNN flash attention, CUDA GPUs, bf16/fp16, no score_fn, a bias_fn only per key
+               (FoX, ALiBi: through q.k channels) (positional/vendor.py);
+  "splash"     TPU splash attention (Pallas), training shapes (q_offset 0, T == S), no score_fn, a
+               bias_fn only per key (positional/vendor.py);
   "auto"       the fastest of them that can take the call, for the platform being lowered for
                (`choose`): ring on a sequence mesh; on CPU reference up to REFERENCE_MAX keys,
-               blockwise past it; on GPU cuDNN for plain softmax (packed rows in its packed
-               form, Hopper on), on TPU splash, else the fused kernel, else blockwise. Each choice is logged once (logger "positional.attention");
+               blockwise past it; on GPU cuDNN for plain softmax and per-key biases (packed
+               rows in its packed form, Hopper on), on TPU splash, else the fused kernel, else
+               blockwise. Each choice is logged once (logger "positional.attention");
                `per_platform_choice` does the same for a scheme with its own attention (PaTH).
 
 This module sits above every implementation it names, so none of them imports it.
@@ -35,7 +36,7 @@ from positional.kernels.flash import refusal as fused_refusal
 from positional.ring import mesh_ring_attention, ring_active
 from positional.softmax import blockwise_attention, reference_attention
 from positional.vendor import (PACKED_SEGMENTS, cudnn_attention, cudnn_call, cudnn_hopper, cudnn_present, static_int,
-                               cudnn_refusal, splash_attention, splash_call, splash_refusal)
+                               cudnn_refusal, splash_attention, splash_call, splash_refusal, widened_head_dim)
 
 IMPLEMENTATIONS = {"reference": reference_attention, "blockwise": blockwise_attention,
                    "ring": mesh_ring_attention, "pallas": fused_attention, "cudnn": cudnn_attention,
@@ -69,6 +70,9 @@ def choose(q, k, v, *, platform: str, bias_fn=None, score_fn=None, segment_ids=N
             why_not = "this JAX has no cuDNN"
     else:
         vendor, why_not = "splash", splash_refusal(q, k, v, platform=platform, **hooks)
+    if why_not is None and bias_fn is not None:
+        wide = widened_head_dim(q, k, bias_fn, 8 if vendor == "cudnn" else 64)
+        why = f"{why}, the per-key bias in q.k channels (head dim {q.shape[-1]} -> {wide})"
     if why_not is None:
         return vendor, why
     why_not = why_not.split("; use impl=")[0]
@@ -90,12 +94,13 @@ def auto_attention(q, k, v, *, label: str = "", bias_fn=None, score_fn=None, seg
         impl, why = choose(q, k, v, platform=platform, bias_fn=bias_fn, score_fn=score_fn,
                            segment_ids=segment_ids, q_offset=q_offset)
         if impl == "cudnn":
-            fused = functools.partial(fused_attention, platform=platform, q_offset=q_offset, scale=scale)
-            return impl, why, lambda q, k, v: cudnn_call(q, k, v, segment_ids=segment_ids, q_offset=q_offset,
-                                                         scale=scale, overflow=fused)
+            fused = functools.partial(fused_attention, platform=platform, q_offset=q_offset, scale=scale,
+                                      bias_fn=bias_fn)
+            return impl, why, lambda q, k, v: cudnn_call(q, k, v, bias=bias_fn, segment_ids=segment_ids,
+                                                         q_offset=q_offset, scale=scale, overflow=fused)
         if impl == "splash":
-            return impl, why, lambda q, k, v: splash_call(q, k, v, segment_ids=segment_ids, scale=scale,
-                                                          block_size=block_size)
+            return impl, why, lambda q, k, v: splash_call(q, k, v, bias=bias_fn, segment_ids=segment_ids,
+                                                          scale=scale, block_size=block_size)
         if impl == "pallas":
             return impl, why, lambda q, k, v: fused_attention(q, k, v, platform=platform, **kwargs)
         return impl, why, lambda q, k, v: attention(q, k, v, impl=impl, block_size=block_size, **kwargs)

@@ -6,7 +6,8 @@ A scheme that changes the logit says how from a few numbers per token, never fro
                      one number per key slot and head, [B or 1, S or 1, H or 1] (positions, FoX's
                      cumulative log gates, per-head slopes as [1, 1, H]); fn reads them at the
                      query slot, q[name] [..., tq, 1], and at the key slot, k[name] [..., 1, tk];
-                     qi [tq, 1] and kj [1, tk] are the slot indices themselves.
+                     qi [tq, 1] and kj [1, tk] are the slot indices themselves. `key`, where
+                     given, says the bias is per key: b_ij = c_i + key(k, kj) (FoX, ALiBi).
   Score(split, fn)   a logit that replaces scale * q.k (TAPA): split(q, k) -> (q_parts, k_parts)
                      cuts the head vectors into parts (whole arrays, [B, T, H, d_i] and
                      [B, S, K, d_i]); fn(dots, qi, kj) combines the tiles dots[i] = q_part_i .
@@ -42,6 +43,10 @@ def slot_values(x, idx):
 class Bias:
     fn: Callable
     values: dict = dataclasses.field(default_factory=dict)
+    # Per-key (separable): fn(q, k, qi, kj) = (a term of the query alone) + key(k, kj), k[name]
+    # [B|1, H|1, S] and kj [S]. In a causal softmax row the query's term cancels, so the bias is
+    # one number per key and head, which plain kernels take through q.k (positional/vendor.py).
+    key: Callable | None = None
 
     def __post_init__(self):
         for name, x in self.values.items():
@@ -57,17 +62,29 @@ class Bias:
         return out.reshape((1,) * (4 - out.ndim) + out.shape)
 
 
+    def key_terms(self, length: int) -> jax.Array:
+        """A per-key bias's term at key slots 0 .. length - 1: [B|1, H|1, length] fp32."""
+        kj = jnp.arange(length)
+        out = jnp.asarray(self.key({n: slot_values(x, kj) for n, x in self.values.items()}, kj), jnp.float32)
+        return out.reshape((1,) * (3 - out.ndim) + out.shape)
+
+
 def sum_of(biases: list[Bias]) -> Bias:
     """One Bias adding several: each part reads its own values (names kept apart by index)."""
     if len(biases) == 1:
         return biases[0]
     values = {f"{i}.{n}": x for i, b in enumerate(biases) for n, x in b.values.items()}
 
+    def part(d, i):
+        return {n.split(".", 1)[1]: x for n, x in d.items() if n.split(".", 1)[0] == str(i)}
+
     def fn(q, k, qi, kj):
-        part = lambda d, i: {n.split(".", 1)[1]: x for n, x in d.items() if n.split(".", 1)[0] == str(i)}  # noqa: E731
         return sum(b.fn(part(q, i), part(k, i), qi, kj) for i, b in enumerate(biases))
 
-    return Bias(fn, values)
+    def key(k, kj):
+        return sum(b.key(part(k, i), kj) for i, b in enumerate(biases))
+
+    return Bias(fn, values, key if all(b.key is not None for b in biases) else None)
 
 
 def dot_tile(a, b, contract: str):

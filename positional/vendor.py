@@ -1,13 +1,24 @@
 """Vendor attention kernels behind the dispatcher's signature: cuDNN flash attention on CUDA
-GPUs ("cudnn", through `jax.nn.dot_product_attention`) and Pallas splash attention on TPU
-("splash", `jax.experimental.pallas.ops.tpu.splash_attention`).
+GPUs ("cudnn", through `jax.nn.dot_product_attention` and jax's cuDNN binding) and Pallas
+splash attention on TPU ("splash", `jax.experimental.pallas.ops.tpu.splash_attention`).
 
 Both compute plain causal softmax attention with the semantics of positional/softmax.py (GQA,
-causal with `q_offset`, same-segment masking, `scale`, output in q's dtype) and nothing else:
-no `bias_fn` or `score_fn`, so only schemes whose logit is `scale * q.k` after their transform
-(RoPE, NoPE) can use them. Each has a pure `*_refusal(...)` that says, in one line, why it
-cannot take a call (or None); the implementation raises ValueError with that line. A chooser
-calls the refusal with the platform being lowered for.
+causal with `q_offset`, same-segment masking, `scale`, output in q's dtype), no `score_fn`,
+and a `bias_fn` only when it is per key (`positional.logits.Bias.key`: FoX, ALiBi, their sums).
+Each has a pure `*_refusal(...)` that says, in one line, why it cannot take a call (or None);
+the implementation raises ValueError with that line. A chooser calls the refusal with the
+platform being lowered for.
+
+Per-key biases through q.k (`key_bias_channels`)
+  In a causal softmax row a bias c_i + e_j loses c_i (a constant of the row), so the logit is
+  scale * q.k + e_j: each key gets CHANNELS more head dims holding e_j / scale split into bf16
+  hi + mid + lo (about fp32's 24 bits; one bf16 number is not enough), each query ones in the
+  channels of its own head (CHANNELS per query head sharing a key head under GQA), the kernel's
+  fp32 accumulation adds them, and autodiff gives e's gradient through the key's hi channel.
+  e is rebased per document (e_j minus e at the first key of j's document: a constant of every
+  row that reads j), so its size is that of one document's, as an in-kernel fp32 bias computes
+  it. Head dims are zero-padded to a multiple of 8 (cuDNN) or 64 (splash); v keeps its own on
+  splash, and is padded to q's on cuDNN (jax.nn's call takes one head dim).
 
 cudnn (`cudnn_attention`)
   bf16 or fp16 q, k, v of one dtype; head_dim a multiple of 8 and at most 128 (256 where this
@@ -62,6 +73,7 @@ from jax._src.cudnn import fused_attention_stablehlo
 from jax.experimental.pallas.ops.tpu import splash_attention as splash
 
 from positional.kernels import per_platform
+from positional.logits import Bias
 from positional.softmax import BiasFn, ScoreFn, check_shapes
 
 INSTEAD = "use impl='blockwise' or 'auto'"
@@ -83,10 +95,16 @@ def _dtype_name(x) -> str:
     return jnp.dtype(x.dtype).name
 
 
+def per_key(bias_fn) -> bool:
+    """Whether a bias_fn is a per-key `positional.logits.Bias` (plain kernels take it)."""
+    return isinstance(bias_fn, Bias) and bias_fn.key is not None
+
+
 def _hooks_refusal(impl: str, bias_fn, score_fn) -> str | None:
-    if bias_fn is not None:
-        return (f"impl={impl!r} is plain softmax attention and cannot take bias_fn (this scheme adds a "
-                f"logit bias); {INSTEAD}")
+    if bias_fn is not None and not per_key(bias_fn):
+        return (f"impl={impl!r} is plain softmax attention and takes a bias_fn only when it is per key (a "
+                f"positional.logits.Bias with `key`, as FoX's and ALiBi's); this scheme's bias reads query "
+                f"and key together; use impl='pallas' (the fused kernel), 'blockwise' or 'auto'")
     if score_fn is not None:
         return (f"impl={impl!r} is plain softmax attention and cannot take score_fn (this scheme's logit "
                 f"is not scale * q.k); {INSTEAD}")
@@ -102,6 +120,45 @@ def _dtype_refusal(impl: str, q, k, v, allowed: tuple[str, ...], why: str) -> st
         return (f"impl={impl!r} needs q, k, v of one dtype, got q {names[0]}, k {names[1]}, v {names[2]}; "
                 f"cast them or {INSTEAD}")
     return None
+
+
+# ---- per-key biases through q.k -------------------------------------------------------------
+
+CHANNELS = 3  # bf16 numbers per key term and query head: hi + mid + lo
+
+
+def widened_head_dim(q, k, bias_fn, multiple: int) -> int:
+    """q's and k's head dim in the channel form (q's own without a bias), padded to `multiple`."""
+    if bias_fn is None:
+        return q.shape[-1]
+    return -(-(q.shape[-1] + CHANNELS * (q.shape[2] // k.shape[2])) // multiple) * multiple
+
+
+def key_bias_channels(q, k, bias: Bias, *, segment_ids=None, scale: float, multiple: int):
+    """(q', k') with q' . k' * scale = q . k * scale + e_j (bias's per-key term, rebased per
+    document), in head dims padded to `multiple` (the module doc)."""
+    b, t, h, d = q.shape
+    s, kh = k.shape[1], k.shape[2]
+    g = h // kh
+    term = jnp.broadcast_to(bias.key_terms(s), (b, h, s))
+    first = jnp.zeros((b, s), jnp.int32)  # the first key of each key's document
+    if segment_ids is not None and segment_ids.shape[1] == s:
+        starts = jnp.concatenate([jnp.ones((b, 1), bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
+        first = jax.lax.cummax(jnp.where(starts, jnp.arange(s), 0), axis=1)
+    term = term - jnp.take_along_axis(term, jnp.broadcast_to(first[:, None], term.shape), axis=2)
+    x = (term / scale).reshape(b, kh, g, s).transpose(0, 3, 1, 2)  # [B, S, K, G]
+    hi = x.astype(k.dtype)  # the gradient flows through hi alone (d hi / d x = 1)
+    rest = jax.lax.stop_gradient(x - hi.astype(jnp.float32))
+    mid = rest.astype(k.dtype)
+    lo = (rest - mid.astype(jnp.float32)).astype(k.dtype)
+    width = widened_head_dim(q, k, bias, multiple)
+    pad = width - d - CHANNELS * g
+    kc = jnp.stack([hi, mid, lo], axis=-1).reshape(b, s, kh, CHANNELS * g)
+    ones = jnp.repeat(jnp.eye(g, dtype=q.dtype), CHANNELS, axis=1)  # query head (kappa, i): ones at its own
+    qc = jnp.broadcast_to(ones, (b, t, kh, g, CHANNELS * g)).reshape(b, t, h, CHANNELS * g)
+    q = jnp.concatenate([q, qc, jnp.zeros((b, t, h, pad), q.dtype)], axis=-1)
+    k = jnp.concatenate([k, kc, jnp.zeros((b, s, kh, pad), k.dtype)], axis=-1)
+    return q, k
 
 
 # ---- cuDNN ---------------------------------------------------------------------------------
@@ -179,8 +236,10 @@ def cudnn_refusal(q, k, v, *, segment_ids=None, q_offset=0, bias_fn: BiasFn | No
     if reason:
         return reason
     d, limit = q.shape[-1], cudnn_head_dim_limit()
-    if d % 8 or d > limit:
-        return (f"impl='cudnn' cannot take head_dim={d}: cuDNN needs a multiple of 8 and at most {limit} "
+    wide = widened_head_dim(q, k, bias_fn, 8)
+    if d % 8 or wide > limit:
+        shown = f"head_dim={d}" + (f" (+ the bias channels: {wide})" if wide != d else "")
+        return (f"impl='cudnn' cannot take {shown}: cuDNN needs a multiple of 8 and at most {limit} "
                 f"on this GPU (256 from Hopper on); {INSTEAD}")
     row = max(math.prod(q.shape[1:]), math.prod(k.shape[1:]))
     if row >= ELEMENTS_PER_CALL:
@@ -189,13 +248,24 @@ def cudnn_refusal(q, k, v, *, segment_ids=None, q_offset=0, bias_fn: BiasFn | No
     return None
 
 
-def cudnn_call(q, k, v, *, segment_ids=None, q_offset=0, scale: float | None = None,
+def cudnn_call(q, k, v, *, bias: Bias | None = None, segment_ids=None, q_offset=0, scale: float | None = None,
                max_segments: int = PACKED_SEGMENTS, overflow=None, implementation: str = "cudnn") -> jax.Array:
-    """The cuDNN call impl='cudnn' makes, with its masks, padding and packed form (the module
-    doc). max_segments=0: never the packed form. overflow(q, k, v, segment_ids): the batches
-    with a row of more runs than max_segments (default: the mask form). `implementation` is
-    jax's ("cudnn", or "xla": the same masks on any platform, the packed form as `packed_mask`,
-    for tests)."""
+    """The cuDNN call impl='cudnn' makes, with its masks, padding, packed form and bias channels
+    (the module doc). max_segments=0: never the packed form. overflow(q, k, v, segment_ids=):
+    the batches with a row of more runs than max_segments (default: the mask form).
+    `implementation` is jax's ("cudnn", or "xla": the same masks on any platform, the packed
+    form as `packed_mask`, for tests)."""
+    if bias is not None:
+        d, dv = q.shape[-1], v.shape[-1]
+        scale = d ** -0.5 if scale is None else scale
+        q, k = key_bias_channels(q, k, bias, segment_ids=segment_ids, scale=scale, multiple=8)
+        v = jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, q.shape[-1] - dv)))  # jax.nn takes one head dim
+        if overflow is not None:  # it takes the inputs as they came (and the bias)
+            overflow = functools.partial(lambda f, q, k, v, **kw: f(q[..., :d], k[..., :d], v[..., :dv], **kw),
+                                         overflow)
+        out = cudnn_call(q, k, v, segment_ids=segment_ids, q_offset=q_offset, scale=scale,
+                         max_segments=max_segments, overflow=overflow, implementation=implementation)
+        return out[..., :dv]
     b, t, s = q.shape[0], q.shape[1], k.shape[1]
     rows = max(1, (ELEMENTS_PER_CALL - 1) // max(math.prod(q.shape[1:]), math.prod(k.shape[1:])))
     if b > rows:  # split along the batch, under cuDNN's element limit per call
@@ -272,7 +342,8 @@ def cudnn_attention(q, k, v, *, bias_fn: BiasFn | None = None, segment_ids=None,
         rest = list(rest)
         seg = rest.pop(0) if segment_ids is not None else None
         off = rest.pop(0) if offset is not None else q_offset
-        return cudnn_call(q, k, v, segment_ids=seg, q_offset=off, scale=scale, max_segments=max_segments)
+        return cudnn_call(q, k, v, bias=bias_fn, segment_ids=seg, q_offset=off, scale=scale,
+                          max_segments=max_segments)
 
     try:
         return per_platform(settings, run, args, interpret=False)
@@ -346,13 +417,16 @@ def _splash_kernel(heads: int, length: int, tile: int, interpret: bool):
     return splash.make_splash_mha(mask, block_sizes=tiles, head_shards=1, q_seq_shards=1, interpret=interpret)
 
 
-def splash_call(q, k, v, *, segment_ids=None, scale: float | None = None, block_size: int | None = 512,
-                interpret: bool = False) -> jax.Array:
-    """The splash kernel on q [B, T, H, D], k, v [B, T, K, D] (the module doc: padding, tiles)."""
+def splash_call(q, k, v, *, bias: Bias | None = None, segment_ids=None, scale: float | None = None,
+                block_size: int | None = 512, interpret: bool = False) -> jax.Array:
+    """The splash kernel on q [B, T, H, D], k, v [B, T, K, D] (the module doc: padding, tiles,
+    bias channels, added after q is scaled: their ones stay exact)."""
     b, t, h, d = q.shape
     length, tile = splash_tiling(t, block_size)
     scale = d ** -0.5 if scale is None else scale
     q = (q.astype(jnp.float32) * scale).astype(q.dtype)
+    if bias is not None:
+        q, k = key_bias_channels(q, k, bias, segment_ids=segment_ids, scale=1.0, multiple=64)
 
     def heads_first(x):  # [B, T, N, D] -> [B, N, length, D]
         return jnp.pad(x, ((0, 0), (0, length - t), (0, 0), (0, 0))).transpose(0, 2, 1, 3)
@@ -386,6 +460,7 @@ def splash_attention(q, k, v, *, bias_fn: BiasFn | None = None, segment_ids=None
     args = (q, k, v) if segment_ids is None else (q, k, v, segment_ids)
 
     def run(interp, q, k, v, seg=None):
-        return splash_call(q, k, v, segment_ids=seg, scale=scale, block_size=block_size, interpret=interp)
+        return splash_call(q, k, v, bias=bias_fn, segment_ids=seg, scale=scale, block_size=block_size,
+                           interpret=interp)
 
     return per_platform(settings, run, args, interpret=True if interpret else False)

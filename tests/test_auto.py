@@ -18,6 +18,8 @@ from positional.attention import REFERENCE_MAX, attention, choose
 BF16 = jax.ShapeDtypeStruct((1, 256, 4, 128), jnp.bfloat16)
 F32 = jax.ShapeDtypeStruct((1, 256, 4, 128), jnp.float32)
 ALIBI = make_scheme("alibi", num_heads=4, head_dim=128).bias_fn(None, None)
+KERPLE = make_scheme("kerple_log", num_heads=4, head_dim=128).bias_fn(
+    {"kerple_r1": jnp.ones(4), "kerple_r2": jnp.ones(4)}, None)
 
 
 @pytest.fixture
@@ -34,11 +36,13 @@ def cudnn():
     ("cuda", BF16, {"segment_ids": True}, "cudnn", "packed rows as cuDNN segments"),  # an H100
     ("cuda", BF16, {"segment_ids": True, "q_offset": 3}, "pallas", "packed rows (segment ids) while decoding"),
     ("cuda", F32, {}, "pallas", "float32"),
-    ("cuda", BF16, {"bias_fn": ALIBI}, "pallas", "cannot take bias_fn"),
+    ("cuda", BF16, {"bias_fn": ALIBI}, "cudnn", "per-key bias in q.k channels (head dim 128 -> 136)"),
+    ("cuda", BF16, {"bias_fn": KERPLE}, "pallas", "takes a bias_fn only when it is per key"),
     ("cuda", BF16, {"bias_fn": lambda qi, kj: 0.0}, "blockwise", "bias_fn must be a positional.logits.Bias"),
     ("tpu", BF16, {}, "splash", "plain softmax"),
     ("tpu", BF16, {"segment_ids": True}, "splash", "plain softmax"),
-    ("tpu", BF16, {"bias_fn": ALIBI}, "pallas", "the fused kernel"),
+    ("tpu", BF16, {"bias_fn": ALIBI}, "splash", "per-key bias in q.k channels (head dim 128 -> 192)"),
+    ("tpu", BF16, {"bias_fn": KERPLE}, "pallas", "the fused kernel"),
     ("tpu", BF16, {"q_offset": jnp.int32(3)}, "blockwise", "q_offset must be a Python int"),
 ])
 def test_choices(cudnn, platform, x, kw, impl, why):
@@ -84,23 +88,28 @@ def test_auto_on_cpu_is_the_reference(name, caplog):
 
 @pytest.mark.parametrize("platform", ["cuda", "tpu"])
 def test_auto_lowers_to_the_fused_kernels(platform):
-    """Exported for a platform on this CPU, auto reaches cuDNN / splash for plain softmax and the
-    project's kernel for a bias, forward and backward; no T x T buffer on the way. (The module
-    as exported holds zeros standing for the other platforms' residuals, the CPU reference's
-    T x T among them: differentiating a platform_dependent keeps every branch's; dead code,
-    which XLA removes: `test_other_platforms_residuals_cost_no_memory`.)"""
+    """Exported for a platform on this CPU, auto reaches cuDNN / splash for plain softmax and a
+    per-key bias (ALiBi, through q.k channels), and the project's kernel for another bias
+    (KERPLE), forward and backward; no T x T buffer on the way. (The module as exported holds
+    zeros standing for the other platforms' residuals, the CPU reference's T x T among them:
+    differentiating a platform_dependent keeps every branch's; dead code, which XLA removes:
+    `test_other_platforms_residuals_cost_no_memory`.)"""
     def lowered_step(bias):
         def loss(q):
             return attention(q, q, q, impl="auto", bias_fn=bias).astype(jnp.float32).sum()
         return lowered(jax.value_and_grad(loss), BF16, platforms=[platform])
 
-    plain, biased = lowered_step(None), lowered_step(ALIBI)
+    plain, per_key, other = lowered_step(None), lowered_step(ALIBI), lowered_step(KERPLE)
     if platform == "cuda":
-        assert "__cudnn$fmhaSoftmax" in plain and TRITON not in plain
-        assert biased.count(TRITON) == 3  # forward, dK/dV, dQ
+        for text in (plain, per_key):
+            assert "__cudnn$fmhaSoftmaxBackward" in text and TRITON not in text
+        assert other.count(TRITON) == 3 and "__cudnn" not in other  # forward, dK/dV, dQ
     else:
-        assert plain.count(MOSAIC) == 3 and biased.count(MOSAIC) == 3  # splash's, the project's
-    for text in (plain, biased):  # no [., ., T, T] tensor is left once dead code is gone
+        for text in (plain, per_key):
+            assert text.count(MOSAIC) == 3 and "splash_mha_dkv" in text
+        assert other.count(MOSAIC) == 3 and "splash" not in other  # the project's kernel
+    assert "x256x136x" in per_key if platform == "cuda" else "x256x192x" in per_key  # the bias channels
+    for text in (plain, per_key, other):  # no [., ., T, T] tensor is left once dead code is gone
         assert "x256x256x" not in simplified(text)
 
 
