@@ -7,7 +7,7 @@ accelerator, checked on a CPU host without one.
 
 The config's model and optimizer state are built abstractly (jax.eval_shape: nothing is
 allocated, whatever the model size or length), and its full training step (forward, backward
-and the AdamW update: lab.training.make_train_step, as train.py and the dry run build it) is
+and the AdamW update: lab.state.make_train_step, as train.py and the dry run build it) is
 exported with jax.export for that one platform. Nothing is compiled or run. Lowering on a CPU
 host needs a stand-in per platform, set only while the step is lowered (`lab.lowering`).
 
@@ -60,7 +60,7 @@ from data import pipeline
 from lab import cli
 from lab.state import check_config, mesh_and_batch, model_config
 from lab.lowering import CUDNN, MOSAIC, TRITON, UNSTABLE_CALLS, simplified, target
-from lab.training import abstract_train_step
+from lab.state import abstract_train_step
 from models.registry import make_scheme
 from positional.attention import REFERENCE_MAX
 

@@ -43,7 +43,8 @@ def child(scheme: str, seq_len: int, n: int, impl: str, steps: int) -> dict:
 
     from configs.default import get_config
     from lab.state import init_state, mesh_and_batch
-    from lab.training import dry_run, make_train_step
+    from lab.state import make_train_step
+    from lab.training import dry_run
     c = get_config(scheme)
     c.model.vocab_size, c.seq_len, c.batch_size = 258, seq_len, 1
     c.mesh.update(data=1, sequence=n)

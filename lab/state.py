@@ -1,6 +1,8 @@
 """The train state of a run and its one initialisation path, shared by training, the dry run
 and loading a run: the model config from a run config, the device mesh, the optimizer, and
-{'params', 'opt_state', 'step'} with its shardings, abstract (nothing allocated) or built.
+{'params', 'opt_state', 'step'} with its shardings, abstract (nothing allocated) or built;
+and the train step itself (`make_train_step`). It imports no data pipeline, so the step runs
+where only JAX, Flax, optax and ml-collections are installed (benchmarks/gpu_check.py).
 """
 
 from __future__ import annotations
@@ -12,12 +14,13 @@ import os
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from models import sharding
-from models.lm import DecoderLM, ModelConfig
+from models.lm import DecoderLM, ModelConfig, token_nll
 from models.registry import get_entry
 
 
@@ -173,3 +176,47 @@ def init_state(config, vocab_size: int, mesh, *, abstract: bool = False):
         return graphdef, rest, tx, schedule, state
     graphdef, state, rest = build()
     return graphdef, rest, tx, schedule, jax.device_put(state, sharding.state_shardings(mesh, state))
+
+
+def make_loss(graphdef, rest, config):
+    """The training loss (params, batch, rng) -> mean next-token NLL over the scored tokens."""
+    def loss_fn(params, batch, rng):
+        model = nnx.merge(graphdef, params, rest)
+        nll, w = token_nll(model, batch["tokens"], segment_ids=batch["segment_ids"],
+                           positions=batch["positions"], impl=config.model.attention_impl, rng=rng)
+        for key in ("loss_mask", "loss_weight"):  # a synthetic task scores only its answers;
+            if key in batch:                        # a retrieval mix may weight its answers up
+                w = w * batch[key][:, 1:]
+        return jnp.sum(nll * w) / jnp.maximum(jnp.sum(w), 1.0)
+
+    return loss_fn
+
+
+def make_train_step(graphdef, rest, tx, config, state_shardings, batch_sharding):
+    loss_fn = make_loss(graphdef, rest, config)
+
+    def step(state, batch):
+        # Random position features get a fresh draw every step, reproducible from the seed.
+        rng = jax.random.fold_in(jax.random.key(config.seed), state["step"])
+        with sharding.activation_rules(batch_sharding.mesh):  # activations over the mesh as well
+            loss, grads = jax.value_and_grad(loss_fn)(state["params"], batch, rng)
+        params, opt_state = apply_optimizer(tx, grads, state["opt_state"], state["params"])
+        finite = jnp.all(jnp.stack([jnp.isfinite(x).all() for x in jax.tree.leaves(params)]))
+        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "params_finite": finite}
+        return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
+
+    return jax.jit(step, in_shardings=(state_shardings, batch_sharding),
+                   out_shardings=(state_shardings, None), donate_argnums=0)
+
+
+def abstract_train_step(config: ml_collections.ConfigDict, vocab_size: int, devices=None):
+    """(the jitted train step of `config`, its abstract arguments (state, batch), the mesh) over
+    `devices` (default: the job's), every array a ShapeDtypeStruct: nothing is allocated."""
+    check_config(config)
+    mesh, batch_sharding = mesh_and_batch(config, devices)
+    graphdef, rest, tx, _, state = init_state(config, vocab_size, mesh, abstract=True)
+    rest = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), rest)  # small non-parameter state
+    row = jax.ShapeDtypeStruct((config.batch_size, config.seq_len + 1), jnp.int32, sharding=batch_sharding)
+    batch = {"tokens": row, "segment_ids": row, "positions": row}
+    step = make_train_step(graphdef, rest, tx, config, jax.tree.map(lambda x: x.sharding, state), batch_sharding)
+    return step, (state, batch), mesh

@@ -25,10 +25,8 @@ import tempfile
 import time
 
 import jax
-import jax.numpy as jnp
 import ml_collections
 import numpy as np
-import optax
 from flax import nnx
 from tensorboardX import SummaryWriter
 from tqdm import tqdm
@@ -40,57 +38,12 @@ from lab import distributed, files
 from lab.evaluators import configured, in_training
 from lab.lengths import perplexity_at, task_accuracy_at
 from lab.runs import Run
-from lab.state import apply_optimizer, check_config, init_state, mesh_and_batch, workdir_of
-from models import sharding
-from models.lm import token_nll
+from lab.state import (abstract_train_step, check_config, init_state, make_loss, make_train_step, mesh_and_batch,
+                       workdir_of)
 
 
 class TrainingError(Exception):
     """A run that cannot go on; the message says why and where the last good state is."""
-
-
-def make_loss(graphdef, rest, config):
-    """The training loss (params, batch, rng) -> mean next-token NLL over the scored tokens."""
-    def loss_fn(params, batch, rng):
-        model = nnx.merge(graphdef, params, rest)
-        nll, w = token_nll(model, batch["tokens"], segment_ids=batch["segment_ids"],
-                           positions=batch["positions"], impl=config.model.attention_impl, rng=rng)
-        for key in ("loss_mask", "loss_weight"):  # a synthetic task scores only its answers;
-            if key in batch:                        # a retrieval mix may weight its answers up
-                w = w * batch[key][:, 1:]
-        return jnp.sum(nll * w) / jnp.maximum(jnp.sum(w), 1.0)
-
-    return loss_fn
-
-
-def make_train_step(graphdef, rest, tx, config, state_shardings, batch_sharding):
-    loss_fn = make_loss(graphdef, rest, config)
-
-    def step(state, batch):
-        # Random position features get a fresh draw every step, reproducible from the seed.
-        rng = jax.random.fold_in(jax.random.key(config.seed), state["step"])
-        with sharding.activation_rules(batch_sharding.mesh):  # activations over the mesh as well
-            loss, grads = jax.value_and_grad(loss_fn)(state["params"], batch, rng)
-        params, opt_state = apply_optimizer(tx, grads, state["opt_state"], state["params"])
-        finite = jnp.all(jnp.stack([jnp.isfinite(x).all() for x in jax.tree.leaves(params)]))
-        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "params_finite": finite}
-        return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
-
-    return jax.jit(step, in_shardings=(state_shardings, batch_sharding),
-                   out_shardings=(state_shardings, None), donate_argnums=0)
-
-
-def abstract_train_step(config: ml_collections.ConfigDict, vocab_size: int, devices=None):
-    """(the jitted train step of `config`, its abstract arguments (state, batch), the mesh) over
-    `devices` (default: the job's), every array a ShapeDtypeStruct: nothing is allocated."""
-    check_config(config)
-    mesh, batch_sharding = mesh_and_batch(config, devices)
-    graphdef, rest, tx, _, state = init_state(config, vocab_size, mesh, abstract=True)
-    rest = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), rest)  # small non-parameter state
-    row = jax.ShapeDtypeStruct((config.batch_size, config.seq_len + 1), jnp.int32, sharding=batch_sharding)
-    batch = {"tokens": row, "segment_ids": row, "positions": row}
-    step = make_train_step(graphdef, rest, tx, config, jax.tree.map(lambda x: x.sharding, state), batch_sharding)
-    return step, (state, batch), mesh
 
 
 def memory(compiled) -> dict:

@@ -24,7 +24,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 from lab.state import init_state  # noqa: E402
-from lab.training import make_loss, make_train_step  # noqa: E402
+from lab.state import make_loss, make_train_step  # noqa: E402
 from models.sharding import MESH_AXES, activation_rules  # noqa: E402
 from tiny_setup import tiny_config  # noqa: E402
 

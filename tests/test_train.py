@@ -308,7 +308,7 @@ def test_loss_weight_weights_tokens_as_data_retrieval_answer_weight_asks(tmp_pat
     data.retrieval_answer_weight) is the weighted mean NLL: all-ones weights change nothing, and
     one token weighted far above the rest gives that token's NLL alone (a 'loss_mask' on it)."""
     from lab.state import init_state, make_mesh
-    from lab.training import make_loss
+    from lab.state import make_loss
     config = tiny_config(tmp_path)
     graphdef, rest, _, _, state = init_state(config, 64, make_mesh(config))
     loss = jax.jit(make_loss(graphdef, rest, config))
