@@ -260,9 +260,10 @@ def cudnn_call(q, k, v, *, bias: Bias | None = None, segment_ids=None, q_offset=
         scale = d ** -0.5 if scale is None else scale
         q, k = key_bias_channels(q, k, bias, segment_ids=segment_ids, scale=scale, multiple=8)
         v = jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, q.shape[-1] - dv)))  # jax.nn takes one head dim
-        if overflow is not None:  # it takes the inputs as they came (and the bias)
-            overflow = functools.partial(lambda f, q, k, v, **kw: f(q[..., :d], k[..., :d], v[..., :dv], **kw),
-                                         overflow)
+        if overflow is not None:  # it takes the inputs as they came (and the bias), gives v's width back
+            def overflow(q, k, v, *, segment_ids, given=overflow):
+                out = given(q[..., :d], k[..., :d], v[..., :dv], segment_ids=segment_ids)
+                return jnp.pad(out, ((0, 0), (0, 0), (0, 0), (0, v.shape[-1] - dv)))
         out = cudnn_call(q, k, v, segment_ids=segment_ids, q_offset=q_offset, scale=scale,
                          max_segments=max_segments, overflow=overflow, implementation=implementation)
         return out[..., :dv]

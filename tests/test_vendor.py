@@ -230,6 +230,26 @@ def test_per_key_bias_channels_equal_reference(impl, name):
             assert_close(got[3], want[3], gate_rel)
 
 
+def test_per_key_bias_overflow_takes_the_inputs_as_they_came():
+    """A batch over max_segments with a bias: the overflow function gets the original q, k, v
+    (and computes the bias itself: here the reference), and the result is still exact."""
+    b, t, h = 2, 12, 4
+    q, k, v = inputs(9, b=b, t=t, h=h, dtype=jnp.float32)
+    seg = segments(b, t)
+    log_forget, biases = per_key_biases(b, t, h)
+    bias = biases["fox"](log_forget)
+    seen = []
+
+    def overflow(q, k, v, *, segment_ids):
+        seen.append((q.shape, k.shape, v.shape))
+        return reference_attention(q, k, v, bias_fn=bias, segment_ids=segment_ids)
+
+    out = vendor.cudnn_call(q, k, v, bias=bias, segment_ids=seg, max_segments=1, overflow=overflow,
+                            implementation="xla")
+    assert seen == [(q.shape, k.shape, v.shape)]
+    assert_close(out, reference_attention(q, k, v, bias_fn=bias, segment_ids=seg), 1e-6)
+
+
 def test_channels_carry_fp32_where_one_bf16_number_does_not():
     """A key term of ~1e4 (FoX over a long document): hi + mid + lo reproduce it to fp32's
     rounding, a bf16 number alone is off by up to 2^-9 of it (tens of logit units)."""
