@@ -29,7 +29,15 @@ QUICK_SKIP := test_train test_runs_safety test_distributed test_eval test_retrie
 	test_scale test_ring test_evaluators test_seeds test_perturb test_logit_probes test_lm_infinite test_grid2d \
 	test_compile_tpu test_readme
 
-.PHONY: python demo demo-fast lint test test-quick test-min test-slow clean
+# The lent GPU machine (python3 with jax[cuda] 0.11.2, no network): `make gpu-wheels` here fetches
+# what it lacks into .whl (git-ignored: the device call carries it), the releases `make test-min`
+# tests; `make gpu-check` there installs them under /tmp/site and runs benchmarks/gpu_check.py
+# (its json goes to $OUT). benchmarks/RESULTS.md has the device command.
+GPU_WHEELS := flax==0.12.10 optax==0.2.5 ml-collections==1.1.0
+GPU_PYTHON ?= python3
+GPU_BUDGET_S ?= 400
+
+.PHONY: python demo demo-fast lint test test-quick test-min test-slow clean gpu-wheels gpu-check
 
 python:
 	@"$(PYTHON)" -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null || { echo "error: make needs Python >= 3.12 \
@@ -77,3 +85,12 @@ test-slow: $(STAMP)
 
 clean:
 	rm -rf runs .pytest_cache
+
+gpu-wheels: $(STAMP)
+	$(PY) -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .whl $(GPU_WHEELS)
+
+gpu-check:
+	@if [ -d .whl ]; then $(GPU_PYTHON) -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+		--upgrade --target /tmp/site .whl/*.whl; fi
+	PYTHONPATH=$(CURDIR):/tmp/site PYTHONUNBUFFERED=1 $(GPU_PYTHON) benchmarks/gpu_check.py --budget_s $(GPU_BUDGET_S) $(GPU_CHECK_FLAGS)

@@ -188,3 +188,39 @@ def test_lowering_check_fails_on_a_t_by_t_path(capsys, monkeypatch):
     assert "T x T tensor (two axes >= 256): yes" in captured.out
     error = captured.err.strip()
     assert "\n" not in error and error.startswith("error: alibi (Alibi) runs 'reference' on tpu"), error
+
+
+def test_gpu_check_runs_end_to_end_at_toy_sizes(tmp_path, capsys):
+    """`make gpu-check`'s script with --tiny on this CPU: every item runs or says why in one line
+    (cuDNN: no GPU here), every Pallas path passes its check interpreted, and the json holds it."""
+    path = tmp_path / "gpu_check.json"
+    result = run("gpu_check", ["--tiny", "--budget_s", "100000", "--json", str(path)])
+    rows = {r["item"]: r for r in result["rows"]}
+    assert json.loads(path.read_text())["rows"] == json.loads(json.dumps(result["rows"]))
+    assert not result["skipped"] and result["commit"] != "unknown"
+    for item, r in rows.items():
+        if r["section"] == "checks":
+            if item.startswith("cudnn"):
+                assert "impl='cudnn' needs cuDNN" in r["failed"] and "\n" not in r["failed"]
+            else:
+                assert r["ok"], r
+    assert {r["section"] for r in rows.values() if "failed" not in r} == {"checks", "attention", "train"}
+    assert all(r["tokens_per_s"] > 0 and r["loss"] > 0 for r in rows.values() if r["section"] == "train")
+    assert rows["ceiling at 256"]["ms"] > 0 and rows["path_fox at 256"]["ms"] > 0
+    out = capsys.readouterr().out
+    assert "| pallas PaTH-FoX (its kernel) | yes |" in out and "| fox auto |" in out
+
+
+def test_gpu_check_skips_what_does_not_fit(monkeypatch):
+    """Items run in the plan's order while their estimate, scaled by how the finished ones
+    compared with theirs, fits in the budget left; the others are named as skipped."""
+    gpu_check = load("gpu_check")
+    clock = iter(range(0, 1000, 10))  # every reading of the clock is 10 s later
+    monkeypatch.setattr(gpu_check.time, "perf_counter", lambda: next(clock))
+    monkeypatch.setattr(gpu_check, "plan", lambda tiny: [
+        ("checks", "a", 10, lambda: {"x": 1}), ("attention", "b", 500, lambda: {"x": 2}),
+        ("train", "c", 5, lambda: 1 / 0)])
+    result = gpu_check.run(100, tiny=True)
+    assert [r["item"] for r in result["rows"]] == ["a", "c"]
+    assert result["rows"][1]["failed"] == "ZeroDivisionError: division by zero"
+    assert result["skipped"] == ["attention: b (about 500 s, 50 s left)"]

@@ -1,0 +1,351 @@
+"""The prepared check for a lent GPU: one command, at most about 8 minutes on an H100 or H200
+with compiling, that checks every fused path on the device and times what matters most.
+
+    make gpu-check                                   # on the GPU machine (README: the device command)
+    python benchmarks/gpu_check.py --budget_s 400 --json $OUT/gpu_check.json
+    python benchmarks/gpu_check.py --tiny            # the same work at toy sizes (this CPU; the test)
+
+The work, in order of value; an item whose estimate (scaled by how long the finished ones took
+against theirs) does not fit in what is left of --budget_s is skipped and named:
+  1. checks: each fused path on this device against the fp32 reference on the same bf16
+     inputs, values and gradients (q, k, v, and the gates where a bias has them): 2 rows of
+     1,000 tokens (no tile divides it), 4 query heads on 2 kv heads of 64, 3 packed documents
+     per row; it passes within twice the error of the reference itself on the bf16 inputs
+     (at least 5e-3). cuDNN plain, packed, packed over its segment maximum (the overflow branch), the
+     per-key bias channels (FoX with its gates, ALiBi), auto for fox+packed rows, the fused
+     hook kernel (KERPLE, TAPA), PaTH-FoX's kernel, the Sessa feedback solve.
+  2. attention: forward + backward of one call, 1 x 16 heads x 128 bf16, 4 packed documents
+     per row, at 8,192 then 32,768 tokens: each scheme's auto path against cuDNN plain causal
+     softmax without packing (the ceiling); then cuDNN plain at the head dims the bias channels
+     make (136, 144, 152, 192 against 128).
+  3. train: tokens/s of the train step (lab.state.make_train_step, as train.py builds it;
+     configs/default.py, 4 rows of 8,192, bf16, 4 documents per row), auto against blockwise,
+     for rope, alibi, fox, tapa and path_fox.
+Timings: compiled once, one warm call, the median of --repeats synchronised calls. It prints a
+table per section and writes one json (device, JAX version, commit, every row, what was
+skipped). Off a GPU, cuDNN's rows say why they cannot run and the Pallas kernels interpret.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
+
+from configs.default import get_config
+from lab.state import init_state, make_train_step, mesh_and_batch
+from models.registry import make_scheme
+from positional import vendor
+from positional.attention import attention
+from positional.feedback import feedback_solve
+from positional.fox import forget_bias
+from positional.softmax import reference_attention
+
+FLAGS = flags.FLAGS if __name__ == "__main__" else flags.FlagValues()
+flags.DEFINE_float("budget_s", 400, "seconds of work at most (estimates decide what fits)", flag_values=FLAGS)
+flags.DEFINE_string("json", "", "write every row here ('' : $OUT/gpu_check.json where OUT is set, else none)",
+                    flag_values=FLAGS)
+flags.DEFINE_bool("tiny", False, "toy sizes: the whole script in a minute or two on a CPU", flag_values=FLAGS)
+flags.DEFINE_integer("repeats", 10, "timed calls per case (the median is reported)", flag_values=FLAGS)
+
+# A fused path passes when its error against the fp32 reference is at most SLACK times the
+# reference's own on the same bf16 inputs (or FLOOR): the rounding of bf16, not a wrong mask or tile.
+SLACK, FLOOR = 2.0, 5e-3
+TRAIN_SCHEMES = ("rope", "alibi", "fox", "tapa", "path_fox")
+ATTENTION_SCHEMES = ("rope", "alibi", "fox", "rope+fox", "so2_learned_qkv+alibi", "tapa", "kerple_log", "path_fox")
+
+
+def sizes(tiny: bool) -> dict:
+    if tiny:
+        return dict(check=(2, 40, 4, 2, 16), lengths=(256,), heads=2, head_dim=64, dims=(72,), rows=2, seq_len=128)
+    return dict(check=(2, 1000, 4, 2, 64), lengths=(8192, 32768), heads=16, head_dim=128, dims=(136, 144, 152, 192),
+                rows=4, seq_len=8192)
+
+
+def packed_ids(b: int, t: int, documents: int) -> jax.Array:
+    """Segment ids of `documents` documents of random lengths per row, numbered 1, 2, ..."""
+    rng = np.random.default_rng(t)
+    rows = []
+    for _ in range(b):
+        cuts = np.sort(rng.choice(np.arange(1, t), size=documents - 1, replace=False))
+        rows.append(np.repeat(np.arange(1, documents + 1), np.diff(np.concatenate([[0], cuts, [t]]))))
+    return jnp.asarray(np.stack(rows), jnp.int32)
+
+
+def positions_of(ids: jax.Array) -> jax.Array:
+    """Each token's position in its document (as the data pipeline's)."""
+    idx = jnp.arange(ids.shape[1])
+    starts = jnp.concatenate([jnp.ones((ids.shape[0], 1), bool), ids[:, 1:] != ids[:, :-1]], axis=1)
+    return (idx - jax.lax.cummax(jnp.where(starts, idx, 0), axis=1)).astype(jnp.int32)
+
+
+def rel(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+# ---- 1. checks -----------------------------------------------------------------------------
+
+def check_cases(b, t, h, kh, d) -> dict:
+    """name -> (ours(q, k, v, gates), reference(q, k, v, gates), whether the gates matter)."""
+    seg = packed_ids(b, t, 3)
+    pos = positions_of(seg)
+    alibi = make_scheme("alibi", num_heads=h, head_dim=d).bias_fn(None, pos)
+    kerple = make_scheme("kerple_log", num_heads=h, head_dim=d).bias_fn(
+        {"kerple_r1": jnp.linspace(0.5, 2.0, h), "kerple_r2": jnp.linspace(0.1, 1.0, h)}, pos)
+    key = jax.random.key(3)
+
+    def plain(impl, bias=None, **kw):
+        return (lambda q, k, v, lf: attention(q, k, v, impl=impl, bias_fn=bias and bias(lf), **kw),
+                lambda q, k, v, lf: reference_attention(q, k, v, bias_fn=bias and bias(lf),
+                                                        segment_ids=kw.get("segment_ids")))
+
+    def scheme(name, impl):
+        s = make_scheme(name, num_heads=h, head_dim=d)
+        return (lambda q, k, v, lf: s.attend(q, k, v, positions=pos, segment_ids=seg, impl=impl, key=key),
+                lambda q, k, v, lf: s.attend(q, k, v, positions=pos, segment_ids=seg, impl="reference", key=key))
+
+    def sessa(q, k, v, lf, impl="pallas"):  # rows q[:, :, 0] and keys k[:, :, 0] of the feedback, f = v[:, :, 0]
+        gamma = 0.9 * jax.nn.sigmoid(lf[..., 0])
+        return feedback_solve(q[:, :, 0], k[:, :, 0], gamma, v[:, :, 0], seg, impl=impl, block_size=128)
+
+    cases = {
+        "cudnn plain": (*plain("cudnn"), False),
+        "cudnn packed": (*plain("cudnn", segment_ids=seg), False),
+        "cudnn packed over max_segments (overflow)": (
+            lambda q, k, v, lf: vendor.cudnn_attention(q, k, v, segment_ids=seg, max_segments=2),
+            lambda q, k, v, lf: reference_attention(q, k, v, segment_ids=seg), False),
+        "cudnn FoX channels, packed": (*plain("cudnn", forget_bias, segment_ids=seg), True),
+        "cudnn ALiBi channels, packed": (*plain("cudnn", lambda lf: alibi, segment_ids=seg), False),
+        "auto FoX, packed": (*plain("auto", forget_bias, segment_ids=seg), True),
+        "pallas KERPLE (hook kernel)": (*plain("pallas", lambda lf: kerple, segment_ids=seg), False),
+        "pallas TAPA (hook kernel)": (*scheme("tapa", "pallas"), False),
+        "pallas PaTH-FoX (its kernel)": (*scheme("path_fox", "pallas"), False),
+        "pallas Sessa solve": (sessa, lambda q, k, v, lf: sessa(q, k, v, lf, impl="reference"), True),
+    }
+    return cases
+
+
+def run_check(name, ours, ref, gated, shape) -> dict:
+    b, t, h, kh, d = shape
+    keys = jax.random.split(jax.random.key(len(name)), 5)
+    q = jax.random.normal(keys[0], (b, t, h, d))
+    k, v = (jax.random.normal(x, (b, t, kh, d)) for x in keys[1:3])
+    gates = jax.nn.log_sigmoid(3 * jax.random.normal(keys[3], (b, t, h)))
+
+    def grads(fn, dtype):
+        def loss(q, k, v, lf):
+            out = fn(q.astype(dtype), k.astype(dtype), v.astype(dtype), lf)
+            w = jax.random.normal(keys[4], out.shape)
+            return jnp.sum(out.astype(jnp.float32) * w), out
+        return jax.jit(jax.grad(loss, (0, 1, 2, 3), has_aux=True))(q, k, v, gates)
+
+    want = grads(ref, jnp.float32)
+    names = ("dq", "dk", "dv", "dgates")[:4 if gated else 3]
+
+    def errors(got):
+        return {"out": rel(got[1], want[1]), **{n: rel(g, w) for n, g, w in zip(names, got[0], want[0])}}
+
+    ours_err, ref_err = errors(grads(ours, jnp.bfloat16)), errors(grads(ref, jnp.bfloat16))
+    ok = all(ours_err[n] <= max(SLACK * ref_err[n], FLOOR) for n in ours_err)
+    return {"case": name, "ok": ok, **ours_err, "reference_bf16": ref_err}
+
+
+# ---- 2. attention ------------------------------------------------------------------------------
+
+def timed(fn, args, repeats: int) -> tuple[float, float]:
+    """(median seconds of one call, compile seconds)."""
+    start = time.perf_counter()
+    compiled = jax.jit(fn).lower(*args).compile()
+    compile_s = time.perf_counter() - start
+    jax.block_until_ready(compiled(*args))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(compiled(*args))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), compile_s
+
+
+def fwd_bwd(fn):
+    def loss(q, k, v):
+        out = fn(q, k, v).astype(jnp.float32)
+        return jnp.sum(out * jnp.cos(jnp.arange(out.shape[-1], dtype=jnp.float32)))
+    return jax.grad(loss, (0, 1, 2))
+
+
+def ceiling(q, k, v):
+    """cuDNN plain causal softmax, no packing (XLA's off a GPU)."""
+    on_gpu = jax.default_backend() == "gpu"
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn" if on_gpu else "xla")
+
+
+def run_attention(name, t, heads, d, repeats) -> dict:
+    keys = jax.random.split(jax.random.key(t), 3)
+    q, k, v = (jax.random.normal(x, (1, t, heads, d), jnp.bfloat16) for x in keys)
+    if name == "ceiling":
+        fn = ceiling
+    else:
+        seg = packed_ids(1, t, 4)
+        scheme = make_scheme(name, num_heads=heads, head_dim=d)
+        pos = positions_of(seg)
+        fn = (lambda q, k, v: scheme.attend(q, k, v, positions=pos, segment_ids=seg, impl="auto",
+                                            key=jax.random.key(0)))
+    ms, compile_s = timed(fwd_bwd(fn), (q, k, v), repeats)
+    return {"scheme": name, "tokens": t, "head_dim": d, "ms": 1e3 * ms, "compile_s": compile_s}
+
+
+# ---- 3. train ----------------------------------------------------------------------------------
+
+def run_train(name, impl, rows, seq_len, repeats, tiny) -> dict:
+    config = get_config(name)
+    config.update_from_flattened_dict({"batch_size": rows, "seq_len": seq_len, "model.dtype": "bfloat16",
+                                       "model.attention_impl": impl})
+    if tiny:
+        config.model.update(num_layers=1)
+    vocab = 258
+    mesh, batch_sharding = mesh_and_batch(config, jax.devices()[:1])
+    graphdef, rest, tx, _, state = init_state(config, vocab, mesh)
+    step = make_train_step(graphdef, rest, tx, config, jax.tree.map(lambda x: x.sharding, state), batch_sharding)
+    seg = packed_ids(rows, seq_len + 1, 4)
+    batch = {"tokens": jax.random.randint(jax.random.key(1), (rows, seq_len + 1), 0, vocab, jnp.int32),
+             "segment_ids": seg, "positions": positions_of(seg)}
+    start = time.perf_counter()
+    state, metrics = step(state, batch)
+    jax.block_until_ready(metrics)
+    compile_s = time.perf_counter() - start
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        state, metrics = step(state, batch)
+        jax.block_until_ready(metrics)
+        times.append(time.perf_counter() - t0)
+    return {"scheme": name, "impl": impl, "tokens_per_s": rows * seq_len / statistics.median(times),
+            "loss": float(metrics["loss"]), "compile_s": compile_s}
+
+
+# ---- the plan ----------------------------------------------------------------------------------
+
+def plan(tiny: bool) -> list[tuple[str, str, float, object]]:
+    """(section, item, estimated seconds on an H100 with compiling, run() -> row), by value."""
+    s = sizes(tiny)
+    reps = 1 if tiny else FLAGS.repeats
+    items = [("checks", name, 20 if "PaTH" in name else 10,
+              lambda c=case, n=name: run_check(n, *c, s["check"]))
+             for name, case in check_cases(*s["check"]).items()]
+    first, *longer = s["lengths"]
+
+    def attention_items(t):
+        return [("attention", f"{n} at {t}", 15 * t / 8192 * (3 if n == "path_fox" else 1),
+                 lambda n=n, t=t: run_attention(n, t, s["heads"], s["head_dim"], reps))
+                for n in ("ceiling", *ATTENTION_SCHEMES)]
+
+    def train_items(schemes):
+        return [("train", f"{n} {impl}", 60 if n == "path_fox" else 30,
+                 lambda n=n, i=impl: run_train(n, i, s["rows"], s["seq_len"], reps, tiny))
+                for n in schemes for impl in ("auto", "blockwise")]
+
+    dims = [("attention", f"ceiling at head dim {d}", 10,
+             lambda d=d: run_attention("ceiling", first, s["heads"], d, reps)) for d in s["dims"]]
+    return (items + attention_items(first) + train_items(TRAIN_SCHEMES[:3]) + dims
+            + [x for t in longer for x in attention_items(t)] + train_items(TRAIN_SCHEMES[3:]))
+
+
+def run(budget_s: float, tiny: bool) -> dict:
+    start = time.perf_counter()
+    rows, skipped, spent, guessed = [], [], 0.0, 0.0
+    for section, item, estimate, fn in plan(tiny):
+        scale = min(max(spent / guessed, 0.5), 3.0) if guessed else 1.0
+        left = budget_s - (time.perf_counter() - start)
+        if estimate * scale > left:
+            skipped.append(f"{section}: {item} (about {estimate * scale:.0f} s, {left:.0f} s left)")
+            continue
+        t0 = time.perf_counter()
+        try:
+            row = fn()
+        except Exception as e:  # noqa: BLE001 -- one line per failure; the rest goes on
+            row = {"failed": " ".join(f"{type(e).__name__}: {e}".split())[:300]}
+        took = time.perf_counter() - t0
+        spent, guessed = spent + took, guessed + estimate
+        rows.append({"section": section, "item": item, "seconds": round(took, 1), **row})
+        print(f"[{time.perf_counter() - start:5.0f} s] {section}: {item}: "
+              f"{row.get('failed') or {k: v for k, v in row.items() if k not in ('case', 'scheme')}}", flush=True)
+    return {"device": jax.devices()[0].device_kind, "platform": jax.default_backend(), "jax": jax.__version__,
+            "commit": commit(), "tiny": tiny, "budget_s": budget_s, "elapsed_s": round(time.perf_counter() - start, 1),
+            "rows": rows, "skipped": skipped}
+
+
+def commit() -> str:
+    """This tree's commit: git's, else $POSITIONAL_COMMIT (the device machine's copy has no .git)."""
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return os.environ.get("POSITIONAL_COMMIT", "unknown")
+
+
+def tables(result: dict) -> str:
+    rows = result["rows"]
+    out = [f"gpu check: {result['device']} ({result['platform']}), jax {result['jax']}, commit {result['commit']}, "
+           f"{result['elapsed_s']:.0f} s of {result['budget_s']:.0f}", "",
+           "| check (error; the bf16 reference's) | ok | out | dq | dk | dv | dgates |",
+           "|---|---|---|---|---|---|---|"]
+    for r in (r for r in rows if r["section"] == "checks"):
+        if "failed" in r:
+            out.append(f"| {r['item']} | - | {r['failed']} |||||")
+            continue
+        cells = " | ".join(f"{r[n]:.1e} ({r['reference_bf16'][n]:.1e})" if n in r else "-"
+                           for n in ("out", "dq", "dk", "dv", "dgates"))
+        out.append(f"| {r['item']} | {'yes' if r['ok'] else 'NO'} | {cells} |")
+    out += ["", "| attention fwd+bwd | ms | x ceiling throughput | compile s |", "|---|---|---|---|"]
+    ceilings = {(r["tokens"], r["head_dim"]): r["ms"] for r in rows if r.get("scheme") == "ceiling"}
+    base_dim = sizes(result["tiny"])["head_dim"]
+    for r in (r for r in rows if r["section"] == "attention"):
+        if "failed" in r:
+            out.append(f"| {r['item']} | {r['failed']} | | |")
+            continue
+        base = ceilings.get((r["tokens"], base_dim))
+        out.append(f"| {r['item']} | {r['ms']:.2f} | {base / r['ms']:.2f} | {r['compile_s']:.0f} |" if base else
+                   f"| {r['item']} | {r['ms']:.2f} | - | {r['compile_s']:.0f} |")
+    out += ["", "| train step | tokens/s | x blockwise | loss | compile s |", "|---|---|---|---|---|"]
+    blockwise = {r["scheme"]: r["tokens_per_s"] for r in rows if r.get("impl") == "blockwise" and "tokens_per_s" in r}
+    for r in (r for r in rows if r["section"] == "train"):
+        if "failed" in r:
+            out.append(f"| {r['item']} | {r['failed']} | | | |")
+            continue
+        ratio = f"{r['tokens_per_s'] / blockwise[r['scheme']]:.2f}" if r["scheme"] in blockwise else "-"
+        out.append(f"| {r['item']} | {r['tokens_per_s']:,.0f} | {ratio} | {r['loss']:.3f} | {r['compile_s']:.0f} |")
+    if result["skipped"]:
+        out += ["", "skipped (over the budget): " + "; ".join(result["skipped"])]
+    return "\n".join(out)
+
+
+def benchmark() -> dict:
+    result = run(FLAGS.budget_s, FLAGS.tiny)
+    print("\n" + tables(result))
+    path = FLAGS.json or (os.path.join(os.environ["OUT"], "gpu_check.json") if os.environ.get("OUT") else "")
+    if path:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1)
+        print(f"wrote {path}")
+    return result
+
+
+def main(argv):
+    if len(argv) > 1:
+        print(f"error: unexpected arguments {argv[1:]}; flags only", file=sys.stderr)
+        sys.exit(1)
+    benchmark()
+
+
+if __name__ == "__main__":
+    app.run(main)
