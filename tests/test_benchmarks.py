@@ -155,12 +155,20 @@ TINY_LOWERING = ["--config", "configs/default.py:alibi", "--config.seq_len=256",
 
 
 def test_lowering_check_picks_the_fused_kernel(capsys, monkeypatch):
-    """ALiBi (a bias: the fused kernel on both accelerators), lowered on this CPU for each: auto
-    chose pallas at both call sites, the kernels are in the module, no T x T buffer."""
-    for platform, kernels in (("tpu", "mosaic (tpu_custom_call) 6"), ("cuda", "triton 6")):
-        assert lowering_check([*TINY_LOWERING, "--platform", platform], monkeypatch) == 0
+    """KERPLE (a bias that is not per key: the fused kernel on both accelerators) and ALiBi (per
+    key: cuDNN through q.k channels; on tpu, at head dim 16, splash refuses and the fused kernel
+    takes it), lowered on this CPU for each: auto's choice at both call sites, the kernels in the
+    module, no T x T buffer."""
+    cases = [("kerple_log", "tpu", "KerpleLog (layers 0-1): pallas -- the fused kernel", "mosaic (tpu_custom_call) 6"),
+             ("kerple_log", "cuda", "KerpleLog (layers 0-1): pallas -- the fused kernel", "triton 6"),
+             ("alibi", "tpu", "Alibi (layers 0-1): pallas -- the fused kernel; not splash: impl='splash' cannot take "
+              "head_dim=16", "mosaic (tpu_custom_call) 6"),
+             ("alibi", "cuda", "Alibi (layers 0-1): cudnn -- plain softmax, packed rows as cuDNN segments", "cudnn fmha 4")]
+    for scheme, platform, choice, kernels in cases:
+        argv = ["--config", f"configs/default.py:{scheme}", *TINY_LOWERING[2:], "--platform", platform]
+        assert lowering_check(argv, monkeypatch) == 0
         out = capsys.readouterr().out
-        assert "2 x Alibi (layers 0-1): pallas -- the fused kernel" in out, out
+        assert f"2 x {choice}" in out, out
         assert kernels in out and "T x T tensor (two axes >= 256): none" in out and out.rstrip().endswith("result: ok"), out
 
 
