@@ -19,15 +19,19 @@ the bias and score hooks):
                blockwise past it; on GPU cuDNN for plain softmax and per-key biases (packed
                rows in its packed form, Hopper on), on TPU splash, else the fused kernel, else
                blockwise. Each choice is logged once (logger "positional.attention");
-               `per_platform_choice` does the same for a scheme with its own attention (PaTH).
+               `per_platform_choice` does the same for a scheme with its own attention (PaTH,
+               whose kernel `choose` weighs as an `OwnKernel`). `choose` is the one place auto
+               is decided, and FACTS the one place for the measurements it relies on.
 
 This module sits above every implementation it names, so none of them imports it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
+from collections.abc import Callable
 
 import jax
 
@@ -46,14 +50,58 @@ LOG = logging.getLogger("positional.attention")
 _LOGGED: set = set()
 
 
-def choose(q, k, v, *, platform: str, bias_fn=None, score_fn=None, segment_ids=None, q_offset=0
-           ) -> tuple[str, str]:
+@dataclasses.dataclass(frozen=True)
+class Fact:
+    """A measurement auto relies on: what, on which device, when, and where it is written up."""
+    what: str
+    device: str
+    date: str
+    source: str
+
+    def __str__(self) -> str:
+        return f"{self.what} ({self.device}, {self.date})"
+
+
+# Every measured fact behind a choice, once; docs and log lines cite them from here.
+FACTS = {
+    "path_kernel_gpu": Fact("its forward + backward took 5.5x (head dim 64) and 7.8x (128) the time of the "
+                            "chunked form at 8,192 tokens", "NVIDIA H100", "2026-11-24",
+                            "benchmarks/RESULTS.md, PaTH on an NVIDIA H100"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class OwnKernel:
+    """A scheme's own fused kernel (PaTH's), for `choose`: refusal(platform) says why it cannot
+    take the call lowered for a platform (or None); `slower` names, per platform, the FACTS
+    entry that keeps auto off it there."""
+    name: str
+    refusal: Callable[[str], str | None]
+    slower: dict = dataclasses.field(default_factory=dict)
+
+
+def by_length(keys: int) -> tuple[str, str]:
+    """(impl, why) where no kernel is chosen (a CPU; a scheme without one): the reference up to
+    REFERENCE_MAX keys, blockwise past it."""
+    if keys <= REFERENCE_MAX:
+        return "reference", f"{keys} keys <= {REFERENCE_MAX}: the T x S scores are small"
+    return "blockwise", f"{keys} keys > {REFERENCE_MAX}: memory bounded by the block"
+
+
+def choose(q, k, v, *, platform: str, bias_fn=None, score_fn=None, segment_ids=None, q_offset=0,
+           own: OwnKernel | None = None) -> tuple[str, str]:
     """(impl, why): what impl="auto" runs for this call lowered for `platform` ("cpu", "cuda",
-    "tpu"), off a sequence mesh. Reads shapes, dtypes and the hooks' kinds only."""
+    "tpu"), off a sequence mesh; `own`: the scheme brings its own kernel (else the vendor
+    kernels and the fused hook kernel are considered). Reads shapes, dtypes and the hooks'
+    kinds only. The one place auto is decided."""
     if platform == "cpu":
-        if k.shape[1] <= REFERENCE_MAX:
-            return "reference", f"CPU, {k.shape[1]} keys <= {REFERENCE_MAX}: the T x S scores are small"
-        return "blockwise", f"CPU, {k.shape[1]} keys > {REFERENCE_MAX}: memory bounded by the block"
+        impl, why = by_length(k.shape[1])
+        return impl, f"CPU, {why}"
+    if own is not None:
+        if platform in own.slower:
+            return "blockwise", f"not {own.name}: {FACTS[own.slower[platform]]}"
+        why_not = own.refusal(platform)
+        return ("pallas", own.name) if why_not is None else ("blockwise", f"not {own.name}: {why_not}")
     hooks = dict(segment_ids=segment_ids, q_offset=q_offset, bias_fn=bias_fn, score_fn=score_fn)
     why = "plain softmax"
     if platform == "cuda":

@@ -45,7 +45,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from positional.attention import attention, choose, log_ring, per_platform_choice
+from positional.attention import OwnKernel, attention, choose, log_ring, per_platform_choice
 from positional.kernels.path import check_transport, path_attention, refusal
 from positional.ring import active_mesh, float_part, make_ring, ring_active, ring_call
 from positional.softmax import MASKED, check_shapes
@@ -602,9 +602,6 @@ def ring_path_attention(q, k, v, w, beta, *, mesh, axis: str = "sequence", bias_
 
 # ---- the scheme -------------------------------------------------------------------------------
 
-# Measured on an H100 (benchmarks/RESULTS.md): forward + backward through the Pallas kernel took
-# 5.5x (head dim 64) and 7.8x (128) the time of the plain-JAX chunked form at 8K tokens.
-GPU_KERNEL_SLOWER = "not the kernel: its backward is 5-8x slower than blockwise on an H100"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -618,7 +615,7 @@ class Path(Scheme):
     `block_size`-token chunks there), "ring" splits the sequence over the devices of the
     enclosing sequence mesh (`ring_path_attention`; off one, the chunked form), and "auto" the
     ring on a sequence mesh, else the kernel on TPU (blockwise where it refuses the call),
-    blockwise on GPU (`GPU_KERNEL_SLOWER`), on CPU the reference up to
+    blockwise on GPU (attention.FACTS["path_kernel_gpu"]), on CPU the reference up to
     attention.REFERENCE_MAX keys and blockwise past it.
     The decode cache holds keys already carried to the latest token; each new token applies its
     H_t to all of them (O(T * D) per token).
@@ -666,14 +663,12 @@ class Path(Scheme):
         if impl == "auto" and ring_active():  # the sequence split over a mesh: PaTH's own ring
             impl = "ring"
             log_ring(type(self).__name__)
-        if impl == "auto":  # on CPU what the generic auto picks (by length), on GPU blockwise, on TPU the kernel
+        if impl == "auto":  # on CPU by length, on GPU blockwise (FACTS["path_kernel_gpu"]), on TPU the kernel
+            own = OwnKernel("PaTH's kernel", lambda platform: refusal(bias, k, platform),
+                            slower={"cuda": "path_kernel_gpu"})
+
             def pick(platform):
-                chosen, why = choose(q, k, v, platform="cpu")
-                if platform == "cuda":
-                    chosen, why = "blockwise", GPU_KERNEL_SLOWER
-                elif platform != "cpu":
-                    why_not = refusal(bias, k, platform)
-                    chosen, why = ("pallas", "PaTH's kernel") if why_not is None else ("blockwise", f"not the kernel: {why_not}")
+                chosen, why = choose(q, k, v, platform=platform, own=own)
                 return chosen, why, lambda q, k, v: self.attention(
                     q, k, v, features, positions=positions, segment_ids=segment_ids, impl=chosen,
                     block_size=block_size, platform=platform)

@@ -62,7 +62,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from positional.attention import IMPLEMENTATIONS, REFERENCE_MAX, attention, log_ring
+from positional.attention import IMPLEMENTATIONS, attention, by_length, log_ring
 from positional.ring import ring_active
 from positional.logits import Bias, Score, sum_of
 from positional.softmax import MASKED, BiasFn, attention_logits, causal_softmax
@@ -186,8 +186,7 @@ class Scheme:
                impl: str = "reference", block_size: int = 512, key=None) -> jax.Array:
         """Causal attention under this scheme. Returns [B, T, H, D]."""
         if impl == "auto" and impl not in self.impls:  # its own ring on a sequence mesh, else by length
-            impl = ("ring" if "ring" in self.impls and ring_active() else
-                    "reference" if k.shape[1] <= REFERENCE_MAX else "blockwise")
+            impl = "ring" if "ring" in self.impls and ring_active() else by_length(k.shape[1])[0]
         if impl not in self.impls:
             why = ": ring splits the generic attention, which this scheme replaces" if impl == "ring" else ""
             raise ValueError(f"scheme {type(self).__name__} has no attention impl {impl!r}{why}; "

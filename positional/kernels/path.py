@@ -45,8 +45,8 @@ backward reads back, in the same program, chain rows and accumulators it wrote t
 memory a step before; that relies on Triton giving each load the layout of the store it reads
 (the same shape and slicing). The GPU form has run on an H100 (benchmarks/RESULTS.md): it
 matches the reference (fp32 relative error 4e-7 to 2e-6, values and every gradient), but its
-backward, parallel over batch x heads only (groups=1), is 5-8x slower than the plain-JAX
-chunked form there, so `auto` does not pick it on GPU. The TPU form has run only in Pallas's TPU
+backward, parallel over batch x heads only (groups=1), is slower than the plain-JAX chunked
+form there (positional.attention.FACTS["path_kernel_gpu"]), so `auto` does not pick it on GPU. The TPU form has run only in Pallas's TPU
 interpreter; both lower for cuda and tpu.
 
 Transport arithmetic and softmax statistics are fp32 whatever the input dtype, its products at
