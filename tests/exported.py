@@ -1,9 +1,23 @@
 """Lower a Pallas kernel for an accelerator on this CPU (through jax.export): block shapes,
-layouts and every op are checked; compiling and running need the accelerator itself."""
+layouts and every op are checked; running needs the accelerator itself. For TPU the kernels
+are also compiled, by libtpu for a topology's devices (`compiled_for_tpu`): VMEM limits,
+layouts and Mosaic's own checks, on the chip the topology names."""
 
-from lab.lowering import MOSAIC, TRITON, exported_text, simplified
+import jax
 
-__all__ = ["MOSAIC", "TRITON", "lowered", "simplified"]
+from lab.lowering import MOSAIC, TRITON, exported_text, simplified, target, tpu_topology
+
+__all__ = ["MOSAIC", "TRITON", "compiled_for_tpu", "lowered", "simplified"]
+
+
+def compiled_for_tpu(fn, *args, topology: str = "v5e:1x1"):
+    """jit(fn)(*args) compiled by the TPU compiler (libtpu, no TPU) for one chip of `topology`,
+    args ShapeDtypeStructs placed on it; the kernels are sized for that chip."""
+    mesh = jax.sharding.Mesh(tpu_topology(topology)[:1], ("x",))
+    placed = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=jax.sharding.NamedSharding(
+        mesh, jax.sharding.PartitionSpec())) for a in args]
+    with target("tpu", mesh):
+        return jax.jit(fn).lower(*placed).compile()
 
 
 def lowered(fn, *args, platforms=("cuda",)) -> str:
