@@ -39,4 +39,5 @@ class Alibi(Scheme):
             return -q["slope"] * (q.get("position", qi) - k.get("position", kj))
 
         return Bias(bias, {"slope": slopes, **position_values(positions)},
-                    key=lambda k, kj: k["slope"] * k.get("position", kj))  # per key: m p_j
+                    key=lambda k, kj: k["slope"] * k.get("position", kj),  # per key: m p_j
+                    key_bound=lambda length: float(alibi_slopes(self.num_heads).max()) * (length - 1))

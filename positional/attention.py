@@ -39,7 +39,7 @@ from positional.kernels.flash import fused_attention
 from positional.kernels.flash import refusal as fused_refusal
 from positional.ring import mesh_ring_attention, ring_active
 from positional.softmax import blockwise_attention, reference_attention
-from positional.vendor import (PACKED_SEGMENTS, cudnn_attention, cudnn_call, cudnn_hopper, cudnn_present, static_int,
+from positional.vendor import (CHANNEL_BOUND, PACKED_SEGMENTS, cudnn_attention, cudnn_call, cudnn_hopper, cudnn_present, static_int,
                                cudnn_refusal, splash_attention, splash_call, splash_refusal, widened_head_dim)
 
 IMPLEMENTATIONS = {"reference": reference_attention, "blockwise": blockwise_attention,
@@ -118,6 +118,10 @@ def choose(q, k, v, *, platform: str, bias_fn=None, score_fn=None, segment_ids=N
             why_not = "this JAX has no cuDNN"
     else:
         vendor, why_not = "splash", splash_refusal(q, k, v, platform=platform, **hooks)
+    bound = getattr(bias_fn, "key_bound", None) and bias_fn.key_bound(k.shape[1])
+    if why_not is None and bound and bound > CHANNEL_BOUND:
+        why_not = (f"its per-key bias reaches {bound:,.0f} at {k.shape[1]} keys, past {CHANNEL_BOUND:,.0f}, where "
+                   f"q.k channels round it more than the kernel's own bias")
     if why_not is None and bias_fn is not None:
         wide = widened_head_dim(q, k, bias_fn, 8 if vendor == "cudnn" else 64)
         why = f"{why}, the per-key bias in q.k channels (head dim {q.shape[-1]} -> {wide})"

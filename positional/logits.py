@@ -47,6 +47,9 @@ class Bias:
     # [B|1, H|1, S] and kj [S]. In a causal softmax row the query's term cancels, so the bias is
     # one number per key and head, which plain kernels take through q.k (positional/vendor.py).
     key: Callable | None = None
+    # A per-key bias's largest |key term| over `length` key slots, where known without the data
+    # (ALiBi: its steepest slope x (length - 1)); None where the data decide it (FoX).
+    key_bound: Callable[[int], float] | None = None
 
     def __post_init__(self):
         for name, x in self.values.items():
@@ -84,7 +87,12 @@ def sum_of(biases: list[Bias]) -> Bias:
     def key(k, kj):
         return sum(b.key(part(k, i), kj) for i, b in enumerate(biases))
 
-    return Bias(fn, values, key if all(b.key is not None for b in biases) else None)
+    def key_bound(length):
+        return sum(b.key_bound(length) for b in biases if b.key_bound is not None)
+
+    per_key = all(b.key is not None for b in biases)
+    bounded = per_key and any(b.key_bound is not None for b in biases)
+    return Bias(fn, values, key if per_key else None, key_bound if bounded else None)
 
 
 def dot_tile(a, b, contract: str):

@@ -17,7 +17,8 @@ Per-key biases through q.k (`key_bias_channels`)
   fp32 accumulation adds them, and autodiff gives e's gradient through the key's hi channel.
   e is rebased per document (e_j minus e at the first key of j's document: a constant of every
   row that reads j), so its size is that of one document's, as an in-kernel fp32 bias computes
-  it. Head dims are zero-padded to a multiple of 8 (cuDNN) or 64 (splash); v keeps its own on
+  it; auto uses the channels only while a bias's static `key_bound` stays within CHANNEL_BOUND
+  (below). Head dims are zero-padded to a multiple of 8 (cuDNN) or 64 (splash); v keeps its own on
   splash, and is padded to q's on cuDNN (jax.nn's call takes one head dim).
 
 cudnn (`cudnn_attention`)
@@ -125,6 +126,12 @@ def _dtype_refusal(impl: str, q, k, v, allowed: tuple[str, ...], why: str) -> st
 # ---- per-key biases through q.k -------------------------------------------------------------
 
 CHANNELS = 3  # bf16 numbers per key term and query head: hi + mid + lo
+# The kernels add the channels to q.k in fp32, so a key term e reaches the logit rounded by about
+# |e| 2^-24 (the scale cancels), where an in-kernel bias b_ij is rounded by |b_ij| 2^-24. Past
+# |e| = 2^15 that passes bf16's own rounding of the weights (2^-9) for the nearest keys, which an
+# in-kernel ALiBi (m (p_i - p_j), small for them) does not suffer: auto keeps a bias whose
+# `key_bound` passes this on the fused kernel (ALiBi with slope 0.71, 16 heads: from 46K keys).
+CHANNEL_BOUND = 2.0 ** 15
 
 
 def widened_head_dim(q, k, bias_fn, multiple: int) -> int:
