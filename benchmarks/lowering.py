@@ -58,11 +58,10 @@ from ml_collections import config_flags
 
 from data import pipeline
 from lab import cli
-from lab.state import check_config, mesh_and_batch, model_config
 from lab.lowering import CUDNN, MOSAIC, TRITON, UNSTABLE_CALLS, simplified, target
-from lab.state import abstract_train_step
+from lab.state import abstract_train_step, check_config, mesh_and_batch, model_config
 from models.registry import make_scheme
-from positional.attention import REFERENCE_MAX
+from positional.attention import FACTS, REFERENCE_MAX
 
 FLAGS = flags.FLAGS if __name__ == "__main__" else flags.FlagValues()
 flags.DEFINE_enum("platform", "tpu", ["tpu", "cuda"], "the platform lowered for", flag_values=FLAGS)
@@ -313,6 +312,11 @@ def check(config, platform: str, force_auto: bool = True, devices=None) -> dict:
     failure = None
     if fused:
         fell = [(lab, chosen, why, layers) for (lab, chosen, why), layers in sites.items() if chosen in FALLBACKS]
+        measured = [f for f in fell if any(str(fact) in f[2] for fact in FACTS.values())]
+        for lab, chosen, why, layers in measured:  # a choice a measurement made: intended, said so
+            lines.append(f"note: {lab} runs {chosen!r} on {platform} by a measured choice "
+                         f"(positional.attention.FACTS): {why}")
+        fell = [f for f in fell if f not in measured]
         if fell:
             lab, chosen, why, layers = fell[0]
             more = f" (and {len(fell) - 1} more line(s))" if len(fell) > 1 else ""

@@ -232,3 +232,12 @@ def test_gpu_check_skips_what_does_not_fit(monkeypatch):
     assert [r["item"] for r in result["rows"]] == ["a", "c"]
     assert result["rows"][1]["failed"] == "ZeroDivisionError: division by zero"
     assert result["skipped"] == ["attention: b (about 500 s, 50 s left)"]
+
+
+def test_lowering_check_takes_a_measured_choice_as_intended(capsys, monkeypatch):
+    """path_fox on cuda runs its chunked form by a measured fact (positional.attention.FACTS):
+    a note and exit 0, not a FAIL (an unintended fallback still fails: the T x T test above)."""
+    argv = ["--config", "configs/default.py:path_fox", *TINY_LOWERING[2:], "--platform", "cuda"]
+    assert lowering_check(argv, monkeypatch) == 0
+    out = capsys.readouterr().out
+    assert "note: Path runs 'blockwise' on cuda by a measured choice" in out and "(NVIDIA H100, 2026-11-24)" in out
