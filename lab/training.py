@@ -33,7 +33,7 @@ from tqdm import tqdm
 
 from data import pipeline, tasks
 from lab.checkpoints import (checkpoint_manager, identity, identity_change, load_params, newest_meta, restore_latest,
-                             save, set_aside_partial_saves, stored_identity)
+                             save, set_aside, set_aside_partial_saves, stored_identity)
 from lab import distributed, files
 from lab.evaluators import configured, in_training
 from lab.lengths import perplexity_at, task_accuracy_at
@@ -186,18 +186,20 @@ def _train(config, workdir, evaluators) -> dict:
     steps = config.train.steps
     tokens_per_step = config.batch_size * config.seq_len
     progress = _progress(step0, steps)
-    last_good = manager.latest_step()
-    t_log, n_log, history = time.perf_counter(), 0, []
+    last_good = manager.latest_step()  # the newest checkpoint in line with the run (`in_line`)
+    t_log, n_log, history, best = time.perf_counter(), 0, [], None
 
     def finish(step, metrics, params=None):
         """Read step `step`'s metrics (the host waits here, for this step only), guard, log;
         `params` after the step are given where validation is due."""
-        nonlocal t_log, n_log
+        nonlocal t_log, n_log, best
         loss = float(metrics["loss"])
         what = blow_up(loss, bool(metrics["params_finite"]), history, config.train.explode_factor)
         if what:
-            raise TrainingError(f"{what} at step {step}; nothing was saved after it. " + _advice(last_good, manager))
+            raise TrainingError(f"{what} at step {step}. " + _diverged(last_good, manager, workdir, primary))
         history.append(loss)
+        median = statistics.median(history[-EXPLODE_WINDOW:])
+        best = median if best is None else min(best, median)
         n_log += 1
         progress(step, loss)
         if step % config.train.log_every == 0 or step == steps or params is not None:
@@ -244,14 +246,32 @@ def _train(config, workdir, evaluators) -> dict:
                 after = float(loss_after(state["params"], batch, rng))
                 what = blow_up(after, True, history, config.train.explode_factor)
                 if what:
-                    raise TrainingError(f"{what} with the parameters of step {step} (on its batch); nothing "
-                                        f"was saved after step {last_good}. " + _advice(last_good, manager))
-                try:
-                    save(manager, state, loader_state(loader),
-                         {"step": step, "loss": history[-1], "identity": identity(config)})
-                except Exception as e:  # noqa: BLE001 - orbax reports a full disk as a ValueError
-                    raise _WriteFailed(f"checkpoint {step} in {manager.directory}") from e
-                last_good = step
+                    raise TrainingError(f"{what} with the parameters of step {step} (on its batch). "
+                                        + _diverged(last_good, manager, workdir, primary))
+                # Good: the step's loss, its parameters' loss and the recent median all in line.
+                level = max(after, history[-1], statistics.median(history[-RECENT:]))
+                good = in_line(level, best, config.train.explode_factor)
+                newer = [s for s in manager.all_steps() if last_good is None or s > last_good]
+                # An out-of-line state is kept unless it would push the newest good one out of
+                # train.keep_checkpoints (a stop or the last step is always kept).
+                evicts = bool(config.train.keep_checkpoints) and len(newer) + 1 >= config.train.keep_checkpoints
+                if good or stop.signal or step == steps or last_good is None or not evicts:
+                    if not good:
+                        print(f"warning: step {step}'s loss {level:.4g} is out of line with the run (over "
+                              f"{IN_LINE:g} x its lowest running median, {best:.4g}); saved, but step {last_good} "
+                              f"stays the last good checkpoint", file=sys.stderr)
+                    try:
+                        save(manager, state, loader_state(loader),
+                             {"step": step, "loss": history[-1], "identity": identity(config)})
+                    except Exception as e:  # noqa: BLE001 - orbax reports a full disk as a ValueError
+                        raise _WriteFailed(f"checkpoint {step} in {manager.directory}") from e
+                    if good:
+                        last_good = step
+                else:
+                    print(f"warning: step {step} not saved: its loss {level:.4g} is out of line with the run "
+                          f"(over {IN_LINE:g} x its lowest running median, {best:.4g}), and keeping it would "
+                          f"delete step {last_good}, the last good checkpoint (train.keep_checkpoints="
+                          f"{config.train.keep_checkpoints})", file=sys.stderr)
             if stop.signal:
                 break
         try:
@@ -327,15 +347,39 @@ def cut_metrics(path: str, step: int) -> None:
           f"to {dropped}", file=sys.stderr)
 
 
-def _advice(last_good, manager) -> str:
+def _diverged(last_good, manager, workdir: str, primary: bool) -> str:
+    """The advice after a divergence: the checkpoints saved after the last good one are moved to
+    <workdir>/checkpoints.diverged (nothing deleted), so that a rerun resumes from that one."""
+    try:
+        manager.wait_until_finished()
+    except Exception:  # noqa: BLE001 - a failed last save: it is not among the checkpoints either
+        pass
+    later = sorted(s for s in manager.all_steps() if last_good is None or s > last_good)
+    aside = files.join(workdir, "checkpoints.diverged")
+    if primary:
+        for s in later:
+            set_aside(files.join(manager.directory, str(s)), aside)
+    moved = (f"The checkpoints after it (step{'s' if len(later) > 1 else ''} {', '.join(map(str, later))}) were "
+             f"out of line with the run and are moved to {aside}. " if later else "")
     if last_good is None:
-        return ("No checkpoint was saved before it. Lower train.lr or raise train.warmup_steps and rerun (it "
-                "starts again from step 0).")
-    return (f"Last good checkpoint: step {last_good} in {manager.directory}. Lower train.lr or raise "
+        return (f"No checkpoint in line with the run was saved. {moved}Lower train.lr or raise "
+                "train.warmup_steps and rerun (it starts again from step 0).")
+    return (f"Last good checkpoint: step {last_good} in {manager.directory}. {moved}Lower train.lr or raise "
             "train.warmup_steps and rerun (it resumes from that checkpoint).")
 
 
 EXPLODE_WINDOW = 50  # losses the explosion check takes the median of
+# A checkpoint is good (in line with the run) when its loss is at most IN_LINE times the lowest
+# running median of the run's losses so far: a run that diverges slowly, below the explosion
+# threshold, keeps naming the checkpoint from before its loss rose.
+IN_LINE = 1.5
+RECENT = 10  # the median of the last RECENT losses must be in line too (a good checkpoint's own batch is not enough)
+
+
+def in_line(loss: float, best: float | None, factor: float) -> bool:
+    """Whether a checkpoint's loss is in line with the run (`best`: the lowest running median;
+    None, or the guard off with explode_factor 0: every finite loss is)."""
+    return best is None or not factor or loss <= IN_LINE * best
 
 
 def blow_up(loss: float, params_finite: bool, history: list, factor: float) -> str | None:

@@ -128,6 +128,36 @@ def test_nan_guard_stops_and_keeps_the_last_good_checkpoint(tmp_path, lr, warmup
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(params))
 
 
+def test_a_slow_divergence_names_a_good_checkpoint_and_resumes_from_it(tmp_path, capsys):
+    """lr 10 (warmup 20): the loss climbs from 5.9 through 10-20 for a dozen steps, below the
+    explosion threshold at every step, until it passes 3 x the median. The checkpoint the guard
+    names is one whose loss was in line with the run (its own and the last 10 within 1.5 x the
+    lowest running median), the later ones are moved aside (not deleted), and a rerun at a sane
+    lr resumes from it and ends below the start's loss, within 1.5 x that of a run at that lr
+    from the start (its optimizer moments come from the diverging run). (Before: the newest
+    finite checkpoint was named, with a loss several times the start's; "step None".)"""
+    config = tiny_config(tmp_path, steps=60, lr=10.0, warmup_steps=20, checkpoint_every=2, keep_checkpoints=3,
+                         explode_factor=3.0)
+    with pytest.raises(TrainingError, match=r"loss exploded to .*Last good checkpoint: step (\d+)") as e:
+        train(config)
+    message = str(e.value)
+    assert "\n" not in message and "None" not in message
+    good = int(message.split("Last good checkpoint: step ")[1].split()[0])
+    losses = {json.loads(x)["step"]: json.loads(x)["loss"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()}
+    assert max(losses.values()) > 3 * losses[1]  # it did diverge, slowly (the step that exploded is not logged)
+    assert losses[good] <= 1.5 * min(losses[s] for s in losses if s <= good)
+    assert "out of line with the run" in capsys.readouterr().err
+    moved = sorted(p.name.split("-")[0] for p in (tmp_path / "checkpoints.diverged").iterdir())
+    assert moved and all(int(m) > good for m in moved) and "were out of line with the run and are moved" in message
+    assert checkpoint_manager(tmp_path / "checkpoints", create=False).latest_step() == good
+
+    config.train.update(lr=3e-3, warmup_steps=2)
+    resumed = train(config)
+    fresh = train(tiny_config(tmp_path / "fresh", steps=60, checkpoint_every=2, keep_checkpoints=3))
+    end, fresh_end = (float(np.mean(r["losses"][-5:])) for r in (resumed, fresh))
+    assert resumed["step"] == 60 and end < losses[1] and end <= 1.5 * fresh_end, (end, fresh_end)
+
+
 def test_blow_up_names_what_and_the_scale():
     assert blow_up(5.0, True, [], 10.0) is None and blow_up(40.0, True, [5.0, 4.0], 10.0) is None
     assert blow_up(float("nan"), True, [5.0], 10.0) == "loss became nan"
