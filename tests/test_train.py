@@ -169,7 +169,7 @@ def test_blow_up_names_what_and_the_scale():
 
 def test_no_checkpoint_yet_says_so(tmp_path):
     config = tiny_config(tmp_path, steps=30, lr=1e3, warmup_steps=1, checkpoint_every=10, weight_decay=0.0)
-    with pytest.raises(TrainingError, match=r"No checkpoint was saved before it\. Lower train\.lr .* starts again"):
+    with pytest.raises(TrainingError, match=r"No checkpoint in line with the run was saved\. Lower train\.lr .* starts again"):
         train(config)
 
 
