@@ -1,6 +1,6 @@
 """Why a scheme extrapolates: the "analysis" evaluator (lab/analysis.py) with its own flags.
 
-    python analyze.py --workdirs=runs/accumulated/rope,runs/accumulated/alibi --untrained \
+    python analyze.py --workdirs=runs/accumulated/rope,runs/accumulated/alibi --untrained \\
         --out=runs/analysis
 
 Logit decompositions on --windows held-out windows of --length tokens, perplexity changes

@@ -1,6 +1,6 @@
 """Train a decoder LM with any registered position scheme.
 
-    python train.py --config configs/default.py:alibi --config.train.steps=500 \
+    python train.py --config configs/default.py:alibi --config.train.steps=500 \\
         --config.workdir=runs/alibi
 
 Resumes from the latest complete checkpoint in `<workdir>/checkpoints` when there is one, so

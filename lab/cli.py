@@ -24,15 +24,29 @@ def define_config_flag(default: str = "configs/default.py"):
     """The `--config file.py[:arg]` flag. New attributes are accepted so that scheme options need
     no placeholder in the config files (--config.model.scheme_options.base=5e5);
     `check_overrides` rejects any other new field."""
-    return config_flags.DEFINE_config_file("config", default, "experiment config", lock_config=False,
-                                           accept_new_attributes=True)
+    return config_flags.DEFINE_config_file(
+        "config", default, "the experiment config: a file and its argument (configs/default.py:alibi); any field "
+        "is overridden with --config.<field>=<value> (--config.train.steps=500, --config.workdir=runs/x)",
+        lock_config=False, accept_new_attributes=True)
+
+
+HELP = ("--help", "-h", "-?", "--helpshort", "--helpfull")
 
 
 def parse_flags(argv):
     """absl's flag parsing (`app.run(main, flags_parser=parse_flags)`), except that a bad flag
-    value, such as a config file's argument, is one line and exit 1 instead of a traceback."""
+    value, such as a config file's argument, is one line and exit 1 instead of a traceback, and
+    --help lists the entry point's flags, those defined for it here included, and exits 0."""
+    main = sys.argv[0]
+    for flag in {id(f): f for f in flags.FLAGS._flags().values()}.values():  # the flags of lab.cli
+        if flags.FLAGS.find_module_defining_flag(flag.name) == __name__:
+            flags.FLAGS.register_key_flag_for_module(main, flag)
     try:
         return flags.FLAGS(argv)
+    except SystemExit as e:  # absl exits 1 after printing the help it was asked for
+        if any(arg in HELP for arg in argv[1:]):
+            sys.exit(0)
+        raise
     except flags.Error as e:
         # ml_collections hands a config file's exception over as formatted text: its last line.
         lines = [line.strip() for line in str(e).splitlines() if line.strip()]

@@ -311,3 +311,15 @@ def test_identity_change_names_what_changed_and_ignores_fields_added_since():
     config.model.scheme_options.base = 500000.0  # an option set now that the run did not have
     config.model.d_model = 48
     assert identity_change(stored, config) == "model.d_model 32 -> 48, model.scheme_options.base (unset) -> 500000.0"
+
+
+@pytest.mark.parametrize("entry,names", [
+    ("train.py", ["--config"]), ("eval.py", ["--workdirs", "--evals", "--scheme", "--scheme_options"]),
+    ("analyze.py", ["--workdirs", "--scheme"]), ("import_checkpoint.py", ["--source", "--workdir"]), ("demo.py", ["--schemes", "--out"])])
+def test_help_lists_the_flags_and_exits_0(entry, names):
+    """--help on every entry point: its flags (those lab/cli.py defines for it included), the
+    usage example intact, exit 0."""
+    run = cli(entry, "--help")
+    assert run.returncode == 0, run.stderr[-1000:]
+    assert all(f"  {name}:" in run.stdout for name in names), run.stdout
+    assert " \\\n" in run.stdout or entry not in ("train.py", "analyze.py")  # the example's line break kept
