@@ -43,7 +43,7 @@ def parse_flags(argv):
             flags.FLAGS.register_key_flag_for_module(main, flag)
     try:
         return flags.FLAGS(argv)
-    except SystemExit as e:  # absl exits 1 after printing the help it was asked for
+    except SystemExit:  # absl exits 1 after printing the help it was asked for
         if any(arg in HELP for arg in argv[1:]):
             sys.exit(0)
         raise
@@ -51,6 +51,11 @@ def parse_flags(argv):
         # ml_collections hands a config file's exception over as formatted text: its last line.
         lines = [line.strip() for line in str(e).splitlines() if line.strip()]
         print(f"error: {(lines[-1] if lines else repr(e)).removeprefix('ValueError: ')}", file=sys.stderr)
+        sys.exit(1)
+    except OSError as e:  # ml_collections: a config file that does not load, reported at its first override
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+        print(f"error: --config: cannot load the config file: {lines[-1] if lines else e} (pass one under "
+              f"configs/, e.g. --config configs/default.py:rope)", file=sys.stderr)
         sys.exit(1)
     except KeyError as e:  # ml_collections: an override under a group the config lacks (--config.modle.x)
         print(f"error: unknown config field {str(e.args[0]).replace(chr(10), '; ')}", file=sys.stderr)

@@ -33,7 +33,11 @@ def load_run(workdir: str, untrained: bool = False):
     if not files.path(path).is_file():
         raise FileNotFoundError(f"{workdir!r} is not a training run directory (no config.json); "
                                 "pass the --config.workdir of a train.py run")
-    config = ml_collections.ConfigDict(json.loads(files.read_text(path)))
+    try:
+        config = ml_collections.ConfigDict(json.loads(files.read_text(path)))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON ({e}); fix or restore the file (train.py writes it when "
+                         f"a run starts)") from None
     own = files.join(workdir, "tokenizer")  # an imported run's copy of its tokenizer, where it now is
     if config.data.get("tokenizer") == "hf" and not files.path(config.data.tokenizer_path).exists() \
             and files.path(own).exists():

@@ -123,6 +123,8 @@ def train(config: ml_collections.ConfigDict) -> dict:
     distributed.initialize(config.get("distributed"))
     distributed.check_same_config(config)
     workdir = workdir_of(config)
+    if files.path(workdir).exists() and not files.path(workdir).is_dir():
+        raise ValueError(f"workdir={workdir!r} is a file, not a directory; pass a new directory or a run's")
     files.path(workdir).mkdir(parents=True, exist_ok=True)
     # One writer: process 0 holds the lock and writes the run's files; every process reads.
     with workdir_lock(workdir) if jax.process_index() == 0 else contextlib.nullcontext():

@@ -86,6 +86,22 @@ def _fixed(entry: Entry) -> set:
     return {*entry.fixed, *(o for opts in entry.compose_fixed.values() for o in opts)}
 
 
+_TYPE_WORDS = {"float": "a number", "int": "an integer", "bool": "True or False", "str": "a string"}
+
+
+def _of_type(value, annotation: str) -> bool:
+    """Whether an option's value fits its field's annotation (the plain ones options use)."""
+    if annotation == "float":
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if annotation == "int":
+        return isinstance(value, int) and not isinstance(value, bool)
+    if annotation == "bool":
+        return isinstance(value, bool)
+    if annotation == "str":
+        return isinstance(value, str)
+    return True
+
+
 def _options(entry: Entry) -> set:
     return {f.name for f in dataclasses.fields(entry.scheme_cls)} - {"num_heads", "head_dim", "biases"}
 
@@ -119,6 +135,11 @@ def make_scheme(name: str, *, num_heads: int, head_dim: int, **options) -> Schem
     fixed = set(options) & _fixed(entry)
     if fixed:
         raise ValueError(f"scheme {first!r} fixes option(s) {sorted(fixed)}; choose another scheme")
+    for field in dataclasses.fields(entry.scheme_cls):
+        if field.name in options and not _of_type(options[field.name], field.type):
+            raise ValueError(f"scheme {first!r} option {field.name}={options[field.name]!r} must be "
+                             f"{_TYPE_WORDS.get(field.type, field.type)}; set it as "
+                             f"model.scheme_options.{field.name}=<{field.type}>")
     biases = []
     for part in added:
         part_entry = get_entry(part)

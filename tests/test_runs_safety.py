@@ -89,6 +89,9 @@ BAD_VALUES = [
     ("model.num_heads", 0, "model.num_heads=0; valid: an integer >= 1", False),
     ("model.num_kv_heads", 3, "model.num_heads=2 must be a multiple of model.num_kv_heads=3", False),
     ("model.dtype", "float8", "model.dtype='float8'; valid: float32, bfloat16, float16", True),
+    ("distributed.timeout_s", -5, "distributed.timeout_s=-5; valid: a number of seconds > 0", True),
+    ("model.scheme_options.base", "abc", "scheme 'rope' option base='abc' must be a number; set it as "
+     "model.scheme_options.base=<float>", True),
 ]
 
 
@@ -323,3 +326,27 @@ def test_help_lists_the_flags_and_exits_0(entry, names):
     assert run.returncode == 0, run.stderr[-1000:]
     assert all(f"  {name}:" in run.stdout for name in names), run.stdout
     assert " \\\n" in run.stdout or entry not in ("train.py", "analyze.py")  # the example's line break kept
+
+
+def test_a_missing_config_file_or_a_file_as_workdir_is_one_line(tmp_path):
+    """A config file that does not exist (with overrides after it, as usual), and a workdir that
+    is a file: one line each, exit 1, nothing created."""
+    run = cli("train.py", "--config", "configs/no_such.py", f"--config.workdir={tmp_path / 'run'}")
+    assert run.returncode == 1 and run.stderr.strip().count("\n") == 0, run.stderr[-2000:]
+    assert run.stderr.startswith("error: --config: cannot load the config file: [Errno 2] No such file")
+    (tmp_path / "afile").write_text("")
+    config = tiny_config(tmp_path / "afile")
+    with pytest.raises(ValueError, match=r"^workdir='.*afile' is a file, not a directory; pass a new directory"):
+        train(config)
+    assert not (tmp_path / "run").exists()
+
+
+
+def test_a_corrupt_config_json_is_named(tmp_path):
+    """eval.py and analyze.py read a run's config.json: broken JSON is one line naming the file."""
+    from lab.runs import load_run
+    (tmp_path / "config.json").write_text('{"model": {')
+    with pytest.raises(ValueError) as e:
+        load_run(str(tmp_path))
+    message = str(e.value)
+    assert message.startswith(f"{tmp_path / 'config.json'} is not valid JSON (") and "\n" not in message
