@@ -20,7 +20,7 @@ from flax import nnx
 from data import pipeline
 from lab import files
 from lab.checkpoints import load_params
-from lab.state import init_state, make_mesh, model_config
+from lab.state import init_state, make_mesh, model_config, stored
 from models.lm import DecoderLM
 
 matplotlib.use("Agg")  # reports are written to files; no display is needed or wanted
@@ -44,12 +44,18 @@ def load_run(workdir: str, untrained: bool = False):
         config.data.tokenizer_path = own
     config.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1))
     vocab = config.model.vocab_size or pipeline.tokenizer(config.data).vocab_size
-    graphdef, rest, _, _, state = init_state(config, vocab, make_mesh(config))
-    if untrained:
-        return config, nnx.merge(graphdef, state["params"], rest), 0
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-                            state["params"])
-    step, params = load_params(workdir, abstract)
+    if untrained:  # the parameters as the config initialises them (no optimizer state)
+        graphdef, params, rest = nnx.split(DecoderLM(model_config(config, vocab), rngs=nnx.Rngs(config.seed)),
+                                           nnx.Param, ...)
+        return config, nnx.merge(graphdef, stored(nnx.to_pure_dict(params), config.train), rest), 0
+    # The model's structure from abstract shapes, then the checkpoint's parameters read into it,
+    # each device reading its shard: about the memory of the weights (no initialisation, no
+    # optimizer state).
+    graphdef, rest, _, _, state = init_state(config, vocab, make_mesh(config), abstract=True)
+    if jax.tree.leaves(rest):  # non-parameter state (random-feature keys): small, built for real
+        cfg = model_config(config, vocab)
+        rest = jax.jit(lambda: nnx.split(DecoderLM(cfg, rngs=nnx.Rngs(config.seed)), nnx.Param, ...)[2])()
+    step, params = load_params(workdir, state["params"])
     return config, nnx.merge(graphdef, params, rest), step
 
 

@@ -6,6 +6,7 @@ import math
 import os
 import time
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -112,11 +113,23 @@ def test_evaluate_runs_writes_json_markdown_and_plot(tiny_run, tmp_path):
     assert (tmp_path / "results.png").stat().st_size > 10_000
 
 
-def test_load_run_restores_the_trained_parameters(tiny_run):
+def test_load_run_restores_the_trained_parameters(tiny_run, monkeypatch):
+    """The parameters are the checkpoint's, read into a model built from abstract shapes: no
+    random initialisation and no optimizer state is ever made (init_state only abstract)."""
+    import lab.runs
+    from flax import nnx
+    from lab.checkpoints import load_params
+    from lab.state import init_state
+    calls = []
+    monkeypatch.setattr(lab.runs, "init_state", lambda *a, **kw: calls.append(kw) or init_state(*a, **kw))
     config, _ = tiny_run
     loaded_config, model, step = load_run(config.workdir)
+    assert calls == [{"abstract": True}]
     assert step == 12 and loaded_config.model.scheme == "rope"
     assert np.isfinite(np.asarray(model(jnp.zeros((1, 4), jnp.int32)))).all()
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    _, saved = load_params(config.workdir, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params))
+    assert all((np.asarray(a) == np.asarray(b)).all() for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(saved)))
 
 
 def test_cli_compares_runs_and_reports_missing_ones(tiny_run, tmp_path):
