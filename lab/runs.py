@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 import os
 import re
 
@@ -52,11 +53,35 @@ def load_run(workdir: str, untrained: bool = False):
     # each device reading its shard: about the memory of the weights (no initialisation, no
     # optimizer state).
     graphdef, rest, _, _, state = init_state(config, vocab, make_mesh(config), abstract=True)
+    check_fits(workdir, state["params"])
     if jax.tree.leaves(rest):  # non-parameter state (random-feature keys): small, built for real
         cfg = model_config(config, vocab)
         rest = jax.jit(lambda: nnx.split(DecoderLM(cfg, rngs=nnx.Rngs(config.seed)), nnx.Param, ...)[2])()
     step, params = load_params(workdir, state["params"])
     return config, nnx.merge(graphdef, params, rest), step
+
+
+def device_memory() -> int | None:
+    """Bytes one device can hold: the accelerator's limit, this host's memory on a CPU (None
+    where neither is known)."""
+    stats = jax.local_devices()[0].memory_stats() or {}
+    if "bytes_limit" in stats:
+        return int(stats["bytes_limit"])
+    if jax.default_backend() == "cpu":
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return None
+
+
+def check_fits(workdir: str, abstract_params) -> None:
+    """One ValueError line, before anything is read, where a run's parameters alone (per device,
+    as they are sharded) do not fit in a device's memory."""
+    need = sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(abstract_params))
+    have = device_memory()
+    if have is not None and need > have:
+        count = sum(math.prod(x.shape) for x in jax.tree.leaves(abstract_params))
+        raise ValueError(f"{workdir}: its {count:,} parameters need {need / 2 ** 30:.2f} GiB per device, over the "
+                         f"{have / 2 ** 30:.2f} GiB of a {jax.local_devices()[0].device_kind} device; evaluate it "
+                         f"on a device with more memory")
 
 
 @dataclasses.dataclass(frozen=True)

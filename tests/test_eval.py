@@ -270,3 +270,18 @@ def test_within_documents_the_same_whole_documents_at_every_length(tiny_run, tmp
     with pytest.raises(ValueError, match=r"^the held-out split has \d+ documents of at least 129 tokens, \d+ "
                                          r"targets in all, fewer than the 100000000 asked; lower --tokens"):
         evaluate_runs([config.workdir], tokens=10**8, within_documents=True, log=lambda *_: None)
+
+
+def test_a_run_too_large_for_the_device_is_one_line_before_reading(tiny_run, monkeypatch):
+    """Its parameters' bytes per device against the device's memory, before anything is read."""
+    import lab.runs
+    config, _ = tiny_run
+    monkeypatch.setattr(lab.runs, "device_memory", lambda: 1000)
+    monkeypatch.setattr(lab.runs, "load_params", lambda *a: pytest.fail("read a checkpoint"))
+    with pytest.raises(ValueError) as e:
+        load_run(config.workdir)
+    message = str(e.value)
+    assert "\n" not in message and message.startswith(f"{config.workdir}: its ")
+    assert "parameters need 0.00 GiB per device, over the 0.00 GiB of a cpu device" in message
+    monkeypatch.undo()
+    assert lab.runs.device_memory() > 2 ** 30  # this host's memory, on a CPU
