@@ -3,7 +3,7 @@ with compiling, that checks every fused path on the device and times what matter
 
     make gpu-check                                   # on the GPU machine (README: the device command)
     python benchmarks/gpu_check.py --budget_s 400 --json $OUT/gpu_check.json
-    python benchmarks/gpu_check.py --tiny            # the same work at toy sizes (this CPU; the test)
+    python benchmarks/gpu_check.py --tiny            # each kind of path at toy sizes (this CPU; the test)
 
 The work, in order of value; an item whose estimate (scaled by how long the finished ones took
 against theirs) does not fit in what is left of --budget_s is skipped and named:
@@ -64,10 +64,11 @@ ATTENTION_SCHEMES = ("rope", "alibi", "fox", "rope+fox", "so2_learned_qkv+alibi"
 
 
 def sizes(tiny: bool) -> dict:
-    if tiny:
-        return dict(check=(2, 40, 4, 2, 16), lengths=(256,), heads=2, head_dim=64, dims=(72,), rows=2, seq_len=128)
+    if tiny:  # every kind of path once (the test's budget), not every scheme
+        return dict(check=(2, 40, 4, 2, 16), lengths=(256,), heads=2, head_dim=64, dims=(72,), rows=2, seq_len=128,
+                    attention=("rope", "fox", "tapa", "path_fox"), train=("rope", "fox", "path_fox"))
     return dict(check=(2, 1000, 4, 2, 64), lengths=(8192, 32768), heads=16, head_dim=128, dims=(136, 144, 152, 192),
-                rows=4, seq_len=8192)
+                rows=4, seq_len=8192, attention=ATTENTION_SCHEMES, train=TRAIN_SCHEMES)
 
 
 def packed_ids(b: int, t: int, documents: int) -> jax.Array:
@@ -246,7 +247,7 @@ def plan(tiny: bool) -> list[tuple[str, str, float, object]]:
     def attention_items(t):
         return [("attention", f"{n} at {t}", 15 * t / 8192 * (3 if n == "path_fox" else 1),
                  lambda n=n, t=t: run_attention(n, t, s["heads"], s["head_dim"], reps))
-                for n in ("ceiling", *ATTENTION_SCHEMES)]
+                for n in ("ceiling", *s["attention"])]
 
     def train_items(schemes):
         return [("train", f"{n} {impl}", 60 if n == "path_fox" else 30,
@@ -255,8 +256,8 @@ def plan(tiny: bool) -> list[tuple[str, str, float, object]]:
 
     dims = [("attention", f"ceiling at head dim {d}", 10,
              lambda d=d: run_attention("ceiling", first, s["heads"], d, reps)) for d in s["dims"]]
-    return (items + attention_items(first) + train_items(TRAIN_SCHEMES[:3]) + dims
-            + [x for t in longer for x in attention_items(t)] + train_items(TRAIN_SCHEMES[3:]))
+    return (items + attention_items(first) + train_items(s["train"][:3]) + dims
+            + [x for t in longer for x in attention_items(t)] + train_items(s["train"][3:]))
 
 
 def run(budget_s: float, tiny: bool) -> dict:
