@@ -21,7 +21,8 @@ against theirs) does not fit in what is left of --budget_s is skipped and named:
   3. train: tokens/s of the train step (lab.state.make_train_step, as train.py builds it;
      configs/default.py, 4 rows of 8,192, bf16, 4 documents per row), auto against blockwise,
      for rope, alibi, fox, tapa and path_fox.
-Timings: compiled once, one warm call, the median of --repeats synchronised calls. It prints a
+Timings: benchmarks/attention.py's (compiled once, one warm call, the median of --repeats
+synchronised calls; XLA's temporary memory beside). It prints a
 table per section and writes one json (device, JAX version, commit, every row, what was
 skipped). Off a GPU, cuDNN's rows say why they cannot run and the Pallas kernels interpret.
 """
@@ -40,6 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
+from attention import fwd_bwd, timed  # beside this file
 from configs.default import get_config
 from lab.state import init_state, make_train_step, mesh_and_batch
 from models.registry import make_scheme
@@ -162,27 +164,6 @@ def run_check(name, ours, ref, gated, shape) -> dict:
 
 # ---- 2. attention ------------------------------------------------------------------------------
 
-def timed(fn, args, repeats: int) -> tuple[float, float]:
-    """(median seconds of one call, compile seconds)."""
-    start = time.perf_counter()
-    compiled = jax.jit(fn).lower(*args).compile()
-    compile_s = time.perf_counter() - start
-    jax.block_until_ready(compiled(*args))
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(compiled(*args))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times), compile_s
-
-
-def fwd_bwd(fn):
-    def loss(q, k, v):
-        out = fn(q, k, v).astype(jnp.float32)
-        return jnp.sum(out * jnp.cos(jnp.arange(out.shape[-1], dtype=jnp.float32)))
-    return jax.grad(loss, (0, 1, 2))
-
-
 def ceiling(q, k, v):
     """cuDNN plain causal softmax, no packing (XLA's off a GPU)."""
     on_gpu = jax.default_backend() == "gpu"
@@ -200,8 +181,8 @@ def run_attention(name, t, heads, d, repeats) -> dict:
         pos = positions_of(seg)
         fn = (lambda q, k, v: scheme.attend(q, k, v, positions=pos, segment_ids=seg, impl="auto",
                                             key=jax.random.key(0)))
-    ms, compile_s = timed(fwd_bwd(fn), (q, k, v), repeats)
-    return {"scheme": name, "tokens": t, "head_dim": d, "ms": 1e3 * ms, "compile_s": compile_s}
+    seconds, temp = timed(fwd_bwd(fn), (q, k, v), repeats)
+    return {"scheme": name, "tokens": t, "head_dim": d, "ms": 1e3 * seconds, "temp_gib": temp / 2 ** 30}
 
 
 # ---- 3. train ----------------------------------------------------------------------------------
@@ -306,7 +287,7 @@ def tables(result: dict) -> str:
         cells = " | ".join(f"{r[n]:.1e} ({r['reference_bf16'][n]:.1e})" if n in r else "-"
                            for n in ("out", "dq", "dk", "dv", "dgates"))
         out.append(f"| {r['item']} | {'yes' if r['ok'] else 'NO'} | {cells} |")
-    out += ["", "| attention fwd+bwd | ms | x ceiling throughput | compile s |", "|---|---|---|---|"]
+    out += ["", "| attention fwd+bwd | ms | x ceiling throughput | XLA temp GiB |", "|---|---|---|---|"]
     ceilings = {(r["tokens"], r["head_dim"]): r["ms"] for r in rows if r.get("scheme") == "ceiling"}
     base_dim = sizes(result["tiny"])["head_dim"]
     for r in (r for r in rows if r["section"] == "attention"):
@@ -314,8 +295,8 @@ def tables(result: dict) -> str:
             out.append(f"| {r['item']} | {r['failed']} | | |")
             continue
         base = ceilings.get((r["tokens"], base_dim))
-        out.append(f"| {r['item']} | {r['ms']:.2f} | {base / r['ms']:.2f} | {r['compile_s']:.0f} |" if base else
-                   f"| {r['item']} | {r['ms']:.2f} | - | {r['compile_s']:.0f} |")
+        ratio = f"{base / r['ms']:.2f}" if base else "-"
+        out.append(f"| {r['item']} | {r['ms']:.2f} | {ratio} | {r['temp_gib']:.3f} |")
     out += ["", "| train step | tokens/s | x blockwise | loss | compile s |", "|---|---|---|---|---|"]
     blockwise = {r["scheme"]: r["tokens_per_s"] for r in rows if r.get("impl") == "blockwise" and "tokens_per_s" in r}
     for r in (r for r in rows if r["section"] == "train"):

@@ -198,10 +198,11 @@ def test_lowering_check_fails_on_a_t_by_t_path(capsys, monkeypatch):
     assert "\n" not in error and error.startswith("error: alibi (Alibi) runs 'reference' on tpu"), error
 
 
-def test_gpu_check_runs_end_to_end_at_toy_sizes(tmp_path, capsys):
+def test_gpu_check_runs_end_to_end_at_toy_sizes(tmp_path, capsys, monkeypatch):
     """`make gpu-check`'s script with --tiny on this CPU: every item runs or says why in one line
     (cuDNN: no GPU here), every Pallas path passes its check interpreted, and the json holds it."""
     path = tmp_path / "gpu_check.json"
+    monkeypatch.syspath_prepend(str(BENCHMARKS))  # it imports benchmarks/attention.py, beside it
     result = run("gpu_check", ["--tiny", "--budget_s", "100000", "--json", str(path)])
     rows = {r["item"]: r for r in result["rows"]}
     assert json.loads(path.read_text())["rows"] == json.loads(json.dumps(result["rows"]))
@@ -222,6 +223,7 @@ def test_gpu_check_runs_end_to_end_at_toy_sizes(tmp_path, capsys):
 def test_gpu_check_skips_what_does_not_fit(monkeypatch):
     """Items run in the plan's order while their estimate, scaled by how the finished ones
     compared with theirs, fits in the budget left; the others are named as skipped."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
     gpu_check = load("gpu_check")
     clock = iter(range(0, 1000, 10))  # every reading of the clock is 10 s later
     monkeypatch.setattr(gpu_check.time, "perf_counter", lambda: next(clock))
