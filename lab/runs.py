@@ -54,9 +54,6 @@ def load_run(workdir: str, untrained: bool = False):
     # optimizer state).
     graphdef, rest, _, _, state = init_state(config, vocab, make_mesh(config), abstract=True)
     check_fits(workdir, state["params"])
-    if jax.tree.leaves(rest):  # non-parameter state (random-feature keys): small, built for real
-        cfg = model_config(config, vocab)
-        rest = jax.jit(lambda: nnx.split(DecoderLM(cfg, rngs=nnx.Rngs(config.seed)), nnx.Param, ...)[2])()
     step, params = load_params(workdir, state["params"])
     return config, nnx.merge(graphdef, params, rest), step
 

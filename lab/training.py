@@ -25,6 +25,7 @@ import tempfile
 import time
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 import numpy as np
 from flax import nnx
@@ -150,15 +151,16 @@ def _train(config, workdir, evaluators) -> dict:
     distributed.barrier("partial saves set aside")
     mesh, batch_sharding = mesh_and_batch(config)  # before data: a mesh that does not fit fails at once
     tokenizer = pipeline.tokenizer(config.data)
-    graphdef, rest, tx, schedule, state = init_state(config, tokenizer.vocab_size, mesh)
-    state_shardings = jax.tree.map(lambda x: x.sharding, state)
+    # The state's shapes first: a resumed run reads its checkpoint into them, one started from
+    # init_from its parameters; only a fresh run initialises (so memory holds one state, not two).
+    graphdef, rest, tx, schedule, abstract = init_state(config, tokenizer.vocab_size, mesh, abstract=True)
+    state_shardings = jax.tree.map(lambda x: x.sharding, abstract)
     train_step = make_train_step(graphdef, rest, tx, config, state_shardings, batch_sharding)
     loss_after = jax.jit(make_loss(graphdef, rest, config))  # of the parameters a checkpoint keeps
 
     loader = pipeline.Streams(config.data, seed=config.seed, batch_size=config.batch_size,
                               seq_len=config.seq_len + 1, streams=config.data.streams,
                               rows=distributed.local_rows(batch_sharding, config.batch_size))
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
     found = restore_latest(manager, abstract, aside=aside if primary else None)
     distributed.barrier("restored")
     if found is not None:
@@ -169,12 +171,17 @@ def _train(config, workdir, evaluators) -> dict:
     elif config.init_from:
         step0 = 0
         src_step, params = load_params(config.init_from, abstract["params"])
-        state = {**state, "params": params}
+        # The optimizer state of fresh (fp32) parameters, built sharded; the step placed likewise.
+        opt_state = jax.jit(lambda p: tx.init(jax.tree.map(lambda x: x.astype(jnp.float32), p)),
+                            out_shardings=state_shardings["opt_state"])(params)
+        state = {"params": params, "opt_state": opt_state,
+                 "step": jax.device_put(jnp.zeros((), jnp.int32), state_shardings["step"])}
         print(f"initialised parameters from {config.init_from} (step {src_step})")
         if config.train.steps == 0:  # zero-shot: the loaded parameters under this run's config
             save(manager, state, loader_state(loader), {"step": 0, "loss": float("nan"), "identity": identity(config)})
     else:
         step0 = 0
+        state = init_state(config, tokenizer.vocab_size, mesh)[4]
     metrics_path = files.join(workdir, "metrics.jsonl")
     if primary:
         cut_metrics(metrics_path, step0)
