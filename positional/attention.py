@@ -34,10 +34,13 @@ import logging
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from positional.kernels.flash import fused_attention
 from positional.kernels.flash import refusal as fused_refusal
-from positional.ring import mesh_ring_attention, ring_active
+from positional.logits import Bias
+from positional.ring import dividing, enclosing_mesh, mesh_ring_attention, ring_active
 from positional.softmax import blockwise_attention, reference_attention
 from positional.vendor import (CHANNEL_BOUND, PACKED_SEGMENTS, cudnn_attention, cudnn_call, cudnn_hopper, cudnn_present, static_int,
                                cudnn_refusal, splash_attention, splash_call, splash_refusal, widened_head_dim)
@@ -146,18 +149,48 @@ def auto_attention(q, k, v, *, label: str = "", bias_fn=None, score_fn=None, seg
         impl, why = choose(q, k, v, platform=platform, bias_fn=bias_fn, score_fn=score_fn,
                            segment_ids=segment_ids, q_offset=q_offset)
         if impl == "cudnn":
-            fused = functools.partial(fused_attention, platform=platform, q_offset=q_offset, scale=scale,
-                                      bias_fn=bias_fn)
-            return impl, why, lambda q, k, v: cudnn_call(q, k, v, bias=bias_fn, segment_ids=segment_ids,
-                                                         q_offset=q_offset, scale=scale, overflow=fused)
-        if impl == "splash":
-            return impl, why, lambda q, k, v: splash_call(q, k, v, bias=bias_fn, segment_ids=segment_ids,
-                                                          scale=scale, block_size=block_size)
-        if impl == "pallas":
-            return impl, why, lambda q, k, v: fused_attention(q, k, v, platform=platform, **kwargs)
-        return impl, why, lambda q, k, v: attention(q, k, v, impl=impl, block_size=block_size, **kwargs)
+            def kernel(q, k, v, bias, seg):
+                fused = functools.partial(fused_attention, platform=platform, q_offset=q_offset, scale=scale,
+                                          bias_fn=bias)
+                return cudnn_call(q, k, v, bias=bias, segment_ids=seg, q_offset=q_offset, scale=scale,
+                                  overflow=fused)
+        elif impl == "splash":
+            def kernel(q, k, v, bias, seg):
+                return splash_call(q, k, v, bias=bias, segment_ids=seg, scale=scale, block_size=block_size)
+        elif impl == "pallas":
+            def kernel(q, k, v, bias, seg):
+                return fused_attention(q, k, v, platform=platform, bias_fn=bias, score_fn=score_fn,
+                                       segment_ids=seg, q_offset=q_offset, scale=scale)
+        else:
+            return impl, why, lambda q, k, v: attention(q, k, v, impl=impl, block_size=block_size, **kwargs)
+        return impl, why, lambda q, k, v: per_device(kernel, q, k, v, bias_fn=bias_fn, segment_ids=segment_ids)
 
     return per_platform_choice(pick, q, k, v, label=label)
+
+
+def per_device(kernel, q, k, v, *, bias_fn=None, segment_ids=None) -> jax.Array:
+    """kernel(q, k, v, bias_fn, segment_ids) on each device's shard of the enclosing mesh (a
+    shard_map over the batch axes and the heads axis that divide the call: XLA cannot partition
+    a Pallas or Mosaic kernel); a `Bias`'s values go in split the same way. On one device, or
+    off a mesh, the kernel itself."""
+    mesh = enclosing_mesh()
+    if mesh is None or mesh.size == 1:
+        return kernel(q, k, v, bias_fn, segment_ids)
+    b, h = q.shape[0], q.shape[2]
+    batch = dividing(mesh, ("data", "fsdp"), b) or None
+    heads = dividing(mesh, ("tensor",), h, k.shape[2]) or None
+    values = bias_fn.values if isinstance(bias_fn, Bias) else {}
+    value_specs = {n: P(batch if x.shape[0] == b else None, None, heads if x.shape[2] == h else None)
+                   for n, x in values.items()}
+    seg = jnp.zeros(q.shape[:2], jnp.int32) if segment_ids is None else segment_ids
+
+    def local(q, k, v, seg, values):
+        bias = dataclasses.replace(bias_fn, values=values) if isinstance(bias_fn, Bias) else bias_fn
+        return kernel(q, k, v, bias, None if segment_ids is None else seg)
+
+    spec = P(batch, None, heads, None)
+    return jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec, P(batch, None), value_specs),
+                         out_specs=spec, check_vma=False)(q, k, v, seg, values)
 
 
 def per_platform_choice(pick, *args, label: str = ""):

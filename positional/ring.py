@@ -69,7 +69,7 @@ from positional.softmax import (MASKED, BiasFn, ScoreFn, block_scores, blockwise
 Hooks = Callable[[Any], tuple[BiasFn | None, ScoreFn | None]]
 
 
-def _dividing(mesh, names, *sizes) -> tuple:
+def dividing(mesh, names, *sizes) -> tuple:
     """The axes of `names` in `mesh` (size > 1) if together they divide every size, else ()."""
     names = tuple(a for a in names if mesh.shape.get(a, 1) > 1)
     n = math.prod(mesh.shape[a] for a in names)
@@ -300,7 +300,7 @@ def make_ring(q, k, *, mesh, axis: str = "sequence", bias_fn: BiasFn | None = No
         raise ValueError(f"ring attention splits the sequence over the {n} devices of mesh axis {axis!r}, so it needs "
                          f"as many keys as queries and a length that {n} divides; got q{q.shape} k{k.shape}: make "
                          f"the sequence length (seq_len) a multiple of {n} or change mesh.{axis}")
-    batch, heads = _dividing(mesh, batch_axes, b), _dividing(mesh, head_axes, h, kh)
+    batch, heads = dividing(mesh, batch_axes, b), dividing(mesh, head_axes, h, kh)
     blk = _divisor(t // n, block_size)
     if hooks is None:
         b_loc, kh_loc = (size // math.prod(mesh.shape[a] for a in names)
@@ -382,6 +382,11 @@ def ring_mesh(mesh):
         yield
     finally:
         _MESHES.pop()
+
+
+def enclosing_mesh():
+    """The mesh of the innermost enclosing `ring_mesh` (whatever it splits), else None."""
+    return _MESHES[-1] if _MESHES else None
 
 
 def active_mesh(axis: str = "sequence"):

@@ -138,3 +138,51 @@ def test_a_long_alibi_stays_on_the_fused_kernel(cudnn):
         impl, why = choose(long, long, long, platform=platform, bias_fn=alibi)
         assert impl == "pallas" and "its per-key bias reaches 46,340 at 65536 keys, past 32,768" in why, why
         assert choose(long, long, long, platform=platform, bias_fn=fox)[0] in ("cudnn", "splash")
+
+
+PER_DEVICE_CHECK = """
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+from positional.attention import per_device
+from positional.fox import forget_bias
+from positional.ring import ring_mesh
+from positional.softmax import reference_attention
+mesh = jax.make_mesh((2, 1, 2, 1), ("data", "fsdp", "tensor", "sequence"),
+                     axis_types=(jax.sharding.AxisType.Auto,) * 4)
+keys = jax.random.split(jax.random.key(0), 4)
+q = jax.random.normal(keys[0], (4, 24, 4, 8)); k, v = (jax.random.normal(x, (4, 24, 2, 8)) for x in keys[1:3])
+gates = jax.nn.log_sigmoid(jax.random.normal(keys[3], (4, 24, 4)))
+seg = jnp.asarray(np.sort(np.random.default_rng(0).integers(1, 4, size=(4, 24)), axis=1), jnp.int32)
+shapes = []
+def kernel(q, k, v, bias, seg):  # a stand-in kernel: the reference on the local shard
+    shapes.append((q.shape, k.shape, bias.values["F"].shape, seg.shape))
+    return reference_attention(q, k, v, bias_fn=bias, segment_ids=seg)
+def loss(q, k, v, g, sharded):
+    run = (lambda: per_device(kernel, q, k, v, bias_fn=forget_bias(g), segment_ids=seg)) if sharded else (
+        lambda: kernel(q, k, v, forget_bias(g), seg))
+    if sharded:
+        with ring_mesh(mesh):
+            return jnp.sum(run() ** 2)
+    return jnp.sum(run() ** 2)
+put = lambda x: jax.device_put(x, NamedSharding(mesh, P("data")))
+got = jax.jit(jax.grad(lambda *a: loss(*a, True), range(4)))(*map(put, (q, k, v, gates)))
+want = jax.grad(lambda *a: loss(*a, False), range(4))(q, k, v, gates)
+err = max(float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b))) for a, b in zip(got, want))
+print("max relative error", err)
+assert err < 1e-5
+assert ((2, 24, 2, 8), (2, 24, 1, 8), (2, 24, 2), (2, 24)) in shapes, shapes  # a quarter per device
+"""
+
+
+def test_per_device_equals_one_device():
+    """A kernel (here the reference, standing in) run per shard by `per_device` on 4 devices
+    (batch over data 2, heads over tensor 2, GQA, FoX gates and packed rows split with them):
+    the same values and gradients (q, k, v, the gates) as on one device."""
+    import os
+    import subprocess
+    import sys
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    run = subprocess.run([sys.executable, "-c", PER_DEVICE_CHECK], capture_output=True, text=True, env=env,
+                         timeout=300, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "max relative error" in run.stdout

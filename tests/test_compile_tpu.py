@@ -34,6 +34,19 @@ def test_a_train_step_compiles_for_tpu(scheme, site):
     assert "compiled for v5e:1x1 (1 x TPU v5 lite)" in out and "of 16.00 GiB HBM: fits" in out, out
 
 
+@pytest.mark.parametrize("scheme,site", [("alibi", "1 x Alibi (layer 0): splash"),
+                                         ("tapa", "1 x Tapa (layer 0): pallas -- the fused kernel")])
+def test_a_train_step_compiles_for_several_chips(scheme, site):
+    """On 4 chips (batch over data 2, heads over tensor 2) every Mosaic call runs per device
+    (positional.attention.per_device): XLA cannot partition one ("Mosaic kernels cannot be
+    automatically partitioned" before it)."""
+    run = compile_tpu("--topology", "v5e:2x2", "--config", f"configs/default.py:{scheme}", "--config.seq_len=1024",
+                      "--config.batch_size=4", "--config.model.d_model=256", "--config.model.num_layers=1",
+                      "--config.model.dtype=bfloat16", "--config.mesh.tensor=2")
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert site in run.stdout and "compiled for v5e:2x2 (4 x TPU v5 lite)" in run.stdout, run.stdout
+
+
 def test_a_step_over_the_chips_memory_fails_in_one_line(monkeypatch):
     """The total the TPU compiler plans is checked against the chip's HBM (here a pretend 0-GiB chip)."""
     monkeypatch.setitem(lowering.TPU_HBM_GIB, "v5e", 0)
