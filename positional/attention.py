@@ -168,14 +168,15 @@ def auto_attention(q, k, v, *, label: str = "", bias_fn=None, score_fn=None, seg
     return per_platform_choice(pick, q, k, v, label=label)
 
 
-def per_device(kernel, q, k, v, *, bias_fn=None, segment_ids=None) -> jax.Array:
-    """kernel(q, k, v, bias_fn, segment_ids) on each device's shard of the enclosing mesh (a
-    shard_map over the batch axes and the heads axis that divide the call: XLA cannot partition
-    a Pallas or Mosaic kernel); a `Bias`'s values go in split the same way. On one device, or
+def per_device(kernel, q, k, v, *extra, bias_fn=None, segment_ids=None) -> jax.Array:
+    """kernel(q, k, v, *extra, bias_fn, segment_ids) on each device's shard of the enclosing mesh
+    (a shard_map over the batch axes and the heads axis that divide the call: XLA cannot
+    partition a Pallas or Mosaic kernel); a `Bias`'s values and the `extra` per-token arrays
+    ([B, T, K, ...]: PaTH's directions and gains) go in split the same way. On one device, or
     off a mesh, the kernel itself."""
     mesh = enclosing_mesh()
     if mesh is None or mesh.size == 1:
-        return kernel(q, k, v, bias_fn, segment_ids)
+        return kernel(q, k, v, *extra, bias_fn, segment_ids)
     b, h = q.shape[0], q.shape[2]
     batch = dividing(mesh, ("data", "fsdp"), b) or None
     heads = dividing(mesh, ("tensor",), h, k.shape[2]) or None
@@ -184,13 +185,14 @@ def per_device(kernel, q, k, v, *, bias_fn=None, segment_ids=None) -> jax.Array:
                    for n, x in values.items()}
     seg = jnp.zeros(q.shape[:2], jnp.int32) if segment_ids is None else segment_ids
 
-    def local(q, k, v, seg, values):
+    def local(q, k, v, seg, values, *extra):
         bias = dataclasses.replace(bias_fn, values=values) if isinstance(bias_fn, Bias) else bias_fn
-        return kernel(q, k, v, bias, None if segment_ids is None else seg)
+        return kernel(q, k, v, *extra, bias, None if segment_ids is None else seg)
 
     spec = P(batch, None, heads, None)
-    return jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec, P(batch, None), value_specs),
-                         out_specs=spec, check_vma=False)(q, k, v, seg, values)
+    extra_specs = tuple(P(batch, None, heads, *[None] * (x.ndim - 3)) for x in extra)
+    return jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec, P(batch, None), value_specs, *extra_specs),
+                         out_specs=spec, check_vma=False)(q, k, v, seg, values, *extra)
 
 
 def per_platform_choice(pick, *args, label: str = ""):

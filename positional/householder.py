@@ -45,7 +45,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from positional.attention import OwnKernel, attention, choose, log_ring, per_platform_choice
+from positional.attention import OwnKernel, attention, choose, log_ring, per_device, per_platform_choice
 from positional.kernels.path import check_transport, path_attention, refusal
 from positional.ring import active_mesh, float_part, make_ring, ring_active, ring_call
 from positional.softmax import MASKED, check_shapes
@@ -669,6 +669,12 @@ class Path(Scheme):
 
             def pick(platform):
                 chosen, why = choose(q, k, v, platform=platform, own=own)
+                if chosen == "pallas":  # the kernel per device on a mesh (XLA cannot partition it)
+                    def kernel(q, k, v, w, beta, bias, seg):
+                        return path_attention(q, k, v, w, beta, bias_fn=bias, segment_ids=seg,
+                                              block_size=block_size, platform=platform)
+                    return chosen, why, lambda q, k, v: per_device(kernel, q, k, v, w, beta, bias_fn=bias,
+                                                                   segment_ids=segment_ids)
                 return chosen, why, lambda q, k, v: self.attention(
                     q, k, v, features, positions=positions, segment_ids=segment_ids, impl=chosen,
                     block_size=block_size, platform=platform)

@@ -35,7 +35,9 @@ def test_a_train_step_compiles_for_tpu(scheme, site):
 
 
 @pytest.mark.parametrize("scheme,site", [("alibi", "1 x Alibi (layer 0): splash"),
-                                         ("tapa", "1 x Tapa (layer 0): pallas -- the fused kernel")])
+                                         ("tapa", "1 x Tapa (layer 0): pallas -- the fused kernel"),
+                                         pytest.param("path_fox", "1 x Path (layer 0): pallas -- PaTH's kernel",
+                                                      marks=pytest.mark.slow)])  # 47 s
 def test_a_train_step_compiles_for_several_chips(scheme, site):
     """On 4 chips (batch over data 2, heads over tensor 2) every Mosaic call runs per device
     (positional.attention.per_device): XLA cannot partition one ("Mosaic kernels cannot be
