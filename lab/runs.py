@@ -27,9 +27,11 @@ from models.lm import DecoderLM
 matplotlib.use("Agg")  # reports are written to files; no display is needed or wanted
 
 
-def load_run(workdir: str, untrained: bool = False):
+def load_run(workdir: str, untrained: bool = False, param_dtype: str | None = None):
     """(config, model with the latest complete checkpoint's parameters, step) of a training run;
-    with `untrained`, the model as its config initialises it (seed included), step 0."""
+    with `untrained`, the model as its config initialises it (seed included), step 0.
+    `param_dtype` ("bfloat16", "float32"): the parameters cast to it as they are read (half the
+    memory of an fp32 checkpoint in bf16); None: as the checkpoint stores them."""
     path = files.join(workdir, "config.json")
     if not files.path(path).is_file():
         raise FileNotFoundError(f"{workdir!r} is not a training run directory (no config.json); "
@@ -53,8 +55,12 @@ def load_run(workdir: str, untrained: bool = False):
     # each device reading its shard: about the memory of the weights (no initialisation, no
     # optimizer state).
     graphdef, rest, _, _, state = init_state(config, vocab, make_mesh(config), abstract=True)
-    check_fits(workdir, state["params"])
-    step, params = load_params(workdir, state["params"])
+    abstract = state["params"]
+    if param_dtype is not None:
+        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.dtype(param_dtype), sharding=x.sharding),
+                                abstract)
+    check_fits(workdir, abstract)
+    step, params = load_params(workdir, abstract)
     return config, nnx.merge(graphdef, params, rest), step
 
 

@@ -285,3 +285,18 @@ def test_a_run_too_large_for_the_device_is_one_line_before_reading(tiny_run, mon
     assert "parameters need 0.00 GiB per device, over the 0.00 GiB of a cpu device" in message
     monkeypatch.undo()
     assert lab.runs.device_memory() > 2 ** 30  # this host's memory, on a CPU
+
+
+def test_load_run_in_bf16_halves_the_parameters(tiny_run):
+    """param_dtype="bfloat16": the fp32 checkpoint's parameters read as bf16 (rounded, not
+    re-initialised), half the bytes; the model still runs."""
+    from flax import nnx
+    config, _ = tiny_run
+    _, full, _ = load_run(config.workdir)
+    _, half, _ = load_run(config.workdir, param_dtype="bfloat16")
+    a, b = (jax.tree.leaves(nnx.to_pure_dict(nnx.state(m, nnx.Param))) for m in (full, half))
+    assert all(y.dtype == jnp.bfloat16 for y in b)
+    assert all((np.asarray(x.astype(jnp.bfloat16), np.float32) == np.asarray(y, np.float32)).all() for x, y in zip(a, b))
+    assert sum(y.nbytes for y in b) * 2 == sum(x.nbytes for x in a)
+    assert np.isfinite(np.asarray(half(jnp.zeros((1, 4), jnp.int32)), np.float32)).all()
+
