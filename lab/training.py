@@ -167,7 +167,11 @@ def _train(config, workdir, evaluators) -> dict:
         step0, restored = found
         state = restored["state"]
         loader.set_state(restored["loader"])
-        print(f"resumed from step {step0} in {workdir}")
+        if step0 >= config.train.steps:
+            print(f"already finished: step {step0} of {config.train.steps} in {workdir}; its losses are in "
+                  f"{files.join(workdir, 'metrics.jsonl')} (raise --config.train.steps to train on)")
+        else:
+            print(f"resumed from step {step0} in {workdir}")
     elif config.init_from:
         step0 = 0
         src_step, params = load_params(config.init_from, abstract["params"])
@@ -194,7 +198,7 @@ def _train(config, workdir, evaluators) -> dict:
     writer = SummaryWriter(files.join(workdir, "tensorboard")) if primary else None
     steps = config.train.steps
     tokens_per_step = config.batch_size * config.seq_len
-    progress = _progress(step0, steps)
+    progress = _progress(step0, steps, files.path(workdir).name)
     last_good = manager.latest_step()  # the newest checkpoint in line with the run (`in_line`)
     t_log, n_log, history, best = time.perf_counter(), 0, [], None
 
@@ -433,21 +437,37 @@ def _log(path, writer, record):
     writer.flush()
 
 
-def _progress(start, total):
-    """A progress bar with loss and tokens/s on stderr (tqdm), or nothing when not a tty."""
-    bar = tqdm(total=total, initial=start, disable=not sys.stderr.isatty(), unit="step",
+def _progress(start, total, name: str):
+    """A progress bar with loss and tokens/s on stderr (tqdm), or, when not a tty, one line per
+    logged step: the run's name, loss, tokens/s and the time left (both from the steps after the
+    first logged one, which pays for compiling)."""
+    bar = tqdm(total=total, initial=start, disable=not sys.stderr.isatty(), unit="step", desc=name,
                dynamic_ncols=True)
+    first = {}  # step and time of the first logged step
 
     def update(step, loss):
         bar.update(step - bar.n)
-        bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{update.tokens_per_s:,.0f}", refresh=False)
+        shown = {"tok_s": f"{update.tokens_per_s:,.0f}"} if update.tokens_per_s else {}
+        bar.set_postfix(loss=f"{loss:.4f}", **shown, refresh=False)
 
     def log_line(record):  # without a terminal, one line per logged step instead
-        if bar.disable:
-            print(f"step {record['step']}/{total}  loss {record['loss']:.4f}  "
-                  f"{record['tokens_per_s']:,.0f} tok/s", flush=True)
+        if not bar.disable:
+            return
+        step, now = record["step"], time.perf_counter()
+        rate = ""
+        if first and step > first["step"]:
+            per_step = (now - first["time"]) / (step - first["step"])
+            rate = f"  {record['tokens_per_s']:,.0f} tok/s  ETA {_clock(per_step * (total - step))}"
+        first.setdefault("step", step)
+        first.setdefault("time", now)
+        print(f"{name} step {step}/{total}  loss {record['loss']:.4f}{rate}", flush=True)
 
     update.tokens_per_s = 0.0
     update.close = bar.close
     update.log = log_line
     return update
+
+
+def _clock(seconds: float) -> str:
+    seconds = int(round(seconds))
+    return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"

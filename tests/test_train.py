@@ -2,6 +2,7 @@
 checkpoints, sharding over 8 simulated devices, and readable errors from the command line."""
 
 import json
+import re
 import os
 import shutil
 import signal
@@ -352,3 +353,17 @@ def test_loss_weight_weights_tokens_as_data_retrieval_answer_weight_asks(tmp_pat
     weighted = loss(state["params"], {**batch, "loss_weight": 1 + 1e7 * one}, None)
     assert float(weighted) == pytest.approx(float(alone), rel=1e-4)
     assert abs(float(alone) - float(plain)) > 1e-3  # the one token differs from the mean
+
+
+def test_progress_lines_name_the_run_and_the_time_left_and_a_finished_rerun_says_so(tiny_run, tmp_path, capsys):
+    """Without a terminal: one line per logged step with the run's name; from the second one on
+    (the first pays for compiling) tokens/s and an ETA. Rerunning a finished run says it is
+    finished and where its losses are."""
+    config = tiny_config(tmp_path / "named", steps=6)
+    train(config)
+    lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("named step ")]
+    assert len(lines) == 6 and "tok/s" not in lines[0], lines
+    assert all(re.search(r"loss \d+\.\d{4}  [\d,]+ tok/s  ETA 0:00:\d\d$", x) for x in lines[1:]), lines
+    train(config)
+    out = capsys.readouterr().out
+    assert f"already finished: step 6 of 6 in {tmp_path / 'named'}" in out and "metrics.jsonl" in out
