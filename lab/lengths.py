@@ -286,10 +286,15 @@ def summary(results: dict) -> dict:
 
 
 def _model_name(config) -> str:
-    """The position scheme of the decoder block, or the mixer of a Sessa macro-block (not every
-    mixer uses the scheme; results.json has both)."""
+    """The position scheme of the decoder block with the options the run set (rope(scaling=yarn,
+    factor=4)), or the mixer of a Sessa macro-block (not every mixer uses the scheme;
+    results.json has both)."""
     mixer = config.model.get("mixer", "attention")
-    return config.model.scheme if mixer == "attention" else mixer
+    if mixer != "attention":
+        return mixer
+    options = dict(config.model.get("scheme_options", {}))
+    shown = ", ".join(f"{k}={v}" for k, v in sorted(options.items()))
+    return f"{config.model.scheme}({shown})" if shown else config.model.scheme
 
 
 def _runs(results: dict, *, task: bool) -> dict:

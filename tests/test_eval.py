@@ -300,3 +300,13 @@ def test_load_run_in_bf16_halves_the_parameters(tiny_run):
     assert sum(y.nbytes for y in b) * 2 == sum(x.nbytes for x in a)
     assert np.isfinite(np.asarray(half(jnp.zeros((1, 4), jnp.int32)), np.float32)).all()
 
+
+
+def test_results_tables_name_a_scheme_with_the_options_a_run_set():
+    """A yarn run is not labelled plain "rope" in the results tables."""
+    from configs.default import get_config
+    from lab.lengths import _model_name
+    config = get_config("rope")
+    assert _model_name(config) == "rope"
+    config.model.scheme_options = {"scaling": "yarn", "factor": 4.0}
+    assert _model_name(config) == "rope(factor=4.0, scaling=yarn)"
