@@ -199,3 +199,12 @@ def test_a_record_without_text_is_one_line_naming_it(tmp_path):
     assert single_line(e) == (f"{path}: line 2 is not a JSON object with a 'text' field; every record needs a "
                               "string field 'text' (one document each)")
     assert not (tmp_path / "data").exists()  # nothing left behind
+
+
+def test_tfds_config_note_is_not_logged(tmp_path, caplog):
+    """TFDS's warning naming the builder config (with local paths) is filtered out."""
+    import logging as std_logging  # local_text, imported above, installs the filter
+    with caplog.at_level(std_logging.WARNING):
+        std_logging.getLogger("absl").warning("Using custom data configuration: LocalTextConfig(source_dir='/x')")
+        std_logging.getLogger("absl").warning("another warning")
+    assert "custom data configuration" not in caplog.text and "another warning" in caplog.text
