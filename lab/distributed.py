@@ -46,6 +46,12 @@ def initialize(d: ml_collections.ConfigDict | dict | None) -> None:
     if d.num_processes < 0 or (d.num_processes and not -1 <= d.process_id < d.num_processes):
         raise ValueError(f"distributed.process_id={d.process_id} with distributed.num_processes={d.num_processes}; "
                          "valid: 0 <= process_id < num_processes (-1: detected)")
+    host, _, port = d.coordinator.rpartition(":")
+    if d.coordinator and not (host and port.isdigit() and 0 < int(port) < 65536):
+        raise ValueError(f"distributed.coordinator={d.coordinator!r}; valid: host:port of process 0, e.g. "
+                         "10.0.0.1:1234 (the same on every process)")
+    if not d.timeout_s > 0:
+        raise ValueError(f"distributed.timeout_s={d.timeout_s!r}; valid: a number of seconds > 0")
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     why = (f"the job's processes did not start together within distributed.timeout_s={d.timeout_s} s (coordinator "
            f"{d.coordinator or 'detected'})")

@@ -202,3 +202,17 @@ def test_retrieval_and_transport_over_two_processes_score_like_one(one_process, 
                                [list(layer["far_mass"].values()) for layer in one], rtol=1e-5)
     np.testing.assert_allclose([layer["mass_by_distance"] for layer in two],
                                [layer["mass_by_distance"] for layer in one], rtol=1e-5)
+
+
+@pytest.mark.parametrize("fields,error", [
+    ({"coordinator": "localhost", "num_processes": 2, "process_id": 0}, "distributed.coordinator='localhost'; valid: host:port"),
+    ({"coordinator": "localhost:99999", "num_processes": 2, "process_id": 0}, "distributed.coordinator='localhost:99999'"),
+    ({"coordinator": "localhost:1234", "num_processes": 2, "process_id": 0, "timeout_s": -5},
+     "distributed.timeout_s=-5; valid: a number of seconds > 0"),
+])
+def test_a_bad_coordinator_or_timeout_is_one_line_before_connecting(fields, error):
+    """A coordinator without a port (was blamed on the start-up timeout after waiting for it)."""
+    from lab import distributed
+    with pytest.raises(ValueError) as e:
+        distributed.initialize(fields)
+    assert str(e.value).startswith(error) and "\n" not in str(e.value)
