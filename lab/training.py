@@ -17,6 +17,7 @@ import fcntl
 import json
 import math
 import os
+import shutil
 import signal
 import socket
 import statistics
@@ -126,10 +127,31 @@ def train(config: ml_collections.ConfigDict) -> dict:
     workdir = workdir_of(config)
     if files.path(workdir).exists() and not files.path(workdir).is_dir():
         raise ValueError(f"workdir={workdir!r} is a file, not a directory; pass a new directory or a run's")
+    created = not files.path(workdir).exists()
     files.path(workdir).mkdir(parents=True, exist_ok=True)
-    # One writer: process 0 holds the lock and writes the run's files; every process reads.
-    with workdir_lock(workdir) if jax.process_index() == 0 else contextlib.nullcontext():
-        return _train(config, workdir, evaluators)
+    try:
+        # One writer: process 0 holds the lock and writes the run's files; every process reads.
+        with workdir_lock(workdir) if jax.process_index() == 0 else contextlib.nullcontext():
+            return _train(config, workdir, evaluators)
+    except BaseException:
+        if created and jax.process_index() == 0:
+            _remove_if_unused(workdir)
+        raise
+
+
+UNUSED = {"lock", "config.json"}  # what a start writes before its first step
+
+
+def _remove_if_unused(workdir: str) -> None:
+    """A workdir this failed start created and that holds nothing of a run (no checkpoint, no
+    metrics: only the lock, the config and empty folders) is removed, so a failed start leaves
+    nothing behind."""
+    if not files.is_local(workdir) or not os.path.isdir(workdir):
+        return
+    for folder, _, names in os.walk(workdir):
+        if any(os.path.normpath(folder) != os.path.normpath(workdir) or name not in UNUSED for name in names):
+            return
+    shutil.rmtree(workdir, ignore_errors=True)
 
 
 def _train(config, workdir, evaluators) -> dict:

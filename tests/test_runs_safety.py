@@ -350,3 +350,13 @@ def test_a_corrupt_config_json_is_named(tmp_path):
         load_run(str(tmp_path))
     message = str(e.value)
     assert message.startswith(f"{tmp_path / 'config.json'} is not valid JSON (") and "\n" not in message
+
+
+def test_a_start_that_fails_leaves_no_workdir(tmp_path):
+    """A start that fails after creating its workdir (here: a data source that does not exist)
+    removes what it made: only the lock, config.json and empty folders were there."""
+    config = tiny_config(tmp_path / "run")
+    config.data.source_dir = str(tmp_path / "no_such_dir")
+    with pytest.raises(Exception, match="does not exist"):
+        train(config)
+    assert not (tmp_path / "run").exists()
