@@ -28,6 +28,8 @@ MIN_TESTS := tests/test_flash.py tests/test_path_kernel.py tests/test_feedback.p
 QUICK_SKIP := test_train test_runs_safety test_distributed test_eval test_retrieval test_hf_import test_analyze \
 	test_scale test_ring test_evaluators test_seeds test_perturb test_logit_probes test_lm_infinite test_grid2d \
 	test_compile_tpu test_readme
+# ... and, in the modules it runs, the compiles through libtpu and the GPU check's run at toy sizes.
+QUICK_DESELECT := -k "not compile_for_tpu and not compiles_for_tpu and not gpu_check_runs_end_to_end"
 
 # The lent GPU machine (python3 with jax[cuda] 0.11.2, no network): `make gpu-wheels` here fetches
 # what it lacks into .whl (git-ignored: the device call carries it), the releases `make test-min`
@@ -74,8 +76,8 @@ test: lint
 	$(PY) -m pytest -q -n 2
 
 test-quick: lint
-	@echo "test-quick leaves out: $(QUICK_SKIP) (make test runs them)"
-	$(PY) -m pytest -q -n 2 $(foreach m,$(QUICK_SKIP),--ignore=tests/$(m).py)
+	@echo "test-quick leaves out: $(QUICK_SKIP), and the TPU compiles and the GPU check elsewhere (make test runs them)"
+	$(PY) -m pytest -q -n 2 $(foreach m,$(QUICK_SKIP),--ignore=tests/$(m).py) $(QUICK_DESELECT)
 
 test-min: $(MIN_STAMP)
 	$(MIN_VENV)/bin/python -m pytest -q -n 2 $(MIN_TESTS)
