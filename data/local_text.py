@@ -245,9 +245,9 @@ class LocalText(tfds.core.GeneratorBasedBuilder):
         if empty:
             raise DataError(
                 f"{config.source_dir!r} has too few documents ({sum(map(len, by_split.values()))}) to fill "
-                f"every split (empty: {', '.join(empty)}); each file goes to train / validation / "
-                "test with probability 0.90 / 0.05 / 0.05. Use a directory with more files."
-            )
+                f"every split (empty: {', '.join(empty)}); each {'record' if records else 'file'} goes to train / "
+                "validation / test with probability 0.90 / 0.05 / 0.05. Use "
+                + ("a file with more records (one document per line)." if records else "a directory with more files."))
         if records:
             return {split: self._generate_records(split) for split in SPLITS}
         return {split: self._generate_examples(paths) for split, paths in by_split.items()}

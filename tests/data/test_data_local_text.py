@@ -82,8 +82,11 @@ def test_missing_or_empty_source_dir_is_a_data_error(tmp_path, make):
 def test_too_few_files_for_every_split_is_a_data_error(tmp_path):
     (tmp_path / "src").mkdir()
     (tmp_path / "src" / "only.py").write_text("x = 1\n")
-    with pytest.raises(data.DataError, match="too few documents"):
+    with pytest.raises(data.DataError, match="too few documents.*each file goes .*a directory with more files"):
         local_text.prepare(str(tmp_path / "data"), str(tmp_path / "src"))
+    (tmp_path / "empty.jsonl").write_text("")  # a record file is advised as one, not as a directory
+    with pytest.raises(data.DataError, match=r"too few documents \(0\).*each record goes .*a file with more records"):
+        local_text.prepare(str(tmp_path / "data2"), str(tmp_path / "empty.jsonl"))
 
 
 def test_crash_mid_prepare_leaves_nothing_read_as_prepared(corpus, tmp_path):
