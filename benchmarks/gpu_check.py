@@ -49,7 +49,7 @@ from positional import vendor
 from positional.attention import attention
 from positional.feedback import feedback_solve
 from positional.fox import forget_bias
-from positional.softmax import reference_attention
+from positional.softmax import reference_attention, segment_starts
 
 FLAGS = flags.FLAGS if __name__ == "__main__" else flags.FlagValues()
 flags.DEFINE_float("budget_s", 400, "seconds of work at most (estimates decide what fits)", flag_values=FLAGS)
@@ -86,8 +86,7 @@ def packed_ids(b: int, t: int, documents: int) -> jax.Array:
 def positions_of(ids: jax.Array) -> jax.Array:
     """Each token's position in its document (as the data pipeline's)."""
     idx = jnp.arange(ids.shape[1])
-    starts = jnp.concatenate([jnp.ones((ids.shape[0], 1), bool), ids[:, 1:] != ids[:, :-1]], axis=1)
-    return (idx - jax.lax.cummax(jnp.where(starts, idx, 0), axis=1)).astype(jnp.int32)
+    return (idx - jax.lax.cummax(jnp.where(segment_starts(ids), idx, 0), axis=1)).astype(jnp.int32)
 
 
 def rel(a, b) -> float:

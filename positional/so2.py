@@ -26,17 +26,10 @@ import numpy as np
 from positional.angles import wrap, wrapped_add
 from positional.rope import rope_frequencies, rotate_out, rotate_qkv
 from positional.scheme import Scheme
+from positional.softmax import segment_starts
 
 
 STEP_SOURCES = ("random", "learned", "hidden")
-
-
-def _segment_starts(segment_ids, shape) -> jax.Array:
-    """True where a token starts a segment (always at t = 0): [B, T] bool."""
-    if segment_ids is None:
-        return jnp.zeros(shape, bool).at[:, 0].set(True)
-    return jnp.concatenate([jnp.ones_like(segment_ids[:, :1], bool),
-                            segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
 
 
 def accumulate(psi: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
@@ -49,7 +42,7 @@ def accumulate(psi: jax.Array, segment_ids: jax.Array | None = None) -> jax.Arra
     this one stays at float32 resolution (tests/test_so2.py).
     """
     psi = psi.astype(jnp.float32)
-    start = _segment_starts(segment_ids, psi.shape[:2])
+    start = segment_starts(segment_ids, psi.shape[:2])
     # Shift right inside each segment: token i receives psi_{i-1}, segment starts receive 0.
     shifted = wrap(jnp.where(start[..., None], 0.0, jnp.roll(psi, 1, axis=1)))
     reset = jnp.broadcast_to(start[..., None], psi.shape)
@@ -67,7 +60,7 @@ def index_in_segment(index: jax.Array, segment_ids: jax.Array | None) -> jax.Arr
     """Each token's index counted from the start of its segment: [B, T] int32."""
     if segment_ids is None:
         return index
-    start = _segment_starts(segment_ids, index.shape)
+    start = segment_starts(segment_ids, index.shape)
     return index - jax.lax.cummax(jnp.where(start, index, 0), axis=1)
 
 

@@ -32,6 +32,15 @@ ScoreFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
 MASKED = -1e30  # finite, so a row is never all -inf and never NaN
 
 
+def segment_starts(segment_ids, shape=None) -> jax.Array:
+    """True where a token starts a segment (a run of equal ids; always at t = 0): [B, T] bool.
+    segment_ids None: one segment per row of `shape`."""
+    if segment_ids is None:
+        return jnp.zeros(shape, bool).at[:, 0].set(True)
+    return jnp.concatenate([jnp.ones_like(segment_ids[:, :1], bool),
+                            segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
+
+
 def check_shapes(q, k, v, segment_ids):
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
         raise ValueError(f"attention expects [B, T, H, D] arrays, got q{q.shape} k{k.shape} v{v.shape}")

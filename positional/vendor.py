@@ -75,7 +75,7 @@ from jax.experimental.pallas.ops.tpu import splash_attention as splash
 
 from positional.kernels import per_platform
 from positional.logits import Bias
-from positional.softmax import BiasFn, ScoreFn, check_shapes
+from positional.softmax import BiasFn, ScoreFn, check_shapes, segment_starts
 
 INSTEAD = "use impl='blockwise' or 'auto'"
 # per_platform's backend names -> the platform names refusals use.
@@ -150,8 +150,7 @@ def key_bias_channels(q, k, bias: Bias, *, segment_ids=None, scale: float, multi
     term = jnp.broadcast_to(bias.key_terms(s), (b, h, s))
     first = jnp.zeros((b, s), jnp.int32)  # the first key of each key's document
     if segment_ids is not None and segment_ids.shape[1] == s:
-        starts = jnp.concatenate([jnp.ones((b, 1), bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
-        first = jax.lax.cummax(jnp.where(starts, jnp.arange(s), 0), axis=1)
+        first = jax.lax.cummax(jnp.where(segment_starts(segment_ids), jnp.arange(s), 0), axis=1)
     term = term - jnp.take_along_axis(term, jnp.broadcast_to(first[:, None], term.shape), axis=2)
     x = (term / scale).reshape(b, kh, g, s).transpose(0, 3, 1, 2)  # [B, S, K, G]
     hi = x.astype(k.dtype)  # the gradient flows through hi alone (d hi / d x = 1)
@@ -203,8 +202,8 @@ def packed_segments(segment_ids, max_segments: int):
     Segment m of row b is the m-th maximal run of equal ids: it starts at offsets[b, m] and is
     seqlen[b, m] tokens long; unused slots (and offsets' last) are -1. fits[b]: the row has at
     most M = max_segments runs (else its runs past the M-th are not described)."""
-    b, t = segment_ids.shape
-    starts = jnp.concatenate([jnp.ones((b, 1), bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
+    t = segment_ids.shape[1]
+    starts = segment_starts(segment_ids)
 
     def row(start):
         first = jnp.nonzero(start, size=max_segments, fill_value=t)[0]
