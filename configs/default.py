@@ -72,7 +72,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # detects, or coordinator (host:port of process 0) with num_processes and process_id given here.
     c.distributed = ml_collections.ConfigDict(dict(
         coordinator="", num_processes=0, process_id=-1,  # '', 0, -1: detected (one process if no cluster)
-        timeout_s=300))  # how long start-up waits for every process to connect
+        timeout_s=300,  # how long start-up waits for every process to connect
+        heartbeat_s=30))  # a process silent this long (killed, hung, host lost) ends the job
 
     c.eval = ml_collections.ConfigDict(dict(
         multipliers=(0.5, 1, 2, 4, 8, 16),  # evaluation lengths as multiples of seq_len

@@ -8,7 +8,9 @@ import importlib.util
 import os
 import signal
 import sys
+import traceback
 
+import jax
 import ml_collections
 from absl import flags, logging
 from ml_collections import config_flags
@@ -114,9 +116,14 @@ def start_processes() -> None:
     distributed.initialize(dict(coordinator=f.coordinator, num_processes=f.num_processes, process_id=f.process_id))
 
 
+# Warnings that say nothing to a user: each process logs these three times when a job stops on a signal.
+NOISE = ("Reached preemption sync point",)
+
+
 def quiet() -> None:
-    """Warnings and errors only: orbax and absl are chatty at INFO."""
+    """Warnings and errors only: orbax and absl are chatty at INFO (and NOISE dropped)."""
     logging.set_verbosity(logging.WARNING)
+    logging.get_absl_logger().addFilter(lambda record: not any(n in record.getMessage() for n in NOISE))
 
 
 OPEN_FIELDS = ("model.scheme_options.", "model.mixer_options.", "eval_options.")
@@ -142,12 +149,26 @@ def check_overrides(config_path: str, override_paths) -> None:
 
 
 def run_cli(fn):
-    """Run fn(); expected failures print one readable line and exit non-zero."""
+    """Run fn(); expected failures print one readable line and exit non-zero, SIGINT outside
+    training's loop (which checkpoints) exits 130. In a job of several processes every failure
+    ends this process at once and the others within seconds (`distributed.end`): an error seen
+    in a collective is named after the process that failed, an unexpected one has its traceback."""
     try:
         return fn()
     except (TrainingError, DataError, StartupError, ValueError, OSError) as e:  # OSError: a path, and why it failed
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(1)
+        distributed.end(f"error: {e}", 1)
+    except KeyboardInterrupt:
+        distributed.end("interrupted: SIGINT (nothing was written after the newest checkpoint or report)", 130)
+    except jax.errors.JaxRuntimeError as e:
+        if not distributed.multi():
+            raise
+        line, named = distributed.why_failed(e)
+        distributed.end(line, 1, tell=not named)
+    except Exception as e:
+        if not distributed.multi():
+            raise
+        traceback.print_exc()
+        distributed.end(f"error: {type(e).__name__}: {distributed.first_line(e)} (traceback above)", 1)
 
 
 def exit_if_interrupted(summary: dict) -> None:

@@ -19,6 +19,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from lab import distributed
 from models import sharding
 from models.lm import DecoderLM, ModelConfig, token_nll
 from models.registry import get_entry, make_scheme
@@ -56,9 +57,7 @@ def check_config(config) -> None:
                              "left over (one axis at most)")
     if config.model.dtype not in COMPUTE_DTYPES:
         raise ValueError(f"model.dtype={config.model.dtype!r}; valid: {', '.join(COMPUTE_DTYPES)}")
-    timeout = config.get("distributed", {}).get("timeout_s", 1)
-    if not timeout > 0:
-        raise ValueError(f"distributed.timeout_s={timeout!r}; valid: a number of seconds > 0")
+    distributed.check(config.get("distributed"))
     cfg = ModelConfig.from_dict(config.model.to_dict())
     make_scheme(cfg.scheme, num_heads=cfg.num_heads, head_dim=cfg.dim_per_head, **dict(cfg.scheme_options))
 

@@ -214,9 +214,9 @@ def _train(config, workdir, evaluators) -> dict:
         files.write_text(files.join(workdir, "config.json"), config.to_json_best_effort(indent=2))
 
     # A signal stops the run at the next step boundary with a checkpoint. Several processes
-    # agree on that step through JAX's preemption sync (it hears SIGTERM; SIGINT kills).
-    stop = _Stop()
-    previous = {s: signal.signal(s, stop) for s in ((signal.SIGTERM, signal.SIGINT) if not multi else ())}
+    # agree on that step through JAX's preemption sync, which hears SIGTERM: SIGINT is relayed to it.
+    stop = _Stop(relay=multi)
+    previous = {s: signal.signal(s, stop) for s in ((signal.SIGINT,) if multi else (signal.SIGTERM, signal.SIGINT))}
     writer = SummaryWriter(files.join(workdir, "tensorboard")) if primary else None
     steps = config.train.steps
     tokens_per_step = config.batch_size * config.seq_len
@@ -250,10 +250,8 @@ def _train(config, workdir, evaluators) -> dict:
                                           files.join(workdir, "evals", str(step)),
                                           write=jax.process_index() == 0))
             if primary:
-                try:
+                with _writing(metrics_path):
                     _log(metrics_path, writer, record)
-                except OSError as e:
-                    raise _WriteFailed(metrics_path) from e
                 progress.tokens_per_s = record["tokens_per_s"]
                 progress.log(record)
             t_log, n_log = time.perf_counter(), 0
@@ -268,7 +266,7 @@ def _train(config, workdir, evaluators) -> dict:
                 finish(*pending)
             pending = (step, metrics)
             if multi and manager.reached_preemption(step):
-                stop.signal = "SIGTERM"
+                stop.signal = stop.heard or "SIGTERM"
             checkpoint = step % config.train.checkpoint_every == 0 or step == steps or stop.signal
             validate = config.train.eval_every and step % config.train.eval_every == 0
             if checkpoint or validate:  # both need this step's state, so wait for it now
@@ -295,11 +293,9 @@ def _train(config, workdir, evaluators) -> dict:
                         print(f"warning: step {step}'s loss {level:.4g} is out of line with the run (over "
                               f"{IN_LINE:g} x its lowest running median, {best:.4g}); saved, but step {last_good} "
                               f"stays the last good checkpoint", file=sys.stderr)
-                    try:
+                    with _writing(f"checkpoint {step} in {manager.directory}"):
                         save(manager, state, loader_state(loader),
                              {"step": step, "loss": history[-1], "identity": identity(config)})
-                    except Exception as e:  # noqa: BLE001 - orbax reports a full disk as a ValueError
-                        raise _WriteFailed(f"checkpoint {step} in {manager.directory}") from e
                     if good:
                         last_good = step
                 else:
@@ -309,10 +305,8 @@ def _train(config, workdir, evaluators) -> dict:
                           f"{config.train.keep_checkpoints})", file=sys.stderr)
             if stop.signal:
                 break
-        try:
+        with _writing(f"checkpoint {manager.latest_step()} in {manager.directory}"):
             manager.wait_until_finished()  # the last asynchronous save
-        except Exception as e:  # noqa: BLE001 - as a failed save
-            raise _WriteFailed(f"checkpoint {manager.latest_step()} in {manager.directory}") from e
     except _WriteFailed as e:
         raise TrainingError(_write_failure(e, state, loader, last_good, manager)) from e
     finally:
@@ -329,6 +323,19 @@ def _train(config, workdir, evaluators) -> dict:
 
 class _WriteFailed(Exception):
     """Writing the file named in the message failed; the cause says why."""
+
+
+@contextlib.contextmanager
+def _writing(what: str):
+    """A failure in the block is a failed write of `what` (_WriteFailed; orbax reports a full
+    disk as a ValueError), except a collective's failure in a job of several processes: a peer
+    died during the save, which `lab.cli.run_cli` names."""
+    try:
+        yield
+    except Exception as e:  # noqa: BLE001
+        if distributed.multi() and isinstance(e, jax.errors.JaxRuntimeError):
+            raise
+        raise _WriteFailed(what) from e
 
 
 def _write_failure(e: _WriteFailed, state, loader, last_good, manager) -> str:
@@ -433,13 +440,20 @@ def blow_up(loss: float, params_finite: bool, history: list, factor: float) -> s
 
 
 class _Stop:
-    """Set by SIGTERM/SIGINT; the loop saves a checkpoint at the next step boundary and exits."""
+    """Set by SIGTERM/SIGINT; the loop saves a checkpoint at the next step boundary and exits.
+    With `relay` (several processes) a signal is passed on as SIGTERM to JAX's preemption sync,
+    which picks the step every process stops at; `heard` keeps its name."""
 
-    def __init__(self):
-        self.signal = None
+    def __init__(self, relay: bool = False):
+        self.signal = self.heard = None
+        self.relay = relay
 
     def __call__(self, signum, frame):
-        self.signal = signal.Signals(signum).name
+        if self.relay:
+            self.heard = signal.Signals(signum).name
+            os.kill(os.getpid(), signal.SIGTERM)
+        else:
+            self.signal = signal.Signals(signum).name
 
 
 def _validation(config, model) -> dict:

@@ -27,19 +27,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(workdir, processes: int, *extra, port=None, only=None):
-    """Start train.py as `processes` processes of one job (DEVICES CPU devices in all); `only`:
-    {process id: its own extra flags} starts just those processes."""
+def launch(workdir, processes: int, *extra, port=None, only=None, script="train.py", devices=None):
+    """Start train.py (or `script`) as `processes` processes of one job (DEVICES CPU devices in
+    all, or {process id: its count} in `devices`); `only`: {process id: its own extra flags}
+    starts just those processes."""
     port = port or free_port()
     flags = [*overrides(tiny_config(workdir)), f"--config.train.steps={STEPS}", "--config.data.streams=4",
              "--config.train.checkpoint_every=4", *extra]
     if processes > 1:
         flags += [f"--config.distributed.coordinator=127.0.0.1:{port}", f"--config.distributed.num_processes={processes}"]
-    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={DEVICES // processes}"}
+    devices = devices or {}
+    env = lambda i: {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices.get(i, DEVICES // processes)}"}  # noqa: E731
     only = only if only is not None else {i: [] for i in range(processes)}
-    return [subprocess.Popen([sys.executable, "train.py", "--config", "configs/default.py", *flags, *own,
+    return [subprocess.Popen([sys.executable, script, "--config", "configs/default.py", *flags, *own,
                               *([f"--config.distributed.process_id={i}"] if processes > 1 else [])],
-                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             cwd=ROOT, env=env(i), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             for i, own in only.items()]
 
 
@@ -92,14 +94,74 @@ def test_sigterm_to_one_process_stops_all_at_one_step_and_a_rerun_resumes_exactl
     np.testing.assert_allclose([r["loss"] for r in records], one_process.losses, rtol=1e-6)
 
 
+# What no stderr of a job's process may hold after a fault: tracebacks, C++ stacks, aborts.
+STACKS = ("Traceback", "stack trace", "Fatal", "terminate called", "Check failed", "Aborted")
+
+
+@pytest.mark.parametrize("fault", ["sigkill", "exception", "sigint"])
+def test_a_fault_on_one_process_ends_the_job_fast_with_one_line_each_and_a_rerun_resumes_exactly(
+        tmp_path, one_process, fault):
+    """SIGKILL of process 1, an exception on it (a data read failing), SIGINT to it: every
+    process ends within 30 s with one project line as its last (no traceback, no C++ stack),
+    the healthy one naming process 1; SIGINT stops both at one step with a checkpoint. Then a
+    rerun of both resumes and logs the losses of one uninterrupted process."""
+    fails = {1: ["--fault=read:12"]} if fault == "exception" else {1: []}
+    procs = launch(tmp_path, 2, "--config.distributed.heartbeat_s=5", only={0: [], **fails},
+                   script="tests/faulty_train.py")
+    deadline = time.time() + 240
+    while time.time() < deadline and (not (tmp_path / "metrics.jsonl").exists() or len(logged(tmp_path)) < 6):
+        time.sleep(0.2)
+    t0 = time.time()
+    if fault != "exception":
+        procs[1].send_signal(signal.SIGKILL if fault == "sigkill" else signal.SIGINT)
+    results = finish(procs, timeout=60)
+    assert time.time() - t0 < 30
+    codes = {"sigkill": [1, -signal.SIGKILL], "exception": [1, 1], "sigint": [128 + signal.SIGTERM, 130]}[fault]
+    assert [code for code, _, _ in results] == codes, results[0][2][-2000:]
+    for i, (code, _, err) in enumerate(results):
+        if code == -signal.SIGKILL:
+            continue
+        assert not [s for s in STACKS if s in err], err[-3000:]
+        lines = [line for line in err.splitlines() if line.startswith(("error:", "interrupted:"))]
+        assert lines == [err.strip().splitlines()[-1]], err[-3000:]
+        if fault == "sigint":
+            assert lines[0].startswith(f"interrupted: {'SIGINT' if i else 'SIGTERM'} at step ")
+        elif i == 0:
+            assert lines[0].startswith(f"error: process 1 {'stopped responding' if fault == 'sigkill' else 'failed'}"
+                                       ) or "another process ended" in lines[0], lines[0]
+            assert lines[0].endswith("it resumes from the newest checkpoint [process 0]")
+        else:
+            assert lines[0] == "error: injected: reading batch 12 failed [process 1]"
+    if fault == "sigint":  # both at one step, with its checkpoint
+        stopped = {int(err.strip().splitlines()[-1].split(" at step ")[1].split(";")[0]) for _, _, err in results}
+        assert len(stopped) == 1 and str(stopped.pop()) in os.listdir(tmp_path / "checkpoints")
+    results = finish(launch(tmp_path, 2))
+    assert [code for code, _, _ in results] == [0, 0], results[0][2][-2000:]
+    assert "resumed from step" in results[1][1]
+    records = logged(tmp_path)
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    np.testing.assert_allclose([r["loss"] for r in records], one_process.losses, rtol=1e-6)
+
+
 def test_processes_with_different_configs_stop_at_start_naming_the_field(tmp_path):
     results = finish(launch(tmp_path, 2, only={0: [], 1: ["--config.seq_len=64"]}))
-    for code, _, err in results:
+    for i, (code, _, err) in enumerate(results):
         assert code == 1
         assert err.strip().splitlines()[-1] == (
             "error: the processes were launched with different configs (process 1: seq_len 64 vs 32 on process 0); "
-            "launch every process with the same flags")
+            f"launch every process with the same flags [process {i}]")
     assert not (tmp_path / "checkpoints").exists()
+
+
+def test_processes_with_different_device_counts_stop_at_start_naming_them(tmp_path):
+    """Was `cannot reshape array of size 3 into shape (2,1)`."""
+    results = finish(launch(tmp_path, 2, devices={0: 2, 1: 1}))
+    for code, _, err in results:
+        assert code == 1
+        assert err.strip().splitlines()[-1].startswith(
+            "error: the processes have different numbers of devices (process 0: 2, process 1: 1); every process of a "
+            "job needs the same number"), err[-2000:]
+    assert not tmp_path.exists() or not (tmp_path / "checkpoints").exists()
 
 
 def test_an_unreachable_coordinator_fails_in_bounded_time_with_one_line(tmp_path):
@@ -209,6 +271,8 @@ def test_retrieval_and_transport_over_two_processes_score_like_one(one_process, 
     ({"coordinator": "localhost:99999", "num_processes": 2, "process_id": 0}, "distributed.coordinator='localhost:99999'"),
     ({"coordinator": "localhost:1234", "num_processes": 2, "process_id": 0, "timeout_s": -5},
      "distributed.timeout_s=-5; valid: a number of seconds > 0"),
+    ({"coordinator": "localhost:1234", "num_processes": 2, "process_id": 0, "heartbeat_s": "x"},
+     "distributed.heartbeat_s='x'; valid: a number of seconds > 0"),
 ])
 def test_a_bad_coordinator_or_timeout_is_one_line_before_connecting(fields, error):
     """A coordinator without a port (was blamed on the start-up timeout after waiting for it)."""
