@@ -111,6 +111,14 @@ def restore_latest(manager, abstract_state, partial: bool = False, aside: str | 
             manager.reload()  # forget what was moved
 
 
+def complete_steps(directory: str) -> list[int]:
+    """The steps of the checkpoints in `directory` that a save finished (orbax renames a save
+    into place once it is complete), without asking orbax (whose own list may hold a save
+    whose asynchronous writing failed)."""
+    d = files.path(directory)
+    return sorted(int(p.name) for p in d.iterdir() if p.name.isdigit()) if d.is_dir() else []
+
+
 def set_aside(path: str, aside: str) -> str:
     """Move `path` into the directory `aside` (made if missing) under a name not taken yet;
     returns the new path. Nothing is deleted. (In a bucket, a folder is moved by the storage

@@ -156,7 +156,7 @@ def _exit(line: str, code: int) -> None:
     """Print `line`, mark this process done and leave at once; process 0, which hosts the
     coordination service, first waits (heartbeat_s at most) until the others have gone or
     fallen silent, since losing the service aborts them."""
-    print(f"{line} [process {jax.process_index()}]", file=sys.stderr, flush=True)
+    print(f"{line} [process {jax.process_index()}]", file=sys.__stderr__, flush=True)  # from any thread
     sys.stdout.flush()
     _mark_done("failed")
     if jax.process_index() == 0:

@@ -23,19 +23,21 @@ import socket
 import statistics
 import sys
 import tempfile
+import threading
 import time
 
 import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
+from absl import logging
 from flax import nnx
 from tensorboardX import SummaryWriter
 from tqdm import tqdm
 
 from data import pipeline, tasks
-from lab.checkpoints import (checkpoint_manager, identity, identity_change, load_params, newest_meta, restore_latest,
-                             save, set_aside, set_aside_partial_saves, stored_identity)
+from lab.checkpoints import (checkpoint_manager, complete_steps, identity, identity_change, load_params, newest_meta,
+                             restore_latest, save, set_aside, set_aside_partial_saves, stored_identity)
 from lab import distributed, files
 from lab.evaluators import configured, in_training
 from lab.lengths import perplexity_at, task_accuracy_at
@@ -108,8 +110,9 @@ def workdir_lock(workdir: str):
             print(f"warning: taking over {path} from {dead}, which ended without releasing it",
                   file=sys.stderr)
         f.truncate(0)
-        f.write(f"{socket.gethostname()} pid {os.getpid()} since {time.strftime('%Y-%m-%d %H:%M:%S')}")
-        f.flush()
+        with _writing(path):  # unbuffered: a full disk fails here, not again when the file closes
+            os.write(f.fileno(), f"{socket.gethostname()} pid {os.getpid()} since {time.strftime('%Y-%m-%d %H:%M:%S')}"
+                     .encode())
         try:
             yield
         finally:
@@ -133,6 +136,8 @@ def train(config: ml_collections.ConfigDict) -> dict:
         # One writer: process 0 holds the lock and writes the run's files; every process reads.
         with workdir_lock(workdir) if jax.process_index() == 0 else contextlib.nullcontext():
             return _train(config, workdir, evaluators)
+    except _WriteFailed as e:  # before the first step: nothing trained, nothing to save
+        raise TrainingError(_write_failure(e, files.join(workdir, "checkpoints"))) from e
     except BaseException:
         if created and jax.process_index() == 0:
             _remove_if_unused(workdir)
@@ -169,7 +174,8 @@ def _train(config, workdir, evaluators) -> dict:
             f"{workdir} holds the checkpoints of a different model ({change}); nothing was changed. Give this "
             f"run another --config.workdir, or start it from that run's parameters with --config.init_from={workdir}")
     if primary:
-        set_aside_partial_saves(ckpt_dir, aside)
+        with _writing(f"{aside} (where unfinished saves are set aside)"):
+            set_aside_partial_saves(ckpt_dir, aside)
     distributed.barrier("partial saves set aside")
     mesh, batch_sharding = mesh_and_batch(config)  # before data: a mesh that does not fit fails at once
     tokenizer = pipeline.tokenizer(config.data)
@@ -209,9 +215,12 @@ def _train(config, workdir, evaluators) -> dict:
         step0 = 0
         state = init_state(config, tokenizer.vocab_size, mesh)[4]
     metrics_path = files.join(workdir, "metrics.jsonl")
+    saves = _Saves(manager)
     if primary:
-        cut_metrics(metrics_path, step0)
-        files.write_text(files.join(workdir, "config.json"), config.to_json_best_effort(indent=2))
+        with _writing(metrics_path):
+            cut_metrics(metrics_path, step0)
+        with _writing(files.join(workdir, "config.json")):
+            files.write_text(files.join(workdir, "config.json"), config.to_json_best_effort(indent=2))
 
     # A signal stops the run at the next step boundary with a checkpoint. Several processes
     # agree on that step through JAX's preemption sync, which hears SIGTERM: SIGINT is relayed to it.
@@ -221,7 +230,6 @@ def _train(config, workdir, evaluators) -> dict:
     steps = config.train.steps
     tokens_per_step = config.batch_size * config.seq_len
     progress = _progress(step0, steps, files.path(workdir).name)
-    last_good = manager.latest_step()  # the newest checkpoint in line with the run (`in_line`)
     t_log, n_log, history, best = time.perf_counter(), 0, [], None
 
     def finish(step, metrics, params=None):
@@ -231,7 +239,7 @@ def _train(config, workdir, evaluators) -> dict:
         loss = float(metrics["loss"])
         what = blow_up(loss, bool(metrics["params_finite"]), history, config.train.explode_factor)
         if what:
-            raise TrainingError(f"{what} at step {step}. " + _diverged(last_good, manager, workdir, primary))
+            raise TrainingError(f"{what} at step {step}. " + _diverged(saves, workdir, primary))
         history.append(loss)
         median = statistics.median(history[-EXPLODE_WINDOW:])
         best = median if best is None else min(best, median)
@@ -251,12 +259,16 @@ def _train(config, workdir, evaluators) -> dict:
                                           write=jax.process_index() == 0))
             if primary:
                 with _writing(metrics_path):
-                    _log(metrics_path, writer, record)
+                    files.append_lines(metrics_path, [json.dumps(record) + "\n"])
+                with _writing(f"the TensorBoard events in {files.join(workdir, 'tensorboard')}"):
+                    _tensorboard(writer, record)
                 progress.tokens_per_s = record["tokens_per_s"]
                 progress.log(record)
             t_log, n_log = time.perf_counter(), 0
 
     pending = None  # (step, metrics) of the step dispatched last, metrics not read yet
+    background = _BackgroundOutput(files.join(workdir, "errors.log"))  # after tqdm took the terminal
+    ended = False
     try:
         for step in range(step0 + 1, steps + 1):
             batch = {k: jax.make_array_from_process_local_data(batch_sharding, np.asarray(v))
@@ -280,10 +292,12 @@ def _train(config, workdir, evaluators) -> dict:
                 what = blow_up(after, True, history, config.train.explode_factor)
                 if what:
                     raise TrainingError(f"{what} with the parameters of step {step} (on its batch). "
-                                        + _diverged(last_good, manager, workdir, primary))
+                                        + _diverged(saves, workdir, primary))
                 # Good: the step's loss, its parameters' loss and the recent median all in line.
                 level = max(after, history[-1], statistics.median(history[-RECENT:]))
                 good = in_line(level, best, config.train.explode_factor)
+                saves.confirm()
+                last_good = saves.good
                 newer = [s for s in manager.all_steps() if last_good is None or s > last_good]
                 # An out-of-line state is kept unless it would push the newest good one out of
                 # train.keep_checkpoints (a stop or the last step is always kept).
@@ -293,11 +307,7 @@ def _train(config, workdir, evaluators) -> dict:
                         print(f"warning: step {step}'s loss {level:.4g} is out of line with the run (over "
                               f"{IN_LINE:g} x its lowest running median, {best:.4g}); saved, but step {last_good} "
                               f"stays the last good checkpoint", file=sys.stderr)
-                    with _writing(f"checkpoint {step} in {manager.directory}"):
-                        save(manager, state, loader_state(loader),
-                             {"step": step, "loss": history[-1], "identity": identity(config)})
-                    if good:
-                        last_good = step
+                    saves.save(state, loader, {"step": step, "loss": history[-1], "identity": identity(config)}, good)
                 else:
                     print(f"warning: step {step} not saved: its loss {level:.4g} is out of line with the run "
                           f"(over {IN_LINE:g} x its lowest running median, {best:.4g}), and keeping it would "
@@ -305,17 +315,22 @@ def _train(config, workdir, evaluators) -> dict:
                           f"{config.train.keep_checkpoints})", file=sys.stderr)
             if stop.signal:
                 break
-        with _writing(f"checkpoint {manager.latest_step()} in {manager.directory}"):
-            manager.wait_until_finished()  # the last asynchronous save
+        saves.confirm()  # the last asynchronous save
+        ended = True
     except _WriteFailed as e:
-        raise TrainingError(_write_failure(e, state, loader, last_good, manager)) from e
+        raise TrainingError(_write_failure(e, manager.directory, state, loader) + background.where()) from e
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
         progress.close()
-        if writer:
-            writer.close()
-        manager.close()
+        # After a failure, closing (which flushes to the same full disk) must not hide its line,
+        # and what it reports goes to the log.
+        background.everything = not ended
+        with contextlib.suppress(Exception) if not ended else contextlib.nullcontext():
+            if writer:
+                writer.close()
+            manager.close()
+        background.close(keep_filter=not ended)
     step = int(state["step"])
     return {"workdir": workdir, "step": step, "losses": history,
             "interrupted": stop.signal if step < steps else None}
@@ -338,26 +353,109 @@ def _writing(what: str):
         raise _WriteFailed(what) from e
 
 
-def _write_failure(e: _WriteFailed, state, loader, last_good, manager) -> str:
-    """The one line for a failed write, after an emergency save of the live state into a fresh
-    temporary directory (not the run's checkpoints: the NaN guard has not seen this state)."""
+class _BackgroundOutput:
+    """While training runs, orbax's and asyncio's logs and what threads other than the main one
+    print (orbax's and tensorstore's writers: a failed save prints dozens of tracebacks) go to
+    the file `path` instead of the terminal (to a temporary file where that cannot be written:
+    a full disk)."""
+
+    def __init__(self, path: str):
+        self.path, self.written, self.stream = path, None, sys.stderr
+        self.handler = logging.get_absl_handler()
+        sys.stderr = self
+        self.handler.addFilter(self.filter)
+
+    everything = False  # every thread's output to the file (closing a run that failed)
+
+    def _main(self) -> bool:
+        return threading.current_thread() is threading.main_thread() and not self.everything
+
+    def write(self, text: str) -> int:
+        if self._main():
+            return self.stream.write(text)
+        self._keep(text)
+        return len(text)
+
+    def filter(self, record) -> bool:
+        if self._main() and record.name != "asyncio" and f"{os.sep}orbax{os.sep}" not in record.pathname:
+            return True
+        self._keep(self.handler.format(record) + "\n")
+        return False
+
+    def _keep(self, text: str) -> None:
+        for path in filter(None, (self.written, self.path, os.path.join(tempfile.gettempdir(),
+                                                                         f"errors-{os.getpid()}.log"))):
+            try:
+                files.append_lines(path, [text])
+                self.written = path
+                return
+            except OSError:
+                continue
+
+    def where(self) -> str:
+        return f" (the writers' own messages: {self.written})" if self.written else ""
+
+    def close(self, keep_filter: bool = False) -> None:
+        """Back to the terminal; with `keep_filter` (after a failure) the logs of the writers'
+        futures, which Python reports when it frees them at exit, still go to the file."""
+        sys.stderr, self.everything = self.stream, False
+        if not keep_filter:
+            self.handler.removeFilter(self.filter)
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+
+
+class _Saves:
+    """The run's checkpoints as they are saved. An asynchronous save is confirmed complete
+    before the next one starts (or at the end), so a failed write names its own step; `good` is
+    the newest confirmed checkpoint in line with the run (`in_line`)."""
+
+    def __init__(self, manager):
+        self.manager, self.good, self.pending = manager, manager.latest_step(), None
+
+    def save(self, state, loader, meta: dict, good: bool) -> None:
+        self.confirm()
+        with _writing(f"checkpoint {meta['step']} in {self.manager.directory}"):
+            save(self.manager, state, loader_state(loader), meta)
+        self.pending = (meta["step"], good)
+
+    def confirm(self) -> None:
+        """Wait for the save in flight; _WriteFailed naming it if it failed."""
+        if self.pending is not None:
+            step, good = self.pending
+            self.pending = None
+            with _writing(f"checkpoint {step} in {self.manager.directory}"):
+                self.manager.wait_until_finished()
+            self.good = step if good else self.good
+
+
+
+def _write_failure(e: _WriteFailed, checkpoints: str, state=None, loader=None) -> str:
+    """The one line for a failed write: what failed and why, the newest complete checkpoint in
+    the directory `checkpoints` (a rerun resumes from it), and, given the live `state`, an
+    emergency save of it into a fresh temporary directory (not the run's checkpoints: the NaN
+    guard has not seen this state)."""
     cause = e.__cause__
     why = f"{type(cause).__name__}: {(str(cause).splitlines() or [''])[0][:300]}"
+    newest = max(complete_steps(checkpoints), default=None)
+    resume = (f"the newest complete checkpoint is step {newest} in {checkpoints} (a rerun resumes from it)"
+              if newest is not None else "no checkpoint is complete (a rerun starts from step 0)")
+    line = f"cannot write {e} ({why}). Free space or fix permissions; {resume}"
+    if state is None:
+        return f"{line}; nothing was trained since"
     step = int(state["step"])
-    resume = (f"rerun to continue from step {last_good}" if last_good is not None
-              else "rerun to start again from step 0")
     if jax.process_count() > 1:  # the state is spread over the processes: no one place to save it
-        return f"cannot write {e} ({why}). Free space or fix permissions; {resume}"
+        return f"{line}; steps after it are lost"
     try:
         where = tempfile.mkdtemp(prefix=f"emergency-checkpoint-{step}-")
         emergency = checkpoint_manager(where, keep=1)
         save(emergency, state, loader_state(loader), {"step": step, "loss": float("nan"), "emergency": True})
         emergency.close()
-        saved = (f"the state of step {step} was saved to {where}/{step} (not checked by the NaN guard): move "
-                 f"it into {manager.directory} to continue from it, or {resume}")
+        return (f"{line}; the state of step {step} was saved to {where}/{step} (not checked by the NaN guard): "
+                f"move it into {checkpoints} to continue from it")
     except Exception as e2:  # noqa: BLE001 - nowhere to write: the last checkpoint is what is left
-        saved = f"no emergency save was possible either ({type(e2).__name__}); {resume}"
-    return f"cannot write {e} ({why}). Free space or fix permissions; {saved}"
+        return f"{line}; no emergency save of step {step} was possible either ({type(e2).__name__}: {str(e2)[:100]})"
 
 
 def loader_state(loader) -> dict:
@@ -389,13 +487,15 @@ def cut_metrics(path: str, step: int) -> None:
           f"to {dropped}", file=sys.stderr)
 
 
-def _diverged(last_good, manager, workdir: str, primary: bool) -> str:
+def _diverged(saves: _Saves, workdir: str, primary: bool) -> str:
     """The advice after a divergence: the checkpoints saved after the last good one are moved to
     <workdir>/checkpoints.diverged (nothing deleted), so that a rerun resumes from that one."""
+    manager = saves.manager
     try:
-        manager.wait_until_finished()
-    except Exception:  # noqa: BLE001 - a failed last save: it is not among the checkpoints either
+        saves.confirm()
+    except _WriteFailed:  # a failed last save: it is not among the checkpoints either
         pass
+    last_good = saves.good
     later = sorted(s for s in manager.all_steps() if last_good is None or s > last_good)
     aside = files.join(workdir, "checkpoints.diverged")
     if primary:
@@ -465,8 +565,7 @@ def _validation(config, model) -> dict:
     return {"val_loss": math.log(perplexity_at(config, model, config.seq_len, config.train.eval_tokens))}
 
 
-def _log(path, writer, record):
-    files.append_lines(path, [json.dumps(record) + "\n"])
+def _tensorboard(writer, record):
     for k, v in record.items():
         if k not in ("step", "time"):
             writer.add_scalar(k, v, record["step"])
