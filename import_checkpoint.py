@@ -7,12 +7,15 @@ a run directory, which eval.py, lab.runs.load_run and train.py --config.init_fro
 --source is a local directory with config.json and model.safetensors (or its shards and
 model.safetensors.index.json); its tokenizer is copied, and the run reads text with it.
 Parameters load sharded over the devices (--fsdp, --tensor); bf16 checkpoints stay bf16. The
-work is done by lab/hf.py.
+run is written beside --workdir in a hidden folder and renamed into place once complete: Ctrl-C
+or SIGTERM removes it (exit 130 / 143), and one a killed import left is removed by the next
+import into that workdir. The work is done by lab/hf.py.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import sys
 
 from absl import app, flags
@@ -39,6 +42,7 @@ def require_paths() -> None:
 def main(argv):
     del argv
     cli.quiet()
+    cli.raise_on(signal.SIGTERM)  # the unfinished import is removed, as on Ctrl-C
     cli.run_cli(require_paths)
     summary = cli.run_cli(lambda: import_checkpoint(FLAGS.source, FLAGS.workdir, seq_len=FLAGS.seq_len,
                                                     param_dtype=FLAGS.param_dtype, fsdp=FLAGS.fsdp,

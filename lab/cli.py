@@ -148,17 +148,30 @@ def check_overrides(config_path: str, override_paths) -> None:
             node = node[key]
 
 
+class Interrupted(BaseException):
+    """A signal raised as an exception (`raise_on`), so that cleanup runs as for Ctrl-C."""
+
+
+def raise_on(*signals) -> None:
+    """Make these signals raise Interrupted in the main thread, as SIGINT raises KeyboardInterrupt."""
+    def handler(signum, frame):
+        raise Interrupted(signal.Signals(signum).name)
+    for s in signals:
+        signal.signal(s, handler)
+
+
 def run_cli(fn):
     """Run fn(); expected failures print one readable line and exit non-zero, SIGINT outside
-    training's loop (which checkpoints) exits 130. In a job of several processes every failure
+    training's loop (which checkpoints) exits 130 (a signal given to `raise_on`: 128 + its number). In a job of several processes every failure
     ends this process at once and the others within seconds (`distributed.end`): an error seen
     in a collective is named after the process that failed, an unexpected one has its traceback."""
     try:
         return fn()
     except (TrainingError, DataError, StartupError, ValueError, OSError) as e:  # OSError: a path, and why it failed
         distributed.end(f"error: {e}", 1)
-    except KeyboardInterrupt:
-        distributed.end("interrupted: SIGINT (nothing was written after the newest checkpoint or report)", 130)
+    except (KeyboardInterrupt, Interrupted) as e:
+        name = e.args[0] if isinstance(e, Interrupted) else "SIGINT"
+        distributed.end(f"interrupted: {name}", 128 + signal.Signals[name])
     except jax.errors.JaxRuntimeError as e:
         if not distributed.multi():
             raise

@@ -36,6 +36,7 @@ import math
 import os
 import re
 import shutil
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -107,10 +108,14 @@ def tensor_index(directory: str) -> dict[str, Tensor]:
     model.safetensors.index.json names."""
     index = os.path.join(directory, "model.safetensors.index.json")
     if os.path.isfile(index):
-        with open(index) as f:
-            weight_map = json.load(f)["weight_map"]
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index} has no weight_map (tensor name -> shard file); the file is damaged")
         out = {}
         for file in sorted(set(weight_map.values())):
+            if not os.path.isfile(os.path.join(directory, file)):
+                raise FileNotFoundError(f"{index} names the shard {file}, which is not in {directory} (a download "
+                                        "cut short? fetch every shard the index names)")
             shard = read_safetensors_header(os.path.join(directory, file))
             out.update({name: t for name, t in shard.items() if weight_map.get(name) == file})
         missing = sorted(set(weight_map) - set(out))
@@ -124,14 +129,28 @@ def tensor_index(directory: str) -> dict[str, Tensor]:
                             "safetensors checkpoints are read: save_pretrained(..., safe_serialization=True))")
 
 
+def read_json(path: str) -> dict:
+    """A JSON object from `path`; ValueError naming the file if it is not one."""
+    try:
+        with open(path) as f:
+            out = json.load(f)
+    except ValueError as e:
+        raise ValueError(f"{path} is not valid JSON ({e}); the file is damaged or cut short") from None
+    if not isinstance(out, dict):
+        raise ValueError(f"{path} holds a JSON {type(out).__name__}, not an object; the file is damaged")
+    return out
+
+
 def read_hf_config(directory: str) -> dict:
     path = os.path.join(directory, "config.json")
+    if os.path.isfile(directory):
+        raise NotADirectoryError(f"checkpoint directory {directory} is a file; pass the directory that holds "
+                                 "config.json and the .safetensors files")
     if not os.path.isdir(directory):
         raise FileNotFoundError(f"checkpoint directory {directory} does not exist")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{directory} has no config.json: pass a Hugging Face checkpoint directory")
-    with open(path) as f:
-        return json.load(f)
+    return read_json(path)
 
 
 def rope_options(hf: dict, where: str) -> dict:
@@ -280,6 +299,32 @@ def checkpoint_dtype(tensors: dict[str, Tensor]) -> str:
     return "bfloat16" if dtypes == {np.dtype(jnp.bfloat16)} else "float32"
 
 
+IMPORTING = ".{name}.importing-"  # + the importing process's id: the run being written, beside its workdir
+
+
+def remove_stale_imports(workdir: str) -> None:
+    """Remove the unfinished imports into `workdir` that a killed import left (SIGKILL, a lost
+    machine), each with a note; FileExistsError if an import into it is running."""
+    parent, prefix = os.path.dirname(workdir), IMPORTING.format(name=os.path.basename(workdir))
+    for name in sorted(os.listdir(parent)):
+        if not name.startswith(prefix) or not name[len(prefix):].isdigit():
+            continue
+        pid = int(name[len(prefix):])
+        try:
+            os.kill(pid, 0)
+            alive = pid != os.getpid()
+        except ProcessLookupError:
+            alive = False
+        except PermissionError:  # another user's live process
+            alive = True
+        if alive:
+            raise FileExistsError(f"an import into {workdir} is running (process {pid}, writing "
+                                  f"{os.path.join(parent, name)}); wait for it or stop it")
+        shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
+        print(f"note: removed {os.path.join(parent, name)}, an import into {workdir} that process {pid} did not "
+              "finish", file=sys.stderr)
+
+
 def import_checkpoint(source: str, workdir: str, *, seq_len: int = 0, param_dtype: str = "",
                       fsdp: int = -1, tensor: int = 1) -> dict:
     """Convert the HF checkpoint directory `source` into the run directory `workdir`, which
@@ -311,7 +356,8 @@ def import_checkpoint(source: str, workdir: str, *, seq_len: int = 0, param_dtyp
     params = place_params(tensors, abstract["params"], source, config.model.tie_embeddings)
     step = jax.device_put(jnp.zeros((), jnp.int32), NamedSharding(mesh, P()))
     os.makedirs(os.path.dirname(workdir), exist_ok=True)
-    partial = os.path.join(os.path.dirname(workdir), f".{os.path.basename(workdir)}.importing-{os.getpid()}")
+    remove_stale_imports(workdir)
+    partial = os.path.join(os.path.dirname(workdir), f"{IMPORTING.format(name=os.path.basename(workdir))}{os.getpid()}")
     try:
         os.makedirs(partial)
         manager = checkpoint_manager(os.path.join(partial, "checkpoints"))

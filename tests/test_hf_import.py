@@ -11,6 +11,10 @@ import json
 import math
 import os
 import shutil
+import signal
+import subprocess
+import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -243,6 +247,65 @@ def test_bad_checkpoints_are_named_in_one_line(tmp_path):
     os.makedirs(os.path.join(run, "something"))
     with pytest.raises(FileExistsError, match="exists and is not empty"):
         import_checkpoint(os.path.join(FIXTURES, "llama"), run)
+
+
+def test_damaged_or_misplaced_files_are_named_in_one_line(tmp_path):
+    """A malformed config.json or shard index (was the bare JSON error), a source that is a
+    file (was "does not exist"), a shard the index names but the folder lacks (was the raw
+    "No such file")."""
+    run = str(tmp_path / "run")
+    bad = copy_fixture("llama", tmp_path)
+    (bad / "config.json").write_text('{"model_type": "llama", ')
+    with pytest.raises(ValueError, match=rf"^{bad / 'config.json'} is not valid JSON \(.*\); the file is damaged"):
+        import_checkpoint(str(bad), run)
+    with pytest.raises(NotADirectoryError, match=rf"^checkpoint directory {bad / 'config.json'} is a file; pass the "
+                                                 "directory that holds config.json"):
+        import_checkpoint(str(bad / "config.json"), run)
+    sharded = copy_fixture("llama_linear", tmp_path)
+    index = sharded / "model.safetensors.index.json"
+    shard = sorted(set(json.loads(index.read_text())["weight_map"].values()))[-1]
+    (sharded / shard).unlink()
+    with pytest.raises(FileNotFoundError, match=rf"^{index} names the shard {shard}, which is not in {sharded} "):
+        import_checkpoint(str(sharded), run)
+    index.write_text("[1, 2")
+    with pytest.raises(ValueError, match=rf"^{index} is not valid JSON"):
+        import_checkpoint(str(sharded), run)
+    assert not os.path.exists(run)
+
+
+def slow_import(tmp_path):
+    """import_checkpoint.py of the llama fixture into tmp_path/run, its save held 60 s; returns
+    the process once its unfinished folder is there, and that folder."""
+    proc = subprocess.Popen([sys.executable, "tests/faulty.py", "import_checkpoint", "--fault=slow_save:60",
+                             f"--source={os.path.join(FIXTURES, 'llama')}", f"--workdir={tmp_path / 'run'}"],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    partial = tmp_path / f".run.importing-{proc.pid}"
+    deadline = time.time() + 120
+    while not partial.exists() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.1)
+    assert partial.exists()
+    return proc, partial
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_an_interrupted_import_leaves_nothing_and_says_so_in_one_line(tmp_path, sig):
+    proc, partial = slow_import(tmp_path)
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + sig
+    assert err.strip().splitlines()[-1] == f"interrupted: {signal.Signals(sig).name}" and "Traceback" not in err
+    assert os.listdir(tmp_path) == []
+
+
+def test_an_import_killed_outright_is_cleaned_up_by_the_next(tmp_path, capsys):
+    proc, partial = slow_import(tmp_path)
+    proc.kill()
+    proc.wait()
+    assert partial.exists()
+    import_checkpoint(os.path.join(FIXTURES, "llama"), str(tmp_path / "run"))
+    assert os.listdir(tmp_path) == ["run"]
+    assert capsys.readouterr().err == (f"note: removed {partial}, an import into {tmp_path / 'run'} that process "
+                                       f"{proc.pid} did not finish\n")
 
 
 def test_safetensors_reader(tmp_path):
