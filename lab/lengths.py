@@ -376,27 +376,43 @@ def _scored(results: dict) -> str:
 
 
 def plot(results: dict, path: str) -> None:
+    """Perplexity and its ratio to the training length's against the evaluation length, both
+    on log axes with labelled ticks, the legend beside the plots (not over the curves)."""
     plt = pyplot()
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for name, run in _runs(results, task=False).items():
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+    runs = _runs(results, task=False)
+    for name, run in runs.items():
         x = [r["length"] for r in run["results"]]
         axes[0].plot(x, [r["ppl"] for r in run["results"]], marker="o", label=name)
         if run["results"][0]["ratio"]:
             axes[1].plot(x, [r["ratio"] for r in run["results"]], marker="o", label=name)
-    for ax, label in zip(axes, ("perplexity", "ppl(L) / ppl(train length)")):
+    train_len = next(iter(runs.values()))["train_len"]
+    titles = ("perplexity by evaluation length", f"relative to the training length ({train_len:,}, dashed)")
+    for ax, label, title in zip(axes, ("perplexity", "ppl(L) / ppl(train length)"), titles):
         ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
-        ax.yaxis.set_minor_formatter(matplotlib.ticker.ScalarFormatter())
+        log_ticks(ax)
         ax.set_xlabel("evaluation length (tokens)")
         ax.set_ylabel(label)
-        ax.grid(alpha=0.3)
-        train_len = next(iter(_runs(results, task=False).values()))["train_len"]
+        ax.set_title(title, fontsize=10)
+        ax.grid(alpha=0.3, which="both")
         ax.axvline(train_len, color="gray", ls="--", lw=1)
-    axes[0].legend()
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8, frameon=False)
     fig.tight_layout()
-    files.save_figure(fig, path, dpi=120)
+    files.save_figure(fig, path, dpi=120, bbox_inches="tight")
     plt.close(fig)
+
+
+def log_ticks(ax) -> None:
+    """A log y axis labelled with plain numbers, densely enough to read off a small range
+    (1, 1.25, 1.5, 1.75, 2, ... over less than 4x; 1, 1.5, 2, 3, ... over less than 32x)."""
+    ax.set_yscale("log")
+    low, high = ax.get_ylim()
+    span = high / low
+    subs = (1.0, 1.25, 1.5, 1.75) if span < 4 else (1.0, 1.5) if span < 32 else (1.0,)
+    ax.yaxis.set_major_locator(matplotlib.ticker.LogLocator(base=2, subs=subs))
+    ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda y, _: f"{y:.3g}"))
+    ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
 
 
 def write_report(results: dict, out: str) -> str:

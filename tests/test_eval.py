@@ -18,7 +18,7 @@ from lab.lengths import eval_impl, eval_lengths, evaluate_runs, perplexity, scor
 from lab.probes import near_far_ranges
 from lab.runs import Run, load_run, run_name
 from models.lm import DecoderLM, ModelConfig, token_nll
-from tiny_setup import cli
+from tiny_setup import ROOT, cli
 
 
 @pytest.mark.parametrize("n_tokens,length,stride", [(100, 10, 0), (95, 10, 0), (100, 10, 3), (100, 10, 7),
@@ -111,6 +111,26 @@ def test_evaluate_runs_writes_json_markdown_and_plot(tiny_run, tmp_path):
     assert "| 16 | 32 | 64 | 128 | 256 |" in table
     assert json.load(open(tmp_path / "results.json"))["lengths"] == results["lengths"]
     assert (tmp_path / "results.png").stat().st_size > 10_000
+
+
+def test_the_length_plot_is_readable(monkeypatch):
+    """docs/results/demo.json plotted: titles, the legend beside the plots (outside both axes),
+    the ratio axis labelled at least every 0.25 over its range (was 1.0 and 2.0 only)."""
+    from lab import lengths
+    figures = []
+    monkeypatch.setattr(lengths.files, "save_figure", lambda fig, path, **kw: figures.append(fig))
+    monkeypatch.setattr(lengths.pyplot(), "close", lambda fig: None)
+    lengths.plot(json.load(open(os.path.join(ROOT, "docs", "results", "demo.json"))), "unused.png")
+    fig, = figures
+    fig.canvas.draw()
+    axes = fig.axes
+    assert [ax.get_title() for ax in axes] == ["perplexity by evaluation length",
+                                               "relative to the training length (256, dashed)"]
+    legend = fig.legends[0].get_window_extent()
+    assert all(legend.x0 >= ax.get_window_extent().x1 for ax in axes)
+    low, high = axes[1].get_ylim()
+    labelled = [float(t.get_text()) for t in axes[1].get_yticklabels() if t.get_text() and low <= t.get_position()[1] <= high]
+    assert labelled[0] <= 1.0 and labelled[-1] >= 1.75 and max(np.diff(labelled)) <= 0.25 + 1e-9, labelled
 
 
 def test_load_run_restores_the_trained_parameters(tiny_run, monkeypatch):
