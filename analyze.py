@@ -34,6 +34,7 @@ flags.DEFINE_integer("shift_multiplier", 8, "feature-shift windows are this many
 flags.DEFINE_integer("shift_windows", 8, "windows for the feature shift")
 cli.define_distributed_flags()
 cli.define_scheme_flags()
+cli.define_loading_flags()
 FLAGS = flags.FLAGS
 
 
@@ -46,7 +47,7 @@ def main(argv):
         length=FLAGS.length, windows=FLAGS.windows, gammas=FLAGS.gammas, l_max=FLAGS.l_max,
         perturb_windows=FLAGS.perturb_windows, shift_multiplier=FLAGS.shift_multiplier,
         shift_windows=FLAGS.shift_windows))
-    runs = cli.run_cli(lambda: cli.scheme_runs(FLAGS.workdirs, FLAGS.scheme, FLAGS.scheme_options))
+    runs = cli.run_cli(lambda: cli.scheme_runs(FLAGS.workdirs, FLAGS.scheme, FLAGS.scheme_options, cli.loading()))
     markdown = cli.run_cli(lambda: evaluate("analysis", runs, FLAGS.out, untrained=FLAGS.untrained, **options))
     if jax.process_index() == 0:  # of several processes, process 0 wrote the report
         print(markdown)

@@ -46,6 +46,7 @@ flags.DEFINE_integer("decode_max_length", -1, "retrieval: longest length also sc
                      "(-1: every length, its prefill in pieces of eval.blockwise_from tokens; 0: none)")
 cli.define_distributed_flags()
 cli.define_scheme_flags()
+cli.define_loading_flags()
 FLAGS = flags.FLAGS
 
 
@@ -93,7 +94,7 @@ def main(argv):
     cli.run_cli(lambda: cli.require_workdirs(FLAGS.workdirs))
     cli.run_cli(cli.start_processes)  # several processes: each scores its windows, process 0 writes
     options = cli.run_cli(checked_options)
-    runs = cli.run_cli(lambda: cli.scheme_runs(FLAGS.workdirs, FLAGS.scheme, FLAGS.scheme_options))
+    runs = cli.run_cli(lambda: cli.scheme_runs(FLAGS.workdirs, FLAGS.scheme, FLAGS.scheme_options, cli.loading()))
     for name, option in options.items():
         markdown = cli.run_cli(lambda: evaluate(name, runs, FLAGS.out, **option))
         if jax.process_index() == 0:  # of several processes, process 0 wrote the reports

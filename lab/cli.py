@@ -18,7 +18,7 @@ from ml_collections import config_flags
 from data import DataError
 from lab import distributed
 from lab.distributed import StartupError
-from lab.runs import Run, load_run, with_scheme
+from lab.runs import Pending, with_scheme
 from lab.training import TrainingError
 
 
@@ -90,10 +90,26 @@ def define_scheme_flags() -> None:
                       "(the run's own scheme options are kept unless named)")
 
 
-def scheme_runs(workdirs, scheme: str, option_texts) -> list:
-    """The runs the evaluators take (from --workdirs, --scheme, --scheme_options): `workdirs`, or
-    with a scheme each run loaded and rebuilt under it (`lab.runs.with_scheme`; all of them in
-    memory at once), its options given as name=value texts."""
+def define_loading_flags() -> None:
+    """How eval.py and analyze.py load a run's parameters (`lab.runs.load_run`)."""
+    flags.DEFINE_enum("param_dtype", "", ["", "float32", "bfloat16"], "the parameters in this dtype as they are "
+                      "read (bfloat16: half an fp32 checkpoint's memory; '': as stored)")
+    flags.DEFINE_integer("fsdp", 1, "devices each parameter is split over (-1: all of this job's; the other "
+                         "devices split the batch); 1: a copy on every device")
+    flags.DEFINE_integer("tensor", 1, "devices the heads, MLP and vocabulary are split over")
+
+
+def loading() -> dict:
+    """`lab.runs.load_run`'s options from define_loading_flags' flags."""
+    f = flags.FLAGS
+    return dict(param_dtype=f.param_dtype or None, fsdp=f.fsdp, tensor=f.tensor)
+
+
+def scheme_runs(workdirs, scheme: str, option_texts, load: dict | None = None) -> list:
+    """The runs the evaluators take (from --workdirs, --scheme, --scheme_options): each a
+    `lab.runs.Pending` with the options `load` (`loading()`), or with a scheme each run loaded
+    and rebuilt under it (`lab.runs.with_scheme`; all of them in memory at once), its options
+    given as name=value texts."""
     options = {}
     for text in option_texts:
         name, _, value = text.partition("=")
@@ -106,8 +122,8 @@ def scheme_runs(workdirs, scheme: str, option_texts) -> list:
     if not scheme:
         if options:
             raise ValueError("--scheme_options sets options of --scheme; pass --scheme=<registered scheme> too")
-        return list(workdirs)
-    return [with_scheme(Run(w, *load_run(w)), scheme, options) for w in workdirs]
+        return [Pending(w, **(load or {})) for w in workdirs]
+    return [with_scheme(Pending(w, **(load or {})).load(), scheme, options) for w in workdirs]
 
 
 def start_processes() -> None:

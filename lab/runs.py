@@ -27,11 +27,13 @@ from models.lm import DecoderLM
 matplotlib.use("Agg")  # reports are written to files; no display is needed or wanted
 
 
-def load_run(workdir: str, untrained: bool = False, param_dtype: str | None = None):
+def load_run(workdir: str, untrained: bool = False, param_dtype: str | None = None, fsdp: int = 1, tensor: int = 1):
     """(config, model with the latest complete checkpoint's parameters, step) of a training run;
     with `untrained`, the model as its config initialises it (seed included), step 0.
     `param_dtype` ("bfloat16", "float32"): the parameters cast to it as they are read (half the
-    memory of an fp32 checkpoint in bf16); None: as the checkpoint stores them."""
+    memory of an fp32 checkpoint in bf16); None: as the checkpoint stores them. `fsdp` and
+    `tensor`: the devices the parameters are split over (-1: all; the rest of the devices
+    split the batch), each device reading only its shard; 1 and 1: a copy on every device."""
     path = files.join(workdir, "config.json")
     if not files.path(path).is_file():
         raise FileNotFoundError(f"{workdir!r} is not a training run directory (no config.json); "
@@ -45,7 +47,7 @@ def load_run(workdir: str, untrained: bool = False, param_dtype: str | None = No
     if config.data.get("tokenizer") == "hf" and not files.path(config.data.tokenizer_path).exists() \
             and files.path(own).exists():
         config.data.tokenizer_path = own
-    config.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1))
+    config.mesh = ml_collections.ConfigDict(dict(data=1 if -1 in (fsdp, tensor) else -1, fsdp=fsdp, tensor=tensor))
     vocab = config.model.vocab_size or pipeline.tokenizer(config.data).vocab_size
     if untrained:  # the parameters as the config initialises them (no optimizer state)
         graphdef, params, rest = nnx.split(DecoderLM(model_config(config, vocab), rngs=nnx.Rngs(config.seed)),
@@ -125,13 +127,27 @@ def _shapes(state) -> dict:
             for path, x in jax.tree_util.tree_leaves_with_path(state)}
 
 
+@dataclasses.dataclass(frozen=True)
+class Pending:
+    """A run to be loaded when an evaluator reaches it, with `load_run`'s options."""
+    workdir: str
+    param_dtype: str | None = None
+    fsdp: int = 1
+    tensor: int = 1
+
+    def load(self) -> Run:
+        return Run(self.workdir, *load_run(self.workdir, param_dtype=self.param_dtype, fsdp=self.fsdp,
+                                           tensor=self.tensor))
+
+
 def named_runs(runs, untrained: bool = False):
-    """(name in reports, Run) for each of `runs` (workdirs or Runs), a workdir loaded only when
+    """(name in reports, Run) for each of `runs` (workdirs, Pending or Runs), loaded only when
     it is reached (one model in memory at a time for a caller that loops); with `untrained`,
     then a freshly initialised copy of the first run's model, '<its name> (untrained)'."""
-    workdirs = [r.workdir if isinstance(r, Run) else r for r in runs]
-    for run, workdir in zip(runs, workdirs):
-        yield run_name(workdir, workdirs), run if isinstance(run, Run) else Run(workdir, *load_run(workdir))
+    runs = [Pending(r) if isinstance(r, str) else r for r in runs]
+    workdirs = [r.workdir for r in runs]
+    for run in runs:
+        yield run_name(run.workdir, workdirs), run if isinstance(run, Run) else run.load()
     if untrained:
         yield (f"{run_name(workdirs[0], workdirs)} (untrained)",
                Run(workdirs[0], *load_run(workdirs[0], untrained=True)))

@@ -4,6 +4,8 @@ import importlib
 import json
 import math
 import os
+import subprocess
+import sys
 import time
 
 import jax
@@ -320,6 +322,32 @@ def test_load_run_in_bf16_halves_the_parameters(tiny_run):
     assert sum(y.nbytes for y in b) * 2 == sum(x.nbytes for x in a)
     assert np.isfinite(np.asarray(half(jnp.zeros((1, 4), jnp.int32)), np.float32)).all()
 
+
+
+def test_eval_on_parameters_split_over_devices_scores_like_one_copy(tiny_run):
+    """load_run with fsdp=2, tensor=2 over 4 CPU devices, in bf16: each device holds under half
+    the parameters' bytes, and the lengths evaluator gives the perplexities of a copy per device."""
+    config, _ = tiny_run
+    code = f"""
+import json, jax
+from flax import nnx
+from lab.lengths import evaluate_runs
+from lab.runs import Pending, load_run
+_, model, _ = load_run({config.workdir!r}, param_dtype="bfloat16", fsdp=2, tensor=2)
+leaves = jax.tree.leaves(nnx.state(model, nnx.Param))
+whole = sum(x.nbytes for x in leaves)
+mine = sum(s.data.nbytes for x in leaves for s in x.addressable_shards if s.device == jax.devices()[0])
+ppl = [[r["ppl"] for r in next(iter(evaluate_runs([run], max_multiplier=4, log=lambda *_: None)["runs"].values()))["results"]]
+       for run in (Pending({config.workdir!r}, "bfloat16", 2, 2), Pending({config.workdir!r}, "bfloat16"))]
+print(json.dumps({{"fraction": mine / whole, "ppl": ppl}}))
+"""
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["fraction"] < 0.5
+    split, copy = result["ppl"]
+    np.testing.assert_allclose(split, copy, rtol=1e-4)
 
 
 def test_results_tables_name_a_scheme_with_the_options_a_run_set():

@@ -184,7 +184,7 @@ def test_window_outputs_are_the_models_own(tiny_run):
 
 def test_scheme_flags(tiny_run):
     workdir = tiny_run[0].workdir
-    assert scheme_runs([workdir], "", []) == [workdir]
+    assert [r.workdir for r in scheme_runs([workdir], "", [])] == [workdir]
     run, = scheme_runs([workdir], "rope_lm_infinite", ["global_tokens=4", "scaling=pi", "factor=2.0"])
     assert run.model.blocks[0].attn.scheme == make_scheme("rope_lm_infinite", num_heads=2, head_dim=16, window=32,
                                                           global_tokens=4, scaling="pi", factor=2.0)
