@@ -20,11 +20,15 @@ from absl import app, flags
 
 from lab import cli
 from lab.evaluators import EVALUATORS, evaluate, get_evaluator
-from lab.lengths import checked
+from lab.lengths import checked, plan, plan_report
 from lab.probes import near_far_ranges
 from lab.retrieval import DEPTHS, TASKS, checked_options as retrieval_options
 
 flags.DEFINE_list("workdirs", [], "training run directories to evaluate and compare")
+flags.DEFINE_bool("dry_run", False, "lengths: compile the scoring step at each length from the runs' config.json "
+                  "alone (no weights read) and print each device's memory and which lengths fit")
+flags.DEFINE_string("topology", "", "--dry_run for a TPU topology (v5p:1x1x1, v5e:2x2, ...: the TPU compiler "
+                    "through libtpu) instead of this host's devices")
 flags.DEFINE_string("out", "runs/eval", "where the evaluators' reports go")
 flags.DEFINE_list("evals", [], f"evaluators to run, of: {', '.join(EVALUATORS)} (default: lengths, "
                   "or the probes --probe_length / --near_far name)")
@@ -92,6 +96,11 @@ def main(argv):
     del argv
     cli.quiet()
     cli.run_cli(lambda: cli.require_workdirs(FLAGS.workdirs))
+    if FLAGS.dry_run:  # from the runs' config.json alone: nothing read, nothing run
+        for workdir in FLAGS.workdirs:
+            print(plan_report(cli.run_cli(lambda: plan(workdir, FLAGS.max_multiplier or None, **cli.loading(),
+                                                       topology=FLAGS.topology))))
+        return
     cli.run_cli(cli.start_processes)  # several processes: each scores its windows, process 0 writes
     options = cli.run_cli(checked_options)
     runs = cli.run_cli(lambda: cli.scheme_runs(FLAGS.workdirs, FLAGS.scheme, FLAGS.scheme_options, cli.loading()))

@@ -97,12 +97,14 @@ def define_loading_flags() -> None:
     flags.DEFINE_integer("fsdp", 1, "devices each parameter is split over (-1: all of this job's; the other "
                          "devices split the batch); 1: a copy on every device")
     flags.DEFINE_integer("tensor", 1, "devices the heads, MLP and vocabulary are split over")
+    flags.DEFINE_enum("dtype", "", ["", "float32", "bfloat16"], "the compute dtype to evaluate in ('': the run's "
+                      "model.dtype)")
 
 
 def loading() -> dict:
     """`lab.runs.load_run`'s options from define_loading_flags' flags."""
     f = flags.FLAGS
-    return dict(param_dtype=f.param_dtype or None, fsdp=f.fsdp, tensor=f.tensor)
+    return dict(param_dtype=f.param_dtype or None, fsdp=f.fsdp, tensor=f.tensor, dtype=f.dtype or None)
 
 
 def scheme_runs(workdirs, scheme: str, option_texts, load: dict | None = None) -> list:

@@ -299,6 +299,33 @@ def checkpoint_dtype(tensors: dict[str, Tensor]) -> str:
     return "bfloat16" if dtypes == {np.dtype(jnp.bfloat16)} else "float32"
 
 
+# Published config.json values (Hugging Face hub, 2024-2025) of models people analyse, for dry runs
+# of their shapes without their weights (benchmarks/eval_plans.py) and the config-reading tests.
+_LLAMA3 = {"model_type": "llama", "vocab_size": 128256, "num_key_value_heads": 8, "max_position_embeddings": 131072,
+           "rms_norm_eps": 1e-05, "rope_theta": 500000.0, "torch_dtype": "bfloat16", "hidden_act": "silu"}
+_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192,
+                "rope_type": "llama3"}
+PUBLISHED = {
+    "Llama-3.2-1B": {**_LLAMA3, "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
+                     "num_attention_heads": 32, "head_dim": 64, "tie_word_embeddings": True,
+                     "rope_scaling": {"factor": 32.0, **_LLAMA3_ROPE}},
+    "Llama-3.2-3B": {**_LLAMA3, "hidden_size": 3072, "intermediate_size": 8192, "num_hidden_layers": 28,
+                     "num_attention_heads": 24, "head_dim": 128, "tie_word_embeddings": True,
+                     "rope_scaling": {"factor": 32.0, **_LLAMA3_ROPE}},
+    "Llama-3.1-8B": {**_LLAMA3, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+                     "num_attention_heads": 32, "tie_word_embeddings": False,
+                     "rope_scaling": {"factor": 8.0, **_LLAMA3_ROPE}},
+    "Qwen2.5-7B-YaRN": {"model_type": "qwen2", "vocab_size": 152064, "hidden_size": 3584, "intermediate_size": 18944,
+                        "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
+                        "max_position_embeddings": 32768, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0,
+                        "rope_scaling": {"factor": 4.0, "original_max_position_embeddings": 32768, "type": "yarn"},
+                        "sliding_window": 131072, "use_sliding_window": False, "tie_word_embeddings": False},
+    "Mistral-7B-v0.1": {"model_type": "mistral", "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336,
+                        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+                        "max_position_embeddings": 32768, "rms_norm_eps": 1e-05, "rope_theta": 10000.0,
+                        "sliding_window": 4096, "tie_word_embeddings": False},
+}
+
 IMPORTING = ".{name}.importing-"  # + the importing process's id: the run being written, beside its workdir
 
 

@@ -11,6 +11,7 @@ window scores only the targets no earlier one did; `scoring_plan`). `evaluate_ru
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
@@ -24,7 +25,7 @@ from flax import nnx
 
 from data import tasks
 from lab import distributed, files
-from lab.runs import held_out_documents, held_out_stream, named_runs, pyplot
+from lab.runs import abstract_run, device_memory, held_out_documents, held_out_stream, named_runs, pyplot
 from models.lm import DecoderLM, token_nll
 
 
@@ -55,6 +56,73 @@ def checked_list(field: str, texts, lo, hi=None, *, kind=int, meaning: str = "")
 
 def eval_lengths(train_len: int, multipliers) -> list[int]:
     return sorted({max(1, int(round(m * train_len))) for m in multipliers})
+
+
+def length_multipliers(multipliers, max_multiplier: float | None) -> list:
+    """The evaluation lengths' multiples of the training length: `multipliers` up to
+    `max_multiplier`, doubled on from the largest of them while within it."""
+    multipliers = list(multipliers)
+    if max_multiplier:
+        if max_multiplier < min(multipliers):
+            raise ValueError(f"lengths option max_multiplier={max_multiplier} is below every length multiplier "
+                             f"{sorted(multipliers)}; valid: >= {min(multipliers)}")
+        multipliers = [m for m in multipliers if m <= max_multiplier]
+        m = max(multipliers) * 2
+        while m <= max_multiplier:
+            multipliers.append(m)
+            m *= 2
+    return multipliers
+
+
+def plan(workdir: str, max_multiplier: float | None = None, *, param_dtype: str | None = None, fsdp: int = 1,
+         tensor: int = 1, dtype: str | None = None, topology: str = "") -> dict:
+    """eval.py --dry_run: the lengths evaluator's scoring step (a batch of eval.batch_size
+    windows) compiled at each evaluation length on abstract inputs, from the run's config.json
+    alone (no weights read, nothing allocated), for this host's devices or a TPU `topology`
+    (the TPU compiler through libtpu). Per length, per device: the compiler's memory analysis
+    (arguments: the parameters and the batch; temporaries: the step's activations) and whether
+    the total fits in a device's memory. Lengths as `evaluate_runs` takes them."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    from lab.lowering import memory, target, tpu_hbm_per_device, tpu_topology
+    devices = tpu_topology(topology) if topology else None
+    config, graphdef, rest, params = abstract_run(workdir, param_dtype, fsdp, tensor, devices, dtype)
+    mesh = jax.tree.leaves(params)[0].sharding.mesh
+    capacity = tpu_hbm_per_device(topology, devices) if topology else device_memory()
+    shards = mesh.shape["data"] * mesh.shape["fsdp"]
+    batch = -(-config.eval.batch_size // shards) * shards
+    rows, whole = NamedSharding(mesh, P(("data", "fsdp"))), NamedSharding(mesh, P())
+    state = nnx.merge_state(params, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=whole),
+                                                 rest))
+    key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=whole)
+    out = {"workdir": workdir, "devices": len(mesh.devices.flat), "device_kind": mesh.devices.flat[0].device_kind,
+           "mesh": dict(mesh.shape), "capacity_bytes": capacity, "batch": batch, "dtype": config.model.dtype,
+           "param_dtype": str(jax.tree.leaves(params)[0].dtype),
+           "params": sum(math.prod(x.shape) for x in jax.tree.leaves(params)), "lengths": []}
+    for length in eval_lengths(config.seq_len, length_multipliers(config.eval.multipliers, max_multiplier)):
+        impl = eval_impl(config.model.attention_impl, length, config.eval.blockwise_from)
+        tokens = jax.ShapeDtypeStruct((batch, length + 1), jnp.int32, sharding=rows)
+        first = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=rows)
+        with target("tpu", mesh) if topology else contextlib.nullcontext():
+            mem = memory(_window_nll.lower(graphdef, state, tokens, first, key, impl).compile())
+        fits = None if capacity is None else mem["total_bytes"] <= capacity
+        out["lengths"].append({"length": length, "impl": impl, **mem, "fits": fits})
+    return out
+
+
+def plan_report(p: dict) -> str:
+    """`plan`'s result as a table."""
+    gib = lambda b: f"{b / 2 ** 30:,.2f}"  # noqa: E731
+    capacity = "unknown" if p["capacity_bytes"] is None else f"{gib(p['capacity_bytes'])} GiB"
+    lines = [f"dry run of {p['workdir']}: {p['params']:,} parameters ({p['param_dtype']}, computing in {p['dtype']}) "
+             f"on {p['devices']} x {p['device_kind']} (mesh {p['mesh']}, {capacity} each), batches of {p['batch']} "
+             "windows",
+             "| length | attention | arguments GiB | temporaries GiB | total GiB / device | fits |",
+             "|---|---|---|---|---|---|"]
+    for r in p["lengths"]:
+        fits = "?" if r["fits"] is None else "yes" if r["fits"] else "NO"
+        lines.append(f"| {r['length']:,} | {r['impl']} | {gib(r['argument_bytes'])} | {gib(r['temp_bytes'])} | "
+                     f"{gib(r['total_bytes'])} | {fits} |")
+    return "\n".join(lines)
 
 
 def window_step(length: int, stride: int) -> int:
@@ -201,17 +269,7 @@ def evaluate_runs(runs, *, multipliers=None, max_multiplier=None, tokens=None, s
     lm_runs = [run for _, run in runs if not tasks.is_task(run.config.data)]
     base = (lm_runs or [run for _, run in runs])[0].config
     ev = base.eval
-    multipliers = list(multipliers or ev.multipliers)
-    if max_multiplier:
-        if max_multiplier < min(multipliers):
-            raise ValueError(f"lengths option max_multiplier={max_multiplier} is below every length multiplier "
-                             f"{sorted(multipliers)}; valid: >= {min(multipliers)}")
-        multipliers = [m for m in multipliers if m <= max_multiplier]
-        m = max(multipliers) * 2
-        while m <= max_multiplier:
-            multipliers.append(m)
-            m *= 2
-    lengths = eval_lengths(base.seq_len, multipliers)
+    lengths = eval_lengths(base.seq_len, length_multipliers(multipliers or ev.multipliers, max_multiplier))
     # The same validation for an option passed and for the run's config value.
     tokens = checked("lengths option tokens" if tokens else "eval.tokens", tokens or ev.tokens, 1,
                      meaning="scored tokens per length")

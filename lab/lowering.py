@@ -43,6 +43,16 @@ UNSTABLE_CALLS = (TRITON, *(f"{CUDNN}{name}" for name in (
     "SoftmaxBackwardF8")))
 
 
+def memory(compiled) -> dict:
+    """The compiler's memory analysis of the program each device runs, in bytes."""
+    mem = compiled.memory_analysis()
+    out = {"argument_bytes": mem.argument_size_in_bytes, "output_bytes": mem.output_size_in_bytes,
+           "alias_bytes": mem.alias_size_in_bytes, "temp_bytes": mem.temp_size_in_bytes}
+    # Donated state is aliased to the output: it is counted once.
+    out["total_bytes"] = out["argument_bytes"] + out["output_bytes"] - out["alias_bytes"] + out["temp_bytes"]
+    return out
+
+
 def _chip_info(platform: str, chip: str):
     """The hardware description Pallas would read on `chip` ("H100"; "TPU_V5E", ...)."""
     if platform == "cuda":

@@ -27,13 +27,32 @@ from models.lm import DecoderLM
 matplotlib.use("Agg")  # reports are written to files; no display is needed or wanted
 
 
-def load_run(workdir: str, untrained: bool = False, param_dtype: str | None = None, fsdp: int = 1, tensor: int = 1):
+def load_run(workdir: str, untrained: bool = False, param_dtype: str | None = None, fsdp: int = 1, tensor: int = 1,
+             dtype: str | None = None):
     """(config, model with the latest complete checkpoint's parameters, step) of a training run;
     with `untrained`, the model as its config initialises it (seed included), step 0.
     `param_dtype` ("bfloat16", "float32"): the parameters cast to it as they are read (half the
     memory of an fp32 checkpoint in bf16); None: as the checkpoint stores them. `fsdp` and
     `tensor`: the devices the parameters are split over (-1: all; the rest of the devices
-    split the batch), each device reading only its shard; 1 and 1: a copy on every device."""
+    split the batch), each device reading only its shard; 1 and 1: a copy on every device.
+    `dtype`: the compute dtype (model.dtype) to evaluate in; None: the run's."""
+    if untrained:  # the parameters as the config initialises them (no optimizer state)
+        config = run_config(workdir)
+        vocab = config.model.vocab_size or pipeline.tokenizer(config.data).vocab_size
+        graphdef, params, rest = nnx.split(DecoderLM(model_config(config, vocab), rngs=nnx.Rngs(config.seed)),
+                                           nnx.Param, ...)
+        return config, nnx.merge(graphdef, stored(nnx.to_pure_dict(params), config.train), rest), 0
+    # The model's structure from abstract shapes, then the checkpoint's parameters read into it,
+    # each device reading its shard: about the memory of the weights (no initialisation, no
+    # optimizer state).
+    config, graphdef, rest, abstract = abstract_run(workdir, param_dtype, fsdp, tensor, dtype=dtype)
+    check_fits(workdir, abstract)
+    step, params = load_params(workdir, abstract)
+    return config, nnx.merge(graphdef, params, rest), step
+
+
+def run_config(workdir: str) -> ml_collections.ConfigDict:
+    """A run's config.json, with its tokenizer's path where an imported run now keeps it."""
     path = files.join(workdir, "config.json")
     if not files.path(path).is_file():
         raise FileNotFoundError(f"{workdir!r} is not a training run directory (no config.json); "
@@ -47,23 +66,24 @@ def load_run(workdir: str, untrained: bool = False, param_dtype: str | None = No
     if config.data.get("tokenizer") == "hf" and not files.path(config.data.tokenizer_path).exists() \
             and files.path(own).exists():
         config.data.tokenizer_path = own
+    return config
+
+
+def abstract_run(workdir: str, param_dtype: str | None = None, fsdp: int = 1, tensor: int = 1, devices=None,
+                 dtype: str | None = None):
+    """(config, graphdef, rest, parameters as sharded ShapeDtypeStructs) of a run, from its
+    config.json alone (nothing read, nothing allocated), over `devices` (default: the job's),
+    with `load_run`'s options."""
+    config = run_config(workdir)
     config.mesh = ml_collections.ConfigDict(dict(data=1 if -1 in (fsdp, tensor) else -1, fsdp=fsdp, tensor=tensor))
+    config.model.dtype = dtype or config.model.dtype
     vocab = config.model.vocab_size or pipeline.tokenizer(config.data).vocab_size
-    if untrained:  # the parameters as the config initialises them (no optimizer state)
-        graphdef, params, rest = nnx.split(DecoderLM(model_config(config, vocab), rngs=nnx.Rngs(config.seed)),
-                                           nnx.Param, ...)
-        return config, nnx.merge(graphdef, stored(nnx.to_pure_dict(params), config.train), rest), 0
-    # The model's structure from abstract shapes, then the checkpoint's parameters read into it,
-    # each device reading its shard: about the memory of the weights (no initialisation, no
-    # optimizer state).
-    graphdef, rest, _, _, state = init_state(config, vocab, make_mesh(config), abstract=True)
+    graphdef, rest, _, _, state = init_state(config, vocab, make_mesh(config, devices), abstract=True)
     abstract = state["params"]
     if param_dtype is not None:
         abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.dtype(param_dtype), sharding=x.sharding),
                                 abstract)
-    check_fits(workdir, abstract)
-    step, params = load_params(workdir, abstract)
-    return config, nnx.merge(graphdef, params, rest), step
+    return config, graphdef, rest, abstract
 
 
 def device_memory() -> int | None:
@@ -134,10 +154,11 @@ class Pending:
     param_dtype: str | None = None
     fsdp: int = 1
     tensor: int = 1
+    dtype: str | None = None
 
     def load(self) -> Run:
         return Run(self.workdir, *load_run(self.workdir, param_dtype=self.param_dtype, fsdp=self.fsdp,
-                                           tensor=self.tensor))
+                                           tensor=self.tensor, dtype=self.dtype))
 
 
 def named_runs(runs, untrained: bool = False):

@@ -40,6 +40,7 @@ from lab.checkpoints import (checkpoint_manager, complete_steps, identity, ident
                              restore_latest, save, set_aside, set_aside_partial_saves, stored_identity)
 from lab import distributed, files
 from lab.evaluators import configured, in_training
+from lab.lowering import memory
 from lab.lengths import perplexity_at, task_accuracy_at
 from lab.runs import Run
 from lab.state import (abstract_train_step, check_config, init_state, make_loss, make_train_step, mesh_and_batch,
@@ -48,16 +49,6 @@ from lab.state import (abstract_train_step, check_config, init_state, make_loss,
 
 class TrainingError(Exception):
     """A run that cannot go on; the message says why and where the last good state is."""
-
-
-def memory(compiled) -> dict:
-    """The compiler's memory analysis of the program each device runs, in bytes."""
-    mem = compiled.memory_analysis()
-    out = {"argument_bytes": mem.argument_size_in_bytes, "output_bytes": mem.output_size_in_bytes,
-           "alias_bytes": mem.alias_size_in_bytes, "temp_bytes": mem.temp_size_in_bytes}
-    # Donated state is aliased to the output: it is counted once.
-    out["total_bytes"] = out["argument_bytes"] + out["output_bytes"] - out["alias_bytes"] + out["temp_bytes"]
-    return out
 
 
 def dry_run(config: ml_collections.ConfigDict) -> dict:

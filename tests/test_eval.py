@@ -350,6 +350,27 @@ print(json.dumps({{"fraction": mine / whole, "ppl": ppl}}))
     np.testing.assert_allclose(split, copy, rtol=1e-4)
 
 
+def test_eval_dry_run_plans_every_length_from_the_config_alone(tiny_run, tmp_path, monkeypatch):
+    """eval.py --dry_run on a directory holding only a run's config.json (no checkpoint): the
+    lengths the evaluator would score, each compiled, its memory against the device's; a
+    device too small for a length says NO for it."""
+    import shutil
+    import lab.lengths
+    config, _ = tiny_run
+    shutil.copy(os.path.join(config.workdir, "config.json"), tmp_path / "config.json")
+    p = lab.lengths.plan(str(tmp_path), 8, param_dtype="bfloat16")
+    assert [r["length"] for r in p["lengths"]] == [16, 32, 64, 128, 256]
+    assert [r["impl"] for r in p["lengths"]][-2:] == ["blockwise", "blockwise"]  # blockwise_from 128
+    assert all(r["fits"] and 0 < r["argument_bytes"] < r["total_bytes"] for r in p["lengths"])
+    assert p["param_dtype"] == "bfloat16" and p["params"] > 0
+    monkeypatch.setattr(lab.lengths, "device_memory", lambda: p["lengths"][2]["total_bytes"])
+    assert [r["fits"] for r in lab.lengths.plan(str(tmp_path), 8, param_dtype="bfloat16")["lengths"]] == \
+        [a["total_bytes"] <= p["lengths"][2]["total_bytes"] for a in p["lengths"]]
+    run = cli("eval.py", f"--workdirs={tmp_path}", "--dry_run", "--max_multiplier=2")
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.startswith(f"dry run of {tmp_path}: ") and "| 64 | " in run.stdout and "| yes |" in run.stdout
+
+
 def test_results_tables_name_a_scheme_with_the_options_a_run_set():
     """A yarn run is not labelled plain "rope" in the results tables."""
     from configs.default import get_config

@@ -27,7 +27,7 @@ from configs import default
 from lab.cli import run_cli
 from data import DataError, local_text, pipeline
 from lab import retrieval
-from lab.hf import import_checkpoint, model_fields, caveats, read_safetensors_header, tensor_index, train_flags
+from lab.hf import PUBLISHED, import_checkpoint, model_fields, caveats, read_safetensors_header, tensor_index, train_flags
 from lab.lengths import evaluate_runs
 from lab.runs import held_out_stream, load_run
 from lab.training import TrainingError, train
@@ -161,21 +161,7 @@ def test_frequencies_by_hand():
 
 
 # config.json of published checkpoints, in transformers 4.x's layout (the fields that matter).
-LLAMA31_8B = {"model_type": "llama", "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,
-              "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
-              "max_position_embeddings": 131072, "rms_norm_eps": 1e-05, "rope_theta": 500000.0,
-              "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                               "original_max_position_embeddings": 8192, "rope_type": "llama3"},
-              "tie_word_embeddings": False, "torch_dtype": "bfloat16", "hidden_act": "silu"}
-QWEN25_7B_YARN = {"model_type": "qwen2", "vocab_size": 152064, "hidden_size": 3584, "intermediate_size": 18944,
-                  "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
-                  "max_position_embeddings": 32768, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0,
-                  "rope_scaling": {"factor": 4.0, "original_max_position_embeddings": 32768, "type": "yarn"},
-                  "sliding_window": 131072, "use_sliding_window": False, "tie_word_embeddings": False}
-MISTRAL_7B_V01 = {"model_type": "mistral", "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336,
-                  "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
-                  "max_position_embeddings": 32768, "rms_norm_eps": 1e-05, "rope_theta": 10000.0,
-                  "sliding_window": 4096, "tie_word_embeddings": False}
+LLAMA31_8B, QWEN25_7B_YARN, MISTRAL_7B_V01 = (PUBLISHED[n] for n in ("Llama-3.1-8B", "Qwen2.5-7B-YaRN", "Mistral-7B-v0.1"))
 
 
 def test_published_configs():
