@@ -41,8 +41,7 @@ from ml_collections import config_flags
 import lowering  # beside this file
 from configs.default import get_config
 from lab import cli
-from lab.lowering import tpu_hbm_per_device, tpu_topology
-from lab.training import memory
+from lab.lowering import memory, tpu_hbm_per_device, tpu_topology
 from models.registry import REGISTRY
 
 FLAGS = flags.FLAGS if __name__ == "__main__" else flags.FlagValues()
