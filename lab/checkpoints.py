@@ -48,20 +48,27 @@ def save(manager, state, loader_state: dict, meta: dict) -> None:
 
 
 @jax.jit
-def _sums(tree):
-    def one(x):  # the bits as unsigned integers, summed mod 2^32: exact whatever the order or sharding
-        bits = jax.lax.bitcast_convert_type(x, {4: jnp.uint32, 2: jnp.uint16, 1: jnp.uint8}[x.dtype.itemsize])
-        return jnp.sum(bits.astype(jnp.uint32), dtype=jnp.uint32)
-    return jax.tree.map(one, tree)
+def _bit_sum(x):
+    """The bits of `x` as unsigned integers, summed mod 2^32: exact whatever the order or sharding."""
+    bits = jax.lax.bitcast_convert_type(x, {4: jnp.uint32, 2: jnp.uint16, 1: jnp.uint8}[x.dtype.itemsize])
+    return jnp.sum(bits.astype(jnp.uint32), dtype=jnp.uint32)
+
+
+CHECKSUM_BYTES = 16 * 2 ** 20  # an array is summed in slices of about this many bytes
 
 
 def checksums(tree) -> dict:
     """{array path: [its dtype, the sum of its bits]}, which orbax does not keep: a restore
     compares them, so a flipped bit in a checkpoint's array data is found instead of read as a
-    wrong value."""
-    sums = jax.tree.leaves(jax.device_get(_sums(tree)))  # one transfer for all of them
-    return {jax.tree_util.keystr(path): [str(x.dtype), int(v)]
-            for (path, x), v in zip(jax.tree_util.tree_leaves_with_path(tree), sums)}
+    wrong value. Each array is summed in slices along its first axis (the sum mod 2^32 does not
+    depend on how it is split): XLA on a CPU widens the whole array before summing it, which
+    for every array at once would double the memory of a model being loaded."""
+    out = {}
+    for path, x in jax.tree_util.tree_leaves_with_path(tree):
+        rows = max(1, x.shape[0] * CHECKSUM_BYTES // max(x.nbytes, 1)) if x.ndim else 1
+        parts = [x] if not x.ndim or rows >= x.shape[0] else [x[i:i + rows] for i in range(0, x.shape[0], rows)]
+        out[jax.tree_util.keystr(path)] = [str(x.dtype), sum(int(_bit_sum(p)) for p in parts) % 2 ** 32]
+    return out
 
 
 def _verify(restored_state, meta: dict | None) -> None:
