@@ -275,14 +275,17 @@ def tokenizer_kind(path: str) -> str:
     return "tiktoken" if re.fullmatch(rb"[A-Za-z0-9+/]+=* \d+\r?\n?", head) else "sentencepiece"
 
 
-def _read_json(path: str) -> dict:
+def read_json(path: str, error: type[Exception] = DataError) -> dict:
+    """The JSON object in the file `path`; `error` naming the file where it is not one (damaged,
+    cut short, another kind of JSON)."""
     try:
         with open(path) as f:
             content = json.load(f)
     except ValueError as e:
-        raise DataError(f"{path} is not JSON ({e}); restore it from the checkpoint") from None
+        raise error(f"{path} is not valid JSON ({e}); the file is damaged or cut short: restore it from the "
+                    "checkpoint") from None
     if not isinstance(content, dict):
-        raise DataError(f"{path} holds a JSON {type(content).__name__}, not an object; restore it from the checkpoint")
+        raise error(f"{path} holds a JSON {type(content).__name__}, not an object; restore it from the checkpoint")
     return content
 
 
@@ -341,7 +344,7 @@ class PretrainedTokenizer:
                    else "does not exist")
             raise DataError(f"tokenizer path {path} {why}; give a checkpoint directory that has one, or the file")
         folder = os.path.dirname(self.path)
-        files = {name: _read_json(p) for name in SPECIAL_FILES if os.path.isfile(p := os.path.join(folder, name))}
+        files = {name: read_json(p) for name in SPECIAL_FILES if os.path.isfile(p := os.path.join(folder, name))}
         self.kind = tokenizer_kind(self.path)
         backend = {"tokenizers": _tokenizers_backend, "sentencepiece": _sentencepiece_backend,
                    "tiktoken": _tiktoken_backend}[self.kind](self.path, files)

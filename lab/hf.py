@@ -45,7 +45,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from configs import default
-from data.tokenizers import PretrainedTokenizer, tokenizer_files
+from data.tokenizers import PretrainedTokenizer, read_json, tokenizer_files
 from lab.checkpoints import checkpoint_manager, identity, save
 from lab.state import check_config, init_state, make_mesh
 
@@ -108,7 +108,7 @@ def tensor_index(directory: str) -> dict[str, Tensor]:
     model.safetensors.index.json names."""
     index = os.path.join(directory, "model.safetensors.index.json")
     if os.path.isfile(index):
-        weight_map = read_json(index).get("weight_map")
+        weight_map = read_json(index, ValueError).get("weight_map")
         if not isinstance(weight_map, dict):
             raise ValueError(f"{index} has no weight_map (tensor name -> shard file); the file is damaged")
         out = {}
@@ -129,18 +129,6 @@ def tensor_index(directory: str) -> dict[str, Tensor]:
                             "safetensors checkpoints are read: save_pretrained(..., safe_serialization=True))")
 
 
-def read_json(path: str) -> dict:
-    """A JSON object from `path`; ValueError naming the file if it is not one."""
-    try:
-        with open(path) as f:
-            out = json.load(f)
-    except ValueError as e:
-        raise ValueError(f"{path} is not valid JSON ({e}); the file is damaged or cut short") from None
-    if not isinstance(out, dict):
-        raise ValueError(f"{path} holds a JSON {type(out).__name__}, not an object; the file is damaged")
-    return out
-
-
 def read_hf_config(directory: str) -> dict:
     path = os.path.join(directory, "config.json")
     if os.path.isfile(directory):
@@ -150,7 +138,7 @@ def read_hf_config(directory: str) -> dict:
         raise FileNotFoundError(f"checkpoint directory {directory} does not exist")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{directory} has no config.json: pass a Hugging Face checkpoint directory")
-    return read_json(path)
+    return read_json(path, ValueError)
 
 
 def rope_options(hf: dict, where: str) -> dict:
