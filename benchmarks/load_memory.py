@@ -21,7 +21,7 @@ import os
 import subprocess
 import sys
 
-import ml_dtypes
+import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
@@ -71,7 +71,7 @@ def write_checkpoint(hf: dict, directory: str) -> int:
         for name, shape in shapes.items():
             x = np.ones(shape, np.float32) if name.endswith("norm.weight") else \
                 rng.standard_normal(shape, np.float32) * 0.02
-            f.write(x.astype(ml_dtypes.bfloat16).tobytes())
+            f.write(x.astype(jnp.bfloat16).tobytes())
     return offset
 
 

@@ -25,6 +25,7 @@ from flax import nnx
 
 from data import tasks
 from lab import distributed, files
+from lab.lowering import memory, target, tpu_hbm_per_device, tpu_topology
 from lab.runs import abstract_run, device_memory, held_out_documents, held_out_stream, named_runs, pyplot
 from models.lm import DecoderLM, token_nll
 
@@ -83,7 +84,6 @@ def plan(workdir: str, max_multiplier: float | None = None, *, param_dtype: str 
     (arguments: the parameters and the batch; temporaries: the step's activations) and whether
     the total fits in a device's memory. Lengths as `evaluate_runs` takes them."""
     from jax.sharding import NamedSharding, PartitionSpec as P
-    from lab.lowering import memory, target, tpu_hbm_per_device, tpu_topology
     devices = tpu_topology(topology) if topology else None
     config, graphdef, rest, params = abstract_run(workdir, param_dtype, fsdp, tensor, devices, dtype)
     mesh = jax.tree.leaves(params)[0].sharding.mesh
