@@ -41,9 +41,14 @@ class DecoderLM(nnx.Module):
             return logits * self.cfg.d_model ** -0.5 if self.cfg.scale_tied_logits else logits
         return self.head(x)
 
+    def logits(self, x) -> jax.Array:
+        """The final norm and the head: hidden states [B, T, d_model] -> logits [B, T, vocab] (float32)."""
+        return constrain(self._logits(x).astype(jnp.float32), ("batch", "sequence", "vocab"))
+
     def __call__(self, tokens, *, positions=None, segment_ids=None, impl=None, rng=None,
-                 key_slots=None) -> jax.Array:
-        """tokens [B, T] int -> logits [B, T, vocab] (float32).
+                 key_slots=None, hidden: bool = False) -> jax.Array:
+        """tokens [B, T] int -> logits [B, T, vocab] (float32); with `hidden`, the last block's
+        output [B, T, d_model] instead (for `logits` to take in parts: `token_nll`).
 
         positions: [B, T] int (default 0..T-1), or [B, T, d_c] for multi-axis schemes (ESPR).
 
@@ -71,7 +76,7 @@ class DecoderLM(nnx.Module):
         for i, block in enumerate(self.blocks):
             x = constrain(x, ("batch", "sequence", None))
             x = run(block, x, tokens, positions, segment_ids, _layer_key(rng, i), extra)
-        return constrain(self._logits(x).astype(jnp.float32), ("batch", "sequence", "vocab"))
+        return x if hidden else self.logits(x)
 
     def init_cache(self, batch: int, max_len: int) -> list:
         return [blk.init_cache(batch, max_len) for blk in self.blocks]
@@ -201,20 +206,47 @@ def _generate(graphdef, state, prompt, rng, max_new_tokens, temperature, max_len
     return jnp.concatenate([prompt, tokens.T], axis=1)
 
 
+# Logits of more than this many entries per row ([T, vocab]) are made and scored in chunks of
+# positions: 4,096 x 128,256 in fp32 is 2 GiB a row, most of what evaluating a Llama 3 takes.
+LOGITS_PER_CHUNK = 2 ** 25
+
+
+def logits_chunk(length: int, vocab: int) -> int:
+    """Positions per chunk of `token_nll`'s logits: `length` (no chunks) up to LOGITS_PER_CHUNK
+    entries a row, else halved while it is even and above it."""
+    chunk = length
+    while chunk * vocab > LOGITS_PER_CHUNK and chunk % 2 == 0:
+        chunk //= 2
+    return chunk
+
+
 def token_nll(model: DecoderLM, tokens, *, segment_ids=None, positions=None, impl=None, rng=None,
               key_slots=None):
     """Next-token negative log-likelihood of rows of tokens.
 
     tokens [B, T + 1]: the model reads tokens[:, :-1] and predicts tokens[:, 1:]. Returns
     (nll [B, T] float32, weight [B, T] float32), weight 0 where the target starts another
-    document or is padding (segment id 0). key_slots [B, T]: see DecoderLM.
+    document or is padding (segment id 0). key_slots [B, T]: see DecoderLM. A large vocabulary
+    at a long length is scored in chunks of positions (`logits_chunk`): the same numbers
+    without the whole [B, T, vocab] array at once.
     """
     seg_in = None if segment_ids is None else segment_ids[:, :-1]
     pos_in = None if positions is None else positions[:, :-1]
     extra = {} if key_slots is None else {"key_slots": key_slots}
-    logits = model(tokens[:, :-1], positions=pos_in, segment_ids=seg_in, impl=impl, rng=rng, **extra)
+    x = model(tokens[:, :-1], positions=pos_in, segment_ids=seg_in, impl=impl, rng=rng, hidden=True, **extra)
     targets = tokens[:, 1:]
-    nll = -jnp.take_along_axis(jax.nn.log_softmax(logits), targets[..., None], axis=-1)[..., 0]
+
+    def scored(x, targets):
+        return -jnp.take_along_axis(jax.nn.log_softmax(model.logits(x)), targets[..., None], axis=-1)[..., 0]
+
+    (b, t), chunk = targets.shape, logits_chunk(targets.shape[1], model.cfg.vocab_size)
+    if chunk == t:
+        nll = scored(x, targets)
+    else:  # chunks of positions, each one's logits recomputed in the backward pass
+        parts = jax.lax.map(jax.checkpoint(lambda part: scored(*part)),
+                            (x.reshape(b, t // chunk, chunk, -1).swapaxes(0, 1),
+                             targets.reshape(b, t // chunk, chunk).swapaxes(0, 1)))
+        nll = parts.swapaxes(0, 1).reshape(b, t)
     if segment_ids is None:
         return nll, jnp.ones_like(nll)
     weight = (segment_ids[:, 1:] == segment_ids[:, :-1]) & (segment_ids[:, 1:] != 0)

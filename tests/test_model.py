@@ -119,3 +119,31 @@ def test_bad_model_inputs():
         ModelConfig(d_model=30, num_heads=4)
     with pytest.raises(ValueError, match="unknown model config"):
         ModelConfig.from_dict({"d_modle": 3})
+
+
+def test_a_large_vocabulary_is_scored_in_chunks_of_positions_with_the_same_numbers(monkeypatch):
+    """token_nll past LOGITS_PER_CHUNK logits a row scores chunks of positions (lax.map, each
+    recomputed in the backward pass): the NLL, its weights and every gradient equal the
+    unchunked computation's; the chunk is the length halved while over the bound and even."""
+    import models.lm as lm
+    cfg = ModelConfig(vocab_size=300, d_model=32, num_layers=2, num_heads=2, scheme="rope")
+    model = DecoderLM(cfg, rngs=nnx.Rngs(0))
+    tokens = jax.random.randint(jax.random.key(1), (2, 65), 0, 300)
+    segments = jnp.asarray(np.repeat([[1] * 40 + [2] * 25], 2, 0))
+
+    def run():
+        def loss(m):
+            nll, w = lm.token_nll(m, tokens, segment_ids=segments)
+            return jnp.sum(nll * w), (nll, w)
+        (_, (nll, w)), grads = nnx.value_and_grad(loss, has_aux=True)(model)
+        return nll, w, jax.tree.leaves(nnx.state(grads))
+
+    assert lm.logits_chunk(64, 300) == 64
+    whole = run()
+    monkeypatch.setattr(lm, "LOGITS_PER_CHUNK", 300 * 8)
+    assert lm.logits_chunk(64, 300) == 8 and lm.logits_chunk(63, 300) == 63
+    parts = run()
+    np.testing.assert_allclose(parts[0], whole[0], rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(parts[1], whole[1])
+    for a, b in zip(parts[2], whole[2]):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5 * np.abs(b).max())  # fp32 sums in another order
