@@ -55,8 +55,8 @@ from flax import nnx
 from lab import files
 from lab.distributed import place_windows, to_host
 from lab.lengths import checked, checked_list, eval_impl
-from lab.probes import check_memory
-from lab.runs import held_out_windows, named_runs, pyplot, with_scheme
+from lab.probes import available_memory, check_memory, maps_bytes
+from lab.runs import abstract_run, held_out_windows, named_runs, pyplot, with_scheme
 from models.lm import attention_internals, token_nll
 from positional.probes import logits as lp
 from positional.probes import perturb
@@ -250,8 +250,8 @@ def analyze_runs(runs, *, parts=PARTS, untrained=False, length=0, windows=4, gam
             rec.update(length=length or train_len, windows=windows)
             # Every layer's logits and weights, and the fits' temporaries (peak RSS on CPU, in maps:
             # 17.8 with 2 layers, 22.4 with 4).
-            check_memory(config, "the logit decompositions", rec["length"], windows,
-                         2 * config.model.num_layers + 15, "analyze.py --length or --windows")
+            check_memory(config, "the logit decompositions", rec["length"], windows, decomposition_maps(config),
+                         "analyze.py --length or --windows")
             rec["layers"], maps[name] = decompose(model, held_out_windows(config, windows, rec["length"]),
                                                   train_len)
         if "perturbations" in parts:
@@ -269,6 +269,32 @@ def analyze_runs(runs, *, parts=PARTS, untrained=False, length=0, windows=4, gam
         results["runs"][name] = rec
         log(f"analysed {name} in {rec['seconds']:.0f} s")
     return results, maps
+
+
+def decomposition_maps(config) -> int:
+    """The logit decompositions' peak in attention maps: every layer's logits and weights, and
+    the fits' temporaries (peak RSS on CPU: 17.8 maps with 2 layers, 22.4 with 4)."""
+    return 2 * config.model.num_layers + 15
+
+
+def plan(workdir: str, *, length: int = 0, windows: int = 4, **load) -> str:
+    """analyze.py --dry_run: one line, from a run's config.json alone (nothing read), saying
+    whether the logit decompositions fit in this host's available memory with the parameters
+    (`load`: `lab.runs.load_run`'s options) and, where they do not, the longest length that does."""
+    config, _, _, params = abstract_run(workdir, **load)
+    length = length or config.seq_len
+    weights = sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(params))
+    maps, have = maps_bytes(config, length, windows, decomposition_maps(config)), available_memory()
+    gib = lambda b: f"{b / 2 ** 30:,.1f} GiB"  # noqa: E731
+    head = (f"{workdir}: the logit decompositions at length {length:,} with {windows} windows need about "
+            f"{gib(weights + maps)} ({gib(weights)} of parameters, {gib(maps)} of float32 attention maps) of the "
+            f"{gib(have)} available")
+    if weights + maps <= have:
+        return f"{head}: they fit"
+    longest = [math.isqrt(max(0, have - weights) // maps_bytes(config, 1, w, decomposition_maps(config)))
+               for w in (windows, 1)]
+    return (f"{head}: they do not fit; the longest length that does is {longest[0]:,} with {windows} windows, "
+            f"{longest[1]:,} with 1 (analyze.py --length, --windows)")
 
 
 def flag_options(*, length, windows, gammas, l_max, perturb_windows, shift_multiplier, shift_windows) -> dict:

@@ -44,12 +44,17 @@ def available_memory() -> int:
         return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
+def maps_bytes(config, length: int, windows: int, maps: int) -> int:
+    """Bytes of `maps` float32 attention maps [windows, heads, length, length]."""
+    return maps * windows * config.model.num_heads * length ** 2 * 4
+
+
 def check_memory(config, what: str, length: int, windows: int, maps: int, lower: str) -> None:
     """Refuse `what` (ValueError, one line) where its peak, `maps` float32 attention maps
     [windows, heads, length, length] (measured on CPU: what it keeps for every layer, plus its
     temporaries), exceeds `available_memory()`; `lower` names what to lower."""
     heads = config.model.num_heads
-    need, have = maps * windows * heads * length ** 2 * 4, available_memory()
+    need, have = maps_bytes(config, length, windows, maps), available_memory()
     if need > have:
         raise ValueError(f"{what} at length {length}: about {need / 2**30:,.1f} GiB ({maps} float32 "
                          f"attention maps of {windows} windows x {heads} heads x {length} x {length}), more "

@@ -115,3 +115,30 @@ def test_cli_refuses_a_huge_length_in_seconds(tiny_run, tmp_path):
     assert run.returncode == 1 and "Traceback" not in run.stderr and time.perf_counter() - start < 60
     line = run.stderr.strip().splitlines()[-1]
     assert line.startswith("error: the logit decompositions at length 100000: about ") and "GiB available" in line
+
+
+def test_analyze_dry_run_says_what_the_decompositions_need_and_the_longest_length_that_fits(tiny_run, tmp_path,
+                                                                                             monkeypatch):
+    """analyze.py --dry_run from a directory holding only a run's config.json: parameters plus
+    the decompositions' maps against the memory available; where they do not fit, the longest
+    length that does (it fits, one token more does not)."""
+    import os
+    import shutil
+    import jax
+    from lab import analysis
+    config, _ = tiny_run
+    shutil.copy(os.path.join(config.workdir, "config.json"), tmp_path / "config.json")
+    run = cli("analyze.py", f"--workdirs={tmp_path}", "--dry_run", "--length=64")
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.startswith(f"{tmp_path}: the logit decompositions at length 64 with 4 windows need about ")
+    assert run.stdout.strip().endswith(": they fit")
+    maps = analysis.decomposition_maps(config)
+    weights = 4 * 10 ** 6
+    have = weights + probes.maps_bytes(config, 1000, 4, maps) + 1
+    monkeypatch.setattr(analysis, "available_memory", lambda: have)
+    one_device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    params = {"w": jax.ShapeDtypeStruct((weights,), np.uint8, sharding=one_device)}
+    monkeypatch.setattr(analysis, "abstract_run", lambda *a, **k: (config, None, None, params))
+    line = analysis.plan(str(tmp_path), length=4096)
+    assert "\n" not in line and ": they do not fit; the longest length that does is 1,000 with 4 windows, 2,000 with 1" \
+        in line, line
