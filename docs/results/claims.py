@@ -1,0 +1,137 @@
+"""The claims ledger: each comparison a results page makes over seeds, recomputed from the
+committed per-seed json as a paired 95% t interval with one verdict rule (`lab.stats.verdict`),
+written to docs/results/claims.md. tests/test_claims.py regenerates it and fails where the
+committed file differs.
+
+    python docs/results/claims.py            # rewrites docs/results/claims.md
+
+A claim compares arm A with arm B of one json (docs/results/seeds.py's format: per arm, seeds
+and values [seed, column]) seed by seed, on one measure:
+  ratio  log(ppl at a length / ppl at the training length): how much more A degrades than B
+  ppl    log perplexity at a length
+  acc    accuracy (absolute)
+and states the sign of A - B it claims. Log measures are shown as A / B - 1 (a relative change).
+This first version holds the seed comparisons the pages make in words; paper-against-ours
+rows, the number of evaluation documents per length and a bootstrap over documents are not in
+it yet.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from lab.stats import paired, verdict  # noqa: E402 - after the path
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+# (page and line of the claim, the claim, json, arm A, arm B, measure, column, training length, claimed sign of A - B)
+CLAIMS = [
+    ("accumulated.md:110-113", "learned Q/K/V rotations degrade less than RoPE at 64x", "accumulated_seeds.json",
+     "so2_learned_qkv", "rope", "ratio", 8192, 128, "negative"),
+    ("accumulated.md:114-117", "learned Q/K/V degrade less than learned Q/K at 64x", "accumulated_seeds.json",
+     "so2_learned_qkv", "so2_learned_qk", "ratio", 8192, 128, "negative"),
+    ("accumulated.md:114-117", "learned Q/K/V: lower perplexity than learned Q/K at the training length",
+     "accumulated_seeds.json", "so2_learned_qkv", "so2_learned_qk", "ppl", 128, 128, "negative"),
+    ("accumulated.md:118-120", "random Q/K/V degrade less than random Q/K at 64x (the page: not resolved)",
+     "accumulated_seeds.json", "so2_random_qkv", "so2_random_qk", "ratio", 8192, 128, "negative"),
+    ("accumulated.md:121-123", "RoPE on Q/K/V degrades less than RoPE at 64x (the page: not resolved)",
+     "accumulated_seeds.json", "rope_qkv", "rope", "ratio", 8192, 128, "negative"),
+    ("accumulated.md:124-125", "ALiBi: higher perplexity than RoPE at the training length", "accumulated_seeds.json",
+     "alibi", "rope", "ppl", 128, 128, "positive"),
+    ("accumulated.md:126-128", "learned Q/K/V + ALiBi: lower perplexity than learned Q/K/V at the training length",
+     "accumulated_seeds.json", "so2_learned_qkv+alibi", "so2_learned_qkv", "ppl", 128, 128, "negative"),
+    ("accumulated.md:126-128", "learned Q/K/V + ALiBi degrade less than learned Q/K/V at 64x",
+     "accumulated_seeds.json", "so2_learned_qkv+alibi", "so2_learned_qkv", "ratio", 8192, 128, "negative"),
+    ("espr.md:225-235", "ESPR degrades less than RoPE at 64x", "espr_lm_seeds.json", "espr", "acc_rope", "ratio",
+     8192, 128, "negative"),
+    ("path.md:101-103", "PaTH-FoX: lower perplexity than FoX at the training length", "path_seeds.json", "path_fox",
+     "fox", "ppl", 128, 128, "negative"),
+    ("path.md:79-81", "PaTH-FoX degrades less than RoPE at 64x", "path_seeds.json", "path_fox", "rope", "ratio",
+     8192, 128, "negative"),
+    ("path.md:79-81", "PaTH degrades less than RoPE at 64x", "path_seeds.json", "path", "rope", "ratio", 8192, 128,
+     "negative"),
+    ("sessa.md:142", "Sessa: higher Diffuse MQAR accuracy than the Transformer", "sessa_mqar_seeds.json", "sessa",
+     "transformer", "acc", "all", None, "positive"),
+    ("sessa.md:137-142", "Sessa: higher Diffuse MQAR accuracy than its no-feedback ablation", "sessa_mqar_seeds.json",
+     "sessa", "sessa_nofb", "acc", "all", None, "positive"),
+    ("sessa.md:527", "LM: the Transformer better than Sessa (the paper's claim; the page: reproduced)",
+     "sessa_lm_seeds.json", "sessa", "transformer", "ppl", 128, None, "positive"),
+    ("sessa.md:529", "LM: removing Sessa's feedback helps (the paper's claim; the page: same shape)",
+     "sessa_lm_seeds.json", "sessa_nofb", "sessa", "ppl", 128, None, "negative"),
+]
+
+
+def per_seed(data: dict, arm: str, measure: str, column, train_len) -> dict[int, float]:
+    """{seed: the measure} of one arm."""
+    rec, columns = data["arms"][arm], [str(c) for c in data["columns"]]
+    values = np.array(rec["values"], float)
+    at = values[:, columns.index(str(column))]
+    if measure == "ratio":
+        at = np.log(at / values[:, columns.index(str(train_len))])
+    elif measure == "ppl":
+        at = np.log(at)
+    return dict(zip(rec["seeds"], at.tolist()))
+
+
+def row(claim) -> dict:
+    where, text, source, a, b, measure, column, train_len, sign = claim
+    with open(os.path.join(HERE, source)) as f:
+        data = json.load(f)
+    x, y = (per_seed(data, arm, measure, column, train_len) for arm in (a, b))
+    seeds = sorted(set(x) & set(y))
+    interval = paired([x[s] for s in seeds], [y[s] for s in seeds])
+    return {"where": where, "claim": text, "source": source, "a": a, "b": b, "measure": measure,
+            "column": column, "seeds": seeds, **interval, "verdict": verdict(interval, sign)}
+
+
+def shown(value: float, measure: str) -> str:
+    if measure == "acc":
+        return f"{value:+.3f}"
+    return f"{100 * (math.exp(value) - 1):+.1f}%" if math.isfinite(value) else ("-inf" if value < 0 else "+inf")
+
+
+def ledger() -> str:
+    rows = [row(c) for c in CLAIMS]
+    lines = [
+        "# Claims ledger: comparisons over seeds, with paired 95% intervals",
+        "",
+        "Generated by `python docs/results/claims.py` from the committed per-seed json; do not edit "
+        "(tests/test_claims.py fails where this file and the script disagree).",
+        "",
+        "Each row pairs arm A and arm B seed by seed. `ratio` is how much more A's perplexity grows from "
+        "the training length to the column than B's (A's ppl(L)/ppl(train) over B's, minus 1); `ppl` is "
+        "A's perplexity over B's at the column, minus 1; `acc` is A's accuracy minus B's. The interval is "
+        "Student's t over the seeds' paired differences (of the logs for ratio and ppl). Verdict: "
+        "**supported** where the interval lies wholly on the side the page claims, **contradicted** where "
+        "wholly on the other, else **not resolved**. With 3 seeds the same sign in every seed happens 25% of "
+        "the time with no effect at all; it is shown, not used.",
+        "",
+        "| page | claim | A vs B | measure at | seeds | A vs B (mean) | 95% interval | p | same sign in every seed "
+        "| verdict |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['where']} | {r['claim']} | {r['a']} vs {r['b']} | {r['measure']} at {r['column']} | "
+            f"{', '.join(map(str, r['seeds']))} | {shown(r['mean'], r['measure'])} | "
+            f"{shown(r['low'], r['measure'])} to {shown(r['high'], r['measure'])} | {r['p']:.3f} | "
+            f"{'yes' if r['same_sign'] else 'no'} | {r['verdict']} |")
+    counts = {v: sum(r["verdict"] == v for r in rows) for v in ("supported", "not resolved", "contradicted")}
+    lines += ["", f"{len(rows)} comparisons: " + ", ".join(f"{n} {v}" for v, n in counts.items()) + ".", ""]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    with open(os.path.join(HERE, "claims.md"), "w") as f:
+        f.write(ledger())
+    print(ledger())
+
+
+if __name__ == "__main__":
+    main()
