@@ -17,6 +17,7 @@ import fcntl
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import socket
@@ -429,6 +430,10 @@ def _write_failure(e: _WriteFailed, checkpoints: str, state=None, loader=None) -
     guard has not seen this state)."""
     cause = e.__cause__
     why = f"{type(cause).__name__}: {(str(cause).splitlines() or [''])[0][:300]}"
+    # The operating system's reason, which a long message (orbax's paths) would cut off.
+    code = getattr(cause, "errno", None) or next(map(int, re.findall(r"os_error_code='(\d+)'", str(cause))), None)
+    if code and os.strerror(code) not in why:
+        why += f"; {os.strerror(code)}"
     newest = max(complete_steps(checkpoints), default=None)
     resume = (f"the newest complete checkpoint is step {newest} in {checkpoints} (a rerun resumes from it)"
               if newest is not None else "no checkpoint is complete (a rerun starts from step 0)")
