@@ -13,7 +13,7 @@ against theirs) does not fit in what is left of --budget_s is skipped and named:
      per row; it passes within twice the error of the reference itself on the bf16 inputs
      (at least 5e-3). cuDNN plain, packed, packed over its segment maximum (the overflow branch), the
      per-key bias channels (FoX with its gates, ALiBi), auto for fox+packed rows, the fused
-     hook kernel (KERPLE, TAPA), PaTH-FoX's kernel, the Sessa feedback solve.
+     hook kernel (KERPLE, TAPA), PaTH-FoX's kernel, the Sessa feedback solve (run last: `LAST`).
   2. attention: forward + backward of one call, 1 x 16 heads x 128 bf16, 4 packed documents
      per row, at 8,192 then 32,768 tokens: each scheme's auto path against cuDNN plain causal
      softmax without packing (the ceiling); then cuDNN plain at the head dims the bias channels
@@ -21,7 +21,8 @@ against theirs) does not fit in what is left of --budget_s is skipped and named:
   3. train: tokens/s of the train step (lab.state.make_train_step, as train.py builds it;
      configs/default.py, 4 rows of 8,192, bf16, 4 documents per row), auto against blockwise,
      for rope, alibi, fox, tapa and path_fox.
-Timings: benchmarks/attention.py's (compiled once, one warm call, the median of --repeats
+The json is rewritten after every item (and names the item in flight), so a run the device call
+cuts off keeps what it measured. Timings: benchmarks/attention.py's (compiled once, one warm call, the median of --repeats
 synchronised calls; XLA's temporary memory beside). It prints a
 table per section and writes one json (device, JAX version, commit, every row, what was
 skipped). Off a GPU, cuDNN's rows say why they cannot run and the Pallas kernels interpret.
@@ -62,6 +63,9 @@ flags.DEFINE_integer("repeats", 10, "timed calls per case (the median is reporte
 # reference's own on the same bf16 inputs (or FLOOR): the rounding of bf16, not a wrong mask or tile.
 SLACK, FLOOR = 2.0, 5e-3
 TRAIN_SCHEMES = ("rope", "alibi", "fox", "tapa", "path_fox")
+# Run after everything else: on an H200 (jax 0.11.2, 2026-11-27) the Sessa solve's Triton
+# compile ran past 5 minutes and the device call's limit took every later item with it.
+LAST = ("pallas Sessa solve",)
 ATTENTION_SCHEMES = ("rope", "alibi", "fox", "rope+fox", "so2_learned_qkv+alibi", "tapa", "kerple_log", "path_fox")
 
 
@@ -222,6 +226,8 @@ def plan(tiny: bool) -> list[tuple[str, str, float, object]]:
     items = [("checks", name, 20 if "PaTH" in name else 10,
               lambda c=case, n=name: run_check(n, *c, s["check"]))
              for name, case in check_cases(*s["check"]).items()]
+    last = [x for x in items if x[1] in LAST]
+    items = [x for x in items if x[1] not in LAST]
     first, *longer = s["lengths"]
 
     def attention_items(t):
@@ -237,18 +243,26 @@ def plan(tiny: bool) -> list[tuple[str, str, float, object]]:
     dims = [("attention", f"ceiling at head dim {d}", 10,
              lambda d=d: run_attention("ceiling", first, s["heads"], d, reps)) for d in s["dims"]]
     return (items + attention_items(first) + train_items(s["train"][:3]) + dims
-            + [x for t in longer for x in attention_items(t)] + train_items(s["train"][3:]))
+            + [x for t in longer for x in attention_items(t)] + train_items(s["train"][3:]) + last)
 
 
-def run(budget_s: float, tiny: bool) -> dict:
+def run(budget_s: float, tiny: bool, path: str = "") -> dict:
+    """Every item that fits, in order; the json at `path` is rewritten after each (a run cut off keeps its rows)."""
     start = time.perf_counter()
     rows, skipped, spent, guessed = [], [], 0.0, 0.0
+
+    def result():
+        return {"device": jax.devices()[0].device_kind, "platform": jax.default_backend(), "jax": jax.__version__,
+                "commit": commit(), "tiny": tiny, "budget_s": budget_s,
+                "elapsed_s": round(time.perf_counter() - start, 1), "rows": rows, "skipped": skipped}
+
     for section, item, estimate, fn in plan(tiny):
         scale = min(max(spent / guessed, 0.5), 3.0) if guessed else 1.0
         left = budget_s - (time.perf_counter() - start)
         if estimate * scale > left:
             skipped.append(f"{section}: {item} (about {estimate * scale:.0f} s, {left:.0f} s left)")
             continue
+        save({**result(), "in_flight": f"{section}: {item}"}, path)  # a run cut off says where
         t0 = time.perf_counter()
         try:
             row = fn()
@@ -259,9 +273,16 @@ def run(budget_s: float, tiny: bool) -> dict:
         rows.append({"section": section, "item": item, "seconds": round(took, 1), **row})
         print(f"[{time.perf_counter() - start:5.0f} s] {section}: {item}: "
               f"{row.get('failed') or {k: v for k, v in row.items() if k not in ('case', 'scheme')}}", flush=True)
-    return {"device": jax.devices()[0].device_kind, "platform": jax.default_backend(), "jax": jax.__version__,
-            "commit": commit(), "tiny": tiny, "budget_s": budget_s, "elapsed_s": round(time.perf_counter() - start, 1),
-            "rows": rows, "skipped": skipped}
+        save(result(), path)
+    return result()
+
+
+def save(result: dict, path: str) -> None:
+    if path:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        with open(path + ".part", "w") as f:
+            json.dump(result, f, indent=1)
+        os.replace(path + ".part", path)
 
 
 def commit() -> str:
@@ -310,13 +331,11 @@ def tables(result: dict) -> str:
 
 
 def benchmark() -> dict:
-    result = run(FLAGS.budget_s, FLAGS.tiny)
-    print("\n" + tables(result))
     path = FLAGS.json or (os.path.join(os.environ["OUT"], "gpu_check.json") if os.environ.get("OUT") else "")
+    result = run(FLAGS.budget_s, FLAGS.tiny, path)
+    print("\n" + tables(result))
     if path:
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        with open(path, "w") as f:
-            json.dump(result, f, indent=1)
+        save(result, path)
         print(f"wrote {path}")
     return result
 

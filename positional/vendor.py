@@ -12,7 +12,7 @@ platform being lowered for.
 Per-key biases through q.k (`key_bias_channels`)
   In a causal softmax row a bias c_i + e_j loses c_i (a constant of the row), so the logit is
   scale * q.k + e_j: each key gets CHANNELS more head dims holding e_j / scale split into bf16
-  hi + mid + lo (about fp32's 24 bits; one bf16 number is not enough), each query ones in the
+  hi + mid + lo (fp32's 24 bits, `split_float`; one bf16 number is not enough), each query ones in the
   channels of its own head (CHANNELS per query head sharing a key head under GQA), the kernel's
   fp32 accumulation adds them, and autodiff gives e's gradient through the key's hi channel.
   e is rebased per document (e_j minus e at the first key of j's document: a constant of every
@@ -73,6 +73,7 @@ import numpy as np
 from jax._src.cudnn import fused_attention_stablehlo
 from jax.experimental.pallas.ops.tpu import splash_attention as splash
 
+from positional.angles import split_bits
 from positional.kernels import per_platform
 from positional.logits import Bias
 from positional.softmax import BiasFn, ScoreFn, check_shapes, segment_starts
@@ -141,6 +142,15 @@ def widened_head_dim(q, k, bias_fn, multiple: int) -> int:
     return -(-(q.shape[-1] + CHANNELS * (q.shape[2] // k.shape[2])) // multiple) * multiple
 
 
+def split_float(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """fp32 x as three numbers of `dtype` (bf16 or fp16) whose sum is x to fp32's 24 bits
+    (`split_bits` twice); the gradient flows through the first (d hi / d x = 1)."""
+    bits = jnp.finfo(dtype).nmant + 1
+    hi, rest = split_bits(x, bits)
+    mid, lo = split_bits(jax.lax.stop_gradient(rest), bits)
+    return (x + jax.lax.stop_gradient(hi - x)).astype(dtype), mid.astype(dtype), lo.astype(dtype)
+
+
 def key_bias_channels(q, k, bias: Bias, *, segment_ids=None, scale: float, multiple: int):
     """(q', k') with q' . k' * scale = q . k * scale + e_j (bias's per-key term, rebased per
     document), in head dims padded to `multiple` (the module doc)."""
@@ -153,10 +163,7 @@ def key_bias_channels(q, k, bias: Bias, *, segment_ids=None, scale: float, multi
         first = jax.lax.cummax(jnp.where(segment_starts(segment_ids), jnp.arange(s), 0), axis=1)
     term = term - jnp.take_along_axis(term, jnp.broadcast_to(first[:, None], term.shape), axis=2)
     x = (term / scale).reshape(b, kh, g, s).transpose(0, 3, 1, 2)  # [B, S, K, G]
-    hi = x.astype(k.dtype)  # the gradient flows through hi alone (d hi / d x = 1)
-    rest = jax.lax.stop_gradient(x - hi.astype(jnp.float32))
-    mid = rest.astype(k.dtype)
-    lo = (rest - mid.astype(jnp.float32)).astype(k.dtype)
+    hi, mid, lo = split_float(x, k.dtype)
     width = widened_head_dim(q, k, bias, multiple)
     pad = width - d - CHANNELS * g
     kc = jnp.stack([hi, mid, lo], axis=-1).reshape(b, s, kh, CHANNELS * g)

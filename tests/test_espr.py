@@ -268,6 +268,20 @@ def test_angles_stay_accurate_far_from_the_origin():
     assert err.max() < 1e-6
 
 
+def test_split_bits_is_exact_and_its_half_products_are_exact():
+    """x = hi + lo exactly, hi with at most 12 significant bits, and the products of 12-bit halves
+    exact in fp32: so a fused multiply-add (XLA on GPU forms them) cannot change the angles."""
+    from positional.angles import split_bits
+    rng = np.random.default_rng(0)
+    a, b = (jnp.asarray(rng.uniform(-1, 1, 4096) * 10.0 ** rng.integers(-4, 6, 4096), jnp.float32) for _ in "ab")
+    (ah, al), (bh, bl) = split_bits(a, 12), split_bits(b, 12)
+    assert np.array_equal(np.asarray(ah + al), np.asarray(a))
+    mantissa, _ = np.frexp(np.asarray(ah, np.float64))
+    assert np.all(mantissa * 2 ** 12 == np.round(mantissa * 2 ** 12))  # 12 significant bits at most
+    for x, y in [(ah, bh), (ah, bl), (al, bh), (al, bl)]:
+        assert np.array_equal(np.asarray(x * y, np.float64), np.asarray(x, np.float64) * np.asarray(y, np.float64))
+
+
 def test_bad_input_is_a_clear_error():
     scheme = espr.Espr(num_heads=1, head_dim=D, num_axes=2)
     feats = espr_features(np.eye(D), np.eye(D), espr.axial_beta(D // 2, 2), D // 2)
