@@ -262,7 +262,8 @@ def run(budget_s: float, tiny: bool, path: str = "") -> dict:
         if estimate * scale > left:
             skipped.append(f"{section}: {item} (about {estimate * scale:.0f} s, {left:.0f} s left)")
             continue
-        save({**result(), "in_flight": f"{section}: {item}"}, path)  # a run cut off says where
+        if path:  # a run cut off says where
+            save({**result(), "in_flight": f"{section}: {item}"}, path)
         t0 = time.perf_counter()
         try:
             row = fn()
@@ -273,16 +274,16 @@ def run(budget_s: float, tiny: bool, path: str = "") -> dict:
         rows.append({"section": section, "item": item, "seconds": round(took, 1), **row})
         print(f"[{time.perf_counter() - start:5.0f} s] {section}: {item}: "
               f"{row.get('failed') or {k: v for k, v in row.items() if k not in ('case', 'scheme')}}", flush=True)
-        save(result(), path)
+        if path:
+            save(result(), path)
     return result()
 
 
 def save(result: dict, path: str) -> None:
-    if path:
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        with open(path + ".part", "w") as f:
-            json.dump(result, f, indent=1)
-        os.replace(path + ".part", path)
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path + ".part", "w") as f:
+        json.dump(result, f, indent=1)
+    os.replace(path + ".part", path)
 
 
 def commit() -> str:
