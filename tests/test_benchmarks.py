@@ -236,6 +236,24 @@ def test_gpu_check_skips_what_does_not_fit(monkeypatch):
     assert result["skipped"] == ["attention: b (about 500 s, 50 s left)"]
 
 
+def test_gpu_check_cut_off_keeps_its_rows(monkeypatch, tmp_path):
+    """A run killed inside an item (the device call's limit) leaves the json with every finished
+    row and the item it was in."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    gpu_check = load("gpu_check")
+
+    def killed():
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(gpu_check, "plan", lambda tiny: [
+        ("checks", "a", 1, lambda: {"x": 1}), ("checks", "b", 1, killed), ("train", "c", 1, lambda: {"x": 3})])
+    path = tmp_path / "out" / "gpu_check.json"
+    with pytest.raises(KeyboardInterrupt):
+        gpu_check.run(100, tiny=True, path=str(path))
+    saved = json.loads(path.read_text())
+    assert [r["item"] for r in saved["rows"]] == ["a"] and saved["in_flight"] == "checks: b"
+
+
 def test_lowering_check_takes_a_measured_choice_as_intended(capsys, monkeypatch):
     """path_fox on cuda runs its chunked form by a measured fact (positional.attention.FACTS):
     a note and exit 0, not a FAIL (an unintended fallback still fails: the T x T test above)."""
