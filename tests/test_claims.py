@@ -1,7 +1,9 @@
 """The claims ledger (docs/results/claims.py) and its statistics (lab/stats.py)."""
 
+import glob
 import math
 import os
+import re
 
 import numpy as np
 import pytest
@@ -11,13 +13,48 @@ from lab.stats import paired, verdict
 from tiny_setup import ROOT
 
 
-def test_the_committed_ledger_is_what_the_script_writes_from_the_committed_json():
+RESULTS = os.path.join(ROOT, "docs", "results")
+TAG = re.compile(r"\[claim ([a-z0-9-]+): (supported|not resolved|contradicted)\]\((?:docs/results/)?claims\.md\)")
+
+
+def load_claims():
     import importlib.util
-    spec = importlib.util.spec_from_file_location("claims", os.path.join(ROOT, "docs", "results", "claims.py"))
+    spec = importlib.util.spec_from_file_location("claims", os.path.join(RESULTS, "claims.py"))
     claims = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(claims)
-    with open(os.path.join(ROOT, "docs", "results", "claims.md")) as f:
-        assert f.read() == claims.ledger(), "rerun: python docs/results/claims.py"
+    return claims
+
+
+def test_the_committed_ledger_is_what_the_script_writes_from_the_committed_json():
+    with open(os.path.join(RESULTS, "claims.md")) as f:
+        assert f.read() == load_claims().ledger(), "rerun: python docs/results/claims.py"
+
+
+def test_every_page_states_the_ledgers_verdicts():
+    """Each ledger claim is tagged on its page with the ledger's verdict, every tag on a results
+    page or the README names a ledger claim with its verdict, and no page cites the ledger
+    without a tag (a verdict in words alone is not checked)."""
+    claims = load_claims()
+    ledger = {r["id"]: r for r in map(claims.row, claims.CLAIMS)}
+    assert len(ledger) == len(claims.CLAIMS), "claim ids must be unique"
+    pages = sorted(glob.glob(os.path.join(RESULTS, "*.md"))) + [os.path.join(ROOT, "README.md")]
+    tagged = {}
+    for path in pages:
+        name = os.path.basename(path)
+        if name == "claims.md":
+            continue
+        with open(path) as f:
+            text = f.read()
+        for m in TAG.finditer(text):
+            line = text.count("\n", 0, m.start()) + 1
+            assert m.group(1) in ledger, f"{name}:{line}: no claim {m.group(1)!r} in the ledger"
+            want = ledger[m.group(1)]["verdict"]
+            assert m.group(2) == want, f"{name}:{line}: claim {m.group(1)} tagged {m.group(2)!r}; the ledger: {want!r}"
+            tagged.setdefault(m.group(1), set()).add(name)
+        bare = TAG.sub("", text).count("claims.md")
+        assert not bare, f"{name}: {bare} mention(s) of claims.md without a [claim <id>: <verdict>](claims.md) tag"
+    for name, r in ledger.items():
+        assert r["page"] in tagged.get(name, set()), f"claim {name} is not tagged on {r['page']}"
 
 
 def test_paired_interval_is_students_t_on_the_differences():

@@ -30,39 +30,41 @@ from lab.stats import paired, verdict  # noqa: E402 - after the path
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
-# (page and line of the claim, the claim, json, arm A, arm B, measure, column, training length, claimed sign of A - B)
+# (page, the claim's id (the page tags it `[claim <id>: <verdict>](claims.md)`), the claim, json, arm A, arm B, measure, column, training length, claimed sign of A - B)
 CLAIMS = [
-    ("accumulated.md:110-113", "learned Q/K/V rotations degrade less than RoPE at 64x", "accumulated_seeds.json",
+    ("accumulated.md", "acc-learned-qkv-rope-64x", "learned Q/K/V rotations degrade less than RoPE at 64x", "accumulated_seeds.json",
      "so2_learned_qkv", "rope", "ratio", 8192, 128, "negative"),
-    ("accumulated.md:114-117", "learned Q/K/V degrade less than learned Q/K at 64x", "accumulated_seeds.json",
+    ("accumulated.md", "acc-learned-qkv-qk-64x", "learned Q/K/V degrade less than learned Q/K at 64x", "accumulated_seeds.json",
      "so2_learned_qkv", "so2_learned_qk", "ratio", 8192, 128, "negative"),
-    ("accumulated.md:114-117", "learned Q/K/V: lower perplexity than learned Q/K at the training length",
+    ("accumulated.md", "acc-learned-qkv-qk-train", "learned Q/K/V: lower perplexity than learned Q/K at the training length",
      "accumulated_seeds.json", "so2_learned_qkv", "so2_learned_qk", "ppl", 128, 128, "negative"),
-    ("accumulated.md:118-120", "random Q/K/V degrade less than random Q/K at 64x (the page: not resolved)",
+    ("accumulated.md", "acc-random-qkv-qk-64x", "random Q/K/V degrade less than random Q/K at 64x (the page: not resolved)",
      "accumulated_seeds.json", "so2_random_qkv", "so2_random_qk", "ratio", 8192, 128, "negative"),
-    ("accumulated.md:121-123", "RoPE on Q/K/V degrades less than RoPE at 64x (the page: not resolved)",
+    ("accumulated.md", "acc-rope-qkv-rope-64x", "RoPE on Q/K/V degrades less than RoPE at 64x (the page: not resolved)",
      "accumulated_seeds.json", "rope_qkv", "rope", "ratio", 8192, 128, "negative"),
-    ("accumulated.md:124-125", "ALiBi: higher perplexity than RoPE at the training length", "accumulated_seeds.json",
+    ("accumulated.md", "acc-alibi-rope-train", "ALiBi: higher perplexity than RoPE at the training length", "accumulated_seeds.json",
      "alibi", "rope", "ppl", 128, 128, "positive"),
-    ("accumulated.md:126-128", "learned Q/K/V + ALiBi: lower perplexity than learned Q/K/V at the training length",
+    ("accumulated.md", "acc-learned-alibi-train", "learned Q/K/V + ALiBi: lower perplexity than learned Q/K/V at the training length",
      "accumulated_seeds.json", "so2_learned_qkv+alibi", "so2_learned_qkv", "ppl", 128, 128, "negative"),
-    ("accumulated.md:126-128", "learned Q/K/V + ALiBi degrade less than learned Q/K/V at 64x",
+    ("accumulated.md", "acc-learned-alibi-64x", "learned Q/K/V + ALiBi degrade less than learned Q/K/V at 64x",
      "accumulated_seeds.json", "so2_learned_qkv+alibi", "so2_learned_qkv", "ratio", 8192, 128, "negative"),
-    ("espr.md:225-235", "ESPR degrades less than RoPE at 64x", "espr_lm_seeds.json", "espr", "acc_rope", "ratio",
+    ("espr.md", "espr-rope-64x", "ESPR degrades less than RoPE at 64x", "espr_lm_seeds.json", "espr", "acc_rope", "ratio",
      8192, 128, "negative"),
-    ("path.md:101-103", "PaTH-FoX: lower perplexity than FoX at the training length", "path_seeds.json", "path_fox",
+    ("path.md", "path-fox-fox-train", "PaTH-FoX: lower perplexity than FoX at the training length", "path_seeds.json", "path_fox",
      "fox", "ppl", 128, 128, "negative"),
-    ("path.md:79-81", "PaTH-FoX degrades less than RoPE at 64x", "path_seeds.json", "path_fox", "rope", "ratio",
+    ("path.md", "path-fox-rope-64x", "PaTH-FoX degrades less than RoPE at 64x", "path_seeds.json", "path_fox", "rope", "ratio",
      8192, 128, "negative"),
-    ("path.md:79-81", "PaTH degrades less than RoPE at 64x", "path_seeds.json", "path", "rope", "ratio", 8192, 128,
+    ("path.md", "path-rope-64x", "PaTH degrades less than RoPE at 64x", "path_seeds.json", "path", "rope", "ratio", 8192, 128,
      "negative"),
-    ("sessa.md:142", "Sessa: higher Diffuse MQAR accuracy than the Transformer", "sessa_mqar_seeds.json", "sessa",
+    ("path.md", "path-so2-rope-64x", "learned SO(2) transport degrades less than RoPE at 64x", "path_seeds.json",
+     "so2_learned_qkv", "rope", "ratio", 8192, 128, "negative"),
+    ("sessa.md", "sessa-mqar-transformer", "Sessa: higher Diffuse MQAR accuracy than the Transformer", "sessa_mqar_seeds.json", "sessa",
      "transformer", "acc", "all", None, "positive"),
-    ("sessa.md:137-142", "Sessa: higher Diffuse MQAR accuracy than its no-feedback ablation", "sessa_mqar_seeds.json",
+    ("sessa.md", "sessa-mqar-nofb", "Sessa: higher Diffuse MQAR accuracy than its no-feedback ablation", "sessa_mqar_seeds.json",
      "sessa", "sessa_nofb", "acc", "all", None, "positive"),
-    ("sessa.md:527", "LM: the Transformer better than Sessa (the paper's claim; the page: reproduced)",
+    ("sessa.md", "sessa-lm-transformer", "LM: the Transformer better than Sessa (the paper's claim; the page: reproduced)",
      "sessa_lm_seeds.json", "sessa", "transformer", "ppl", 128, None, "positive"),
-    ("sessa.md:529", "LM: removing Sessa's feedback helps (the paper's claim; the page: same shape)",
+    ("sessa.md", "sessa-lm-nofb", "LM: removing Sessa's feedback helps (the paper's claim; the page: same shape)",
      "sessa_lm_seeds.json", "sessa_nofb", "sessa", "ppl", 128, None, "negative"),
 ]
 
@@ -80,13 +82,13 @@ def per_seed(data: dict, arm: str, measure: str, column, train_len) -> dict[int,
 
 
 def row(claim) -> dict:
-    where, text, source, a, b, measure, column, train_len, sign = claim
+    page, name, text, source, a, b, measure, column, train_len, sign = claim
     with open(os.path.join(HERE, source)) as f:
         data = json.load(f)
     x, y = (per_seed(data, arm, measure, column, train_len) for arm in (a, b))
     seeds = sorted(set(x) & set(y))
     interval = paired([x[s] for s in seeds], [y[s] for s in seeds])
-    return {"where": where, "claim": text, "source": source, "a": a, "b": b, "measure": measure,
+    return {"page": page, "id": name, "claim": text, "source": source, "a": a, "b": b, "measure": measure,
             "column": column, "seeds": seeds, **interval, "verdict": verdict(interval, sign)}
 
 
@@ -102,7 +104,9 @@ def ledger() -> str:
         "# Claims ledger: comparisons over seeds, with paired 95% intervals",
         "",
         "Generated by `python docs/results/claims.py` from the committed per-seed json; do not edit "
-        "(tests/test_claims.py fails where this file and the script disagree).",
+        "(tests/test_claims.py fails where this file and the script disagree). A page states each verdict "
+        "where it makes the claim as `[claim <id>: <verdict>](claims.md)`, and the test fails where that "
+        "verdict is not this file's.",
         "",
         "Each row pairs arm A and arm B seed by seed. `ratio` is how much more A's perplexity grows from "
         "the training length to the column than B's (A's ppl(L)/ppl(train) over B's, minus 1); `ppl` is "
@@ -112,13 +116,13 @@ def ledger() -> str:
         "wholly on the other, else **not resolved**. With 3 seeds the same sign in every seed happens 25% of "
         "the time with no effect at all; it is shown, not used.",
         "",
-        "| page | claim | A vs B | measure at | seeds | A vs B (mean) | 95% interval | p | same sign in every seed "
+        "| page | id | claim | A vs B | measure at | seeds | A vs B (mean) | 95% interval | p | same sign in every seed "
         "| verdict |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['where']} | {r['claim']} | {r['a']} vs {r['b']} | {r['measure']} at {r['column']} | "
+            f"| {r['page']} | {r['id']} | {r['claim']} | {r['a']} vs {r['b']} | {r['measure']} at {r['column']} | "
             f"{', '.join(map(str, r['seeds']))} | {shown(r['mean'], r['measure'])} | "
             f"{shown(r['low'], r['measure'])} to {shown(r['high'], r['measure'])} | {r['p']:.3f} | "
             f"{'yes' if r['same_sign'] else 'no'} | {r['verdict']} |")
