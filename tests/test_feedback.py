@@ -258,6 +258,29 @@ def test_kernel_compiles_for_tpu(topology):
     assert compiled_for_tpu(grad, qb, qb, gamma, f, seg, topology=topology).as_text().count("tpu_custom_call") >= 5
 
 
+@pytest.mark.parametrize("chip,refused", [("TPU_V4", True), ("TPU_V5E", False)])
+def test_kernel_refuses_in_one_line_what_the_chips_vmem_cannot_keep(chip, refused):
+    """At 32K tokens the solve's resident [T, 128] fp32 (16 MiB) passes a v4's VMEM (16 MiB, less
+    the tiles'): lowering for that chip says so in one line, naming solve='blocked', where the TPU
+    compiler failed (21.63 of 16 MiB used, the compile table); a v5e (128 MiB) takes it."""
+    from lab.lowering import target
+    t = 32768
+    qb = jax.ShapeDtypeStruct((1, t, 128), jnp.bfloat16)
+    gamma = jax.ShapeDtypeStruct((1, t), jnp.float32)
+    f = jax.ShapeDtypeStruct((1, t, 128), jnp.bfloat16)
+    # A function of its own: the chip is read when tracing, which jit caches per function.
+    export = jax.export.export(jax.jit(lambda *a: feedback_solve_pallas(*a)), platforms=["tpu"])
+    with target("tpu", chip=chip):
+        if not refused:
+            assert MOSAIC in export(qb, qb, gamma, f).mlir_module()
+            return
+        with pytest.raises(ValueError) as error:
+            export(qb, qb, gamma, f)
+    line = str(error.value)
+    assert "\n" not in line and "16.1 MiB of VMEM for 32768 tokens" in line and "16 MiB of VMEM" in line
+    assert "solve='blocked'" in line
+
+
 def test_kernel_lowers_for_gpu():
     """Forward (2 kernels) and backward (5) lower to Triton on this CPU, with segment ids; a
     chunk Mosaic refuses (64) fails only the lowering for tpu. Whether the solve kernel, which

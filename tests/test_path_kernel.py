@@ -202,6 +202,23 @@ def test_auto_choices(t, want, caplog):
         "form at 8,192 tokens (NVIDIA H100, 2026-11-24)")
 
 
+@pytest.mark.parametrize("chip,t,kernel", [("TPU_V4", 8192, False), ("TPU_V4", 1024, True),
+                                            ("TPU_V5P", 8192, True), ("TPU_V5E", 8192, True)])
+def test_auto_on_tpu_keeps_the_kernel_within_the_chips_vmem(chip, t, kernel, caplog):
+    """On TPU auto takes the kernel only where its backward's resident VMEM fits the chip being
+    lowered for, less the tiles' headroom: a v4 (16 MiB) compiled it at 8K only to fail (39.6 MiB
+    used, the compile table), so there auto runs blockwise and says why in one line."""
+    from lab.lowering import target
+    scheme = make_scheme("path_fox", num_heads=4, head_dim=64)
+    x = jax.ShapeDtypeStruct((1, t, 4, 64), jnp.bfloat16)
+    with target("tpu", chip=chip), caplog.at_level(logging.DEBUG, logger="positional.attention"):
+        jax.eval_shape(lambda q: scheme.attend(q, q, q, positions=None, impl="auto", key=jax.random.key(0)), x)
+    tpu = next(r for r in caplog.records if getattr(r, "label", None) == "Path" and r.platform == "tpu")
+    assert tpu.impl == ("pallas" if kernel else "blockwise")
+    if not kernel:
+        assert "on a TPU with 16 MiB of VMEM" in tpu.why and "\n" not in tpu.why
+
+
 def test_auto_on_a_sequence_mesh_is_the_ring(monkeypatch, caplog):
     """On a sequence mesh auto is PaTH's ring on every platform (no per-platform choice), and it
     says so for each platform (benchmarks/lowering.py reads these records)."""

@@ -14,6 +14,32 @@ from jax.interpreters import batching, mlir
 
 # platform_dependent's platform names -> the backend names of the tile rules and defaults.
 PLATFORMS = {"cpu": "cpu", "cuda": "gpu", "tpu": "tpu"}
+# TPU: the VMEM a kernel's tiles use beside the buffers it keeps for a whole sequence. Measured
+# by the TPU compiler on a v4 (16 MiB): PaTH's backward at 8K used 3.5 MiB more than its
+# resident buffers, the Sessa solve at 32K 5.6 MiB more (benchmarks/RESULTS.md, the compile table).
+VMEM_HEADROOM = 8 * 2 ** 20
+
+
+def tpu_vmem_bytes() -> int | None:
+    """VMEM per TensorCore of the TPU being lowered for, as Pallas describes it (this process's
+    TPU, or the one `lab.lowering.target` or an abstract mesh names); None where none is known
+    (a host without a TPU, outside those)."""
+    try:
+        from jax._src.pallas.mosaic import tpu_info
+        info = getattr(tpu_info.get_tpu_info, "__wrapped__", tpu_info.get_tpu_info)  # uncached: asked per chip
+        return info().vmem_capacity_bytes
+    except (ImportError, ValueError, AttributeError, RuntimeError):
+        return None
+
+
+def resident_limit(most: int) -> tuple[int, str]:
+    """(the most VMEM a TPU kernel may keep for a whole sequence, how that was decided, for its
+    one-line refusal): `most`, and on a TPU whose VMEM is known, no more than it less VMEM_HEADROOM."""
+    vmem = tpu_vmem_bytes()
+    if vmem is None or vmem - VMEM_HEADROOM >= most:
+        return most, f"at most {most // 2 ** 20} MiB"
+    limit = max(vmem - VMEM_HEADROOM, 0)
+    return limit, f"at most {limit // 2 ** 20} MiB on a TPU with {vmem // 2 ** 20} MiB of VMEM"
 
 
 def check_tile(kernel: str, name: str, size: int, backend: str, interpret: bool) -> None:

@@ -55,13 +55,14 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
-from positional.kernels import check_tile, per_platform
+from positional.kernels import check_tile, per_platform, resident_limit
 from positional.softmax import MASKED
 
 # C when not given: TPU needs lane-sized (128) tiles; 64 keeps GPU tiles in registers.
 DEFAULT_BLOCK = {"gpu": 64, "tpu": 128, "interpret": 64}
 # TPU: the scoped VMEM asked for on top of the resident s (or lambda) of the sequential kernels.
 VMEM_LIMIT = 32 * 2 ** 20
+RESIDENT_MAX = 64 * 2 ** 20  # and no more than the chip's VMEM allows (`resident_limit`)
 
 
 def check_inputs(qb, kb, gamma, f, segment_ids=None) -> None:
@@ -419,6 +420,12 @@ def feedback_solve_pallas(qb, kb, gamma, f, segment_ids=None, *, block: int | No
     def settings(backend: str, interpret: bool) -> _Static:
         c = block or DEFAULT_BLOCK.get("interpret" if interpret else backend, 64)
         check_blocks(c, backend, interpret)
+        if backend == "tpu" and not interpret:  # the sequential kernels keep s (or lambda) in VMEM
+            need = 4 * (-(-qb.shape[1] // c) * c + c) * block_d
+            limit, rule = resident_limit(RESIDENT_MAX)
+            if need > limit:
+                raise ValueError(f"feedback solve kernel: on TPU it would keep {need / 2 ** 20:.1f} MiB of VMEM for "
+                                 f"{qb.shape[1]} tokens ({rule}); use solve='blocked' (plain JAX) for this length")
         return _Static(block=c, block_d=block_d, scale=dk ** -0.5, interpret=interpret, backend=backend)
 
     seg = jnp.zeros(qb.shape[:2], jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)

@@ -40,7 +40,8 @@ running state and the chain live in VMEM scratch. The TPU backward keeps its key
 accumulators and the chain resident in VMEM: 36 MiB at T = 8192 with D <= 128 and c = 128
 (the accumulators twice, as double-buffered output blocks, and the chain), which it asks for
 on top of VMEM_LIMIT: 68 MiB at 8K, within a v5e's, v5p's or v6e's VMEM. Past RESIDENT_MAX
-(about 14K tokens) lowering for TPU is refused (`refusal`; auto runs blockwise there). The GPU
+(about 14K tokens), or past the chip's VMEM less its tiles' (`positional.kernels.resident_limit`:
+on a v4's 16 MiB, about 1.8K tokens), lowering for TPU is refused (`refusal`; auto runs blockwise there). The GPU
 backward reads back, in the same program, chain rows and accumulators it wrote to global
 memory a step before; that relies on Triton giving each load the layout of the store it reads
 (the same shape and slicing). The GPU form has run on an H100 (benchmarks/RESULTS.md): it
@@ -72,7 +73,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as plgpu
 
-from positional.kernels import backward_inputs, check_tile, per_platform
+from positional.kernels import backward_inputs, check_tile, per_platform, resident_limit
 from positional.linalg import unit_lower_inverse
 from positional.logits import Bias
 from positional.softmax import MASKED, check_shapes
@@ -492,7 +493,8 @@ def _resident(t, d, c, n_values) -> int:
 def refusal(bias_fn, k, platform: str, chunk: int | None = None) -> str | None:
     """Why the kernel cannot take keys k [B, T, K, D] and this bias when lowered for `platform`
     ("cpu", "cuda", "tpu"), or None: a bias that is not a `Bias`; on TPU, a sequence whose
-    backward would keep more than RESIDENT_MAX of VMEM (about 14K tokens)."""
+    backward would keep more than RESIDENT_MAX of VMEM (about 14K tokens), or more than the chip's
+    VMEM less the tiles' (`resident_limit`: a v4 has 16 MiB, a v5p 64)."""
     if bias_fn is not None and not isinstance(bias_fn, Bias):
         return (f"bias_fn must be a positional.logits.Bias (a function of per-slot values) to be fused; "
                 f"got {type(bias_fn).__name__}")
@@ -500,9 +502,9 @@ def refusal(bias_fn, k, platform: str, chunk: int | None = None) -> str | None:
         c = chunk or DEFAULT_CHUNK["tpu"]
         need = _resident(-(-k.shape[1] // c) * c, max(16, pl.next_power_of_2(k.shape[3])), c,
                          len(bias_fn.values) if bias_fn is not None else 0)
-        if need > RESIDENT_MAX:
-            return (f"on TPU its backward would keep {need / 2 ** 20:.0f} MiB of VMEM for {k.shape[1]} tokens "
-                    f"(at most {RESIDENT_MAX // 2 ** 20} MiB, about 14K tokens)")
+        limit, rule = resident_limit(RESIDENT_MAX)
+        if need > limit:
+            return f"on TPU its backward would keep {need / 2 ** 20:.0f} MiB of VMEM for {k.shape[1]} tokens ({rule})"
     return None
 
 
