@@ -4,6 +4,7 @@ run's identity, the config fields that shaped its checkpoints."""
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import shutil
@@ -83,30 +84,71 @@ def _verify(restored_state, meta: dict | None) -> None:
                          "changed after it was written")
 
 
+RESTORE_GROUP_BYTES = 256 * 2 ** 20  # a partial restore reads this many bytes of arrays at a time
+
+
+def leaf_groups(tree: dict, most_bytes: int) -> list[dict]:
+    """A nested dict's leaves (arrays or ShapeDtypeStructs) in consecutive groups of at most
+    `most_bytes` (a larger leaf alone), each group as a nested dict holding only its leaves."""
+    groups, size = [{}], 0
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+        nbytes = leaf.size * jnp.dtype(leaf.dtype).itemsize
+        if size and size + nbytes > most_bytes:
+            groups, size = groups + [{}], 0
+        node = groups[-1]
+        for key in path[:-1]:
+            node = node.setdefault(key.key, {})
+        node[path[-1].key] = leaf
+        size += nbytes
+    return groups
+
+
+def merged(a: dict, b: dict) -> dict:
+    """Nested dicts with disjoint leaves as one."""
+    return {**a, **{k: merged(a[k], v) if k in a and isinstance(v, dict) else v for k, v in b.items()}}
+
+
+def release_freed_memory() -> None:
+    """Give the memory the checkpoint reader's threads freed back to the OS (glibc keeps it in
+    per-thread arenas: 0.65 GiB after reading a 2.3 GiB model, which evaluation then adds to);
+    nothing where the C library is not glibc."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def restore_latest(manager, abstract_state, partial: bool = False, aside: str | None = None):
     """Restore the newest checkpoint that reads back completely, or None if there is none.
 
     Returns (step, {'state', 'loader', 'meta'}). With `partial`, only the subtree given in
-    `abstract_state` is read (e.g. {'params': ...}) and only 'state' is returned. A checkpoint
-    that fails to restore (partially written, corrupted) is skipped with a warning and the
-    one before it is used; with `aside` (a directory), it is also moved there, out of the way
-    of the run that resumes and saves that step again.
+    `abstract_state` is read (e.g. {'params': ...}) and only 'state' is returned; it is read in
+    groups of arrays of about RESTORE_GROUP_BYTES, each verified and the memory its reading freed
+    handed back before the next, so the reader's buffers are one group's. A checkpoint that fails
+    to restore (partially written, corrupted) is skipped with a warning and the one before it is
+    used; with `aside` (a directory), it is also moved there, out of the way of the run that
+    resumes and saves that step again.
     """
-    if partial:
-        restore_args = ocp.checkpoint_utils.construct_restore_args(abstract_state)
-        args = {"state": ocp.args.PyTreeRestore(item=abstract_state, restore_args=restore_args,
-                                                partial_restore=True)}
-    else:
-        args = {"state": ocp.args.StandardRestore(abstract_state), "loader": ocp.args.JsonRestore(),
-                "meta": ocp.args.JsonRestore()}
+    whole = {"state": ocp.args.StandardRestore(abstract_state), "loader": ocp.args.JsonRestore(),
+             "meta": ocp.args.JsonRestore()}
+    groups = [ocp.args.PyTreeRestore(item=group, partial_restore=True,
+                                     restore_args=ocp.checkpoint_utils.construct_restore_args(group))
+              for group in (leaf_groups(abstract_state, RESTORE_GROUP_BYTES) if partial else ())]
     try:
         for step in sorted(manager.all_steps(), reverse=True):
             try:
-                restored = manager.restore(step, args=ocp.args.Composite(**args))
-                meta = restored["meta"] if "meta" in restored else manager.restore(
-                    step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
-                _verify(restored["state"], meta)
-                return step, restored
+                if not partial:
+                    restored = manager.restore(step, args=ocp.args.Composite(**whole))
+                    _verify(restored["state"], restored["meta"])
+                    return step, restored
+                meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+                state = {}
+                for group in groups:
+                    part = manager.restore(step, args=ocp.args.Composite(state=group))["state"]
+                    _verify(part, meta)
+                    state = merged(state, part)
+                    release_freed_memory()
+                return step, {"state": state}
             except Exception as e:  # noqa: BLE001 - any unreadable checkpoint is skipped, loudly
                 reason = (str(e).splitlines() or [type(e).__name__])[0][:200]
                 where = f"; moved to {set_aside(files.join(manager.directory, str(step)), aside)}" if aside else ""

@@ -4,7 +4,6 @@ read its held-out text, and the plotting backend the reports share."""
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import functools
 import json
@@ -49,18 +48,7 @@ def load_run(workdir: str, untrained: bool = False, param_dtype: str | None = No
     config, graphdef, rest, abstract = abstract_run(workdir, param_dtype, fsdp, tensor, dtype=dtype)
     check_fits(workdir, abstract)
     step, params = load_params(workdir, abstract)
-    release_freed_memory()
     return config, nnx.merge(graphdef, params, rest), step
-
-
-def release_freed_memory() -> None:
-    """Give the memory the checkpoint reader's threads freed back to the OS (glibc keeps it in
-    per-thread arenas: 0.65 GiB after reading a 2.3 GiB model, which evaluation then adds to);
-    nothing where the C library is not glibc."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 def run_config(workdir: str) -> ml_collections.ConfigDict:

@@ -436,3 +436,34 @@ def test_checksums_do_not_depend_on_the_slices_an_array_is_summed_in(monkeypatch
     for size in (10 ** 9, 64, 7):
         monkeypatch.setattr(checkpoints, "CHECKSUM_BYTES", size)
         assert checkpoints.checksums(tree) == expected
+
+
+def test_parameters_read_in_groups_equal_one_read_and_a_flipped_bit_in_any_group_is_found(tiny_run, tmp_path,
+                                                                                         monkeypatch, capsys):
+    """load_params reads a checkpoint's arrays in groups of about RESTORE_GROUP_BYTES (each
+    verified, so the reader's buffers are one group's): one array a group gives the very arrays
+    of one group for all; bits flipped through the newest checkpoint's data are found, and the
+    step before is read."""
+    import jax
+    import numpy as np
+    from lab import checkpoints
+    config, _ = tiny_run
+    abstract = _abstract(config)
+    whole = load_params(config.workdir, abstract)
+    monkeypatch.setattr(checkpoints, "RESTORE_GROUP_BYTES", 1)
+    assert len(checkpoints.leaf_groups(abstract, 1)) == len(jax.tree.leaves(abstract)) > 3
+    step, params = load_params(config.workdir, abstract)
+    assert step == whole[0] == 12
+    assert jax.tree.structure(params) == jax.tree.structure(whole[1])
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(whole[1])))
+    workdir = tmp_path / "run"
+    shutil.copytree(config.workdir, workdir)
+    for f in glob.glob(str(workdir / "checkpoints" / "12" / "state" / "ocdbt.process_0" / "d" / "*")):
+        with open(f, "r+b") as fh:  # bits flipped all through the arrays' data: parameters' among them
+            data = bytearray(fh.read())
+            for i in range(512, len(data) - 16, 1024):
+                data[i:i + 16] = bytes(b ^ 0xFF for b in data[i:i + 16])
+            fh.seek(0)
+            fh.write(data)
+    assert load_params(str(workdir), abstract)[0] == 8
+    assert "skipping unreadable checkpoint at step 12" in capsys.readouterr().err
