@@ -52,6 +52,8 @@ flags.DEFINE_list("schemes", [], "a table: these schemes of configs/default.py (
 flags.DEFINE_list("lengths", ["8192", "32768"], "the table's sequence lengths", flag_values=FLAGS)
 flags.DEFINE_string("json", "benchmarks/results/compile_tpu.jsonl", "the table's rows, one JSON line per compile",
                     flag_values=FLAGS)
+flags.DEFINE_bool("redo", False, "a table: compile again the asked rows already in --json, replacing them",
+                  flag_values=FLAGS)
 flags.DEFINE_bool("table", False, "only print the markdown table of --json", flag_values=FLAGS)
 flags.DEFINE_bool("force_auto", True, "set model.attention_impl='auto' (as benchmarks/lowering.py)", flag_values=FLAGS)
 config_flags.DEFINE_config_file("config", None, "experiment config: configs/<file>.py[:arg] (required)",
@@ -128,10 +130,12 @@ def table(path: str) -> str:
     return "\n".join(lines)
 
 
-def sweep(schemes, lengths, topologies, path: str) -> list:
-    """Compile configs/default.py for each scheme x length x topology (see the module's doc)."""
+def sweep(schemes, lengths, topologies, path: str, redo: bool = False) -> list:
+    """Compile configs/default.py for each scheme x length x topology (see the module's doc);
+    `redo`: the rows already in `path` too, each replacing its old row."""
     schemes = [*sorted(REGISTRY), "sessa"] if schemes == ["all"] else schemes
-    done = {(r["scheme"], r["seq_len"], r["topology"]) for r in map(json.loads, open(path))} if os.path.exists(path) else set()
+    old = list(map(json.loads, open(path))) if os.path.exists(path) else []
+    done = set() if redo else {(r["scheme"], r["seq_len"], r["topology"]) for r in old}
     failures = []
     for topology in topologies:
         for seq_len in map(int, lengths):
@@ -149,8 +153,16 @@ def sweep(schemes, lengths, topologies, path: str) -> list:
                 result = compile_check(config, topology)
                 result["scheme"] = scheme
                 os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-                with open(path, "a") as f:
-                    f.write(json.dumps(row(result, seq_len, batch)) + "\n")
+                new = row(result, seq_len, batch)
+                if redo:  # the file rewritten whole, the old row out (one writer at a time)
+                    rows = [r for r in map(json.loads, open(path)) if (r["scheme"], r["seq_len"], r["topology"])
+                            != (scheme, seq_len, topology)] if os.path.exists(path) else []
+                    with open(path + ".part", "w") as f:
+                        f.writelines(json.dumps(r) + "\n" for r in [*rows, new])
+                    os.replace(path + ".part", path)
+                else:
+                    with open(path, "a") as f:
+                        f.write(json.dumps(new) + "\n")
                 failures += [result["failure"]] if result["failure"] else []
     print("\n" + table(path))
     return failures
@@ -163,7 +175,7 @@ def benchmark():
     if FLAGS.topology is None:
         raise ValueError("pass --topology <generation>:<chips per axis>, e.g. --topology v5e:2x2")
     if FLAGS.schemes:
-        return sweep(FLAGS.schemes, FLAGS.lengths, FLAGS.topology, FLAGS.json)
+        return sweep(FLAGS.schemes, FLAGS.lengths, FLAGS.topology, FLAGS.json, FLAGS.redo)
     if len(FLAGS.topology) > 1:
         raise ValueError("pass one --topology, or several with --schemes")
     return compile_check(lowering.configured(FLAGS), FLAGS.topology[0], FLAGS.force_auto)

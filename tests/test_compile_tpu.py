@@ -2,6 +2,7 @@
 a bias scheme and a score scheme on the fused kernel, PaTH-FoX on its own kernel, each through
 the TPU compiler for one generation; and its one-line failures."""
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -70,3 +71,24 @@ def test_bad_topology_or_no_libtpu_is_one_line(monkeypatch):
     monkeypatch.setattr(lowering, "libtpu_path", lambda: None)
     with pytest.raises(ValueError, match=r"needs the TPU compiler \(libtpu\): run `make`"):
         tpu_topology("v5e:2x2")
+
+
+def test_a_sweep_goes_on_from_its_file_and_redo_replaces_rows(monkeypatch, tmp_path):
+    """The table's sweep skips the rows its json has (rerun to go on); with redo it compiles the
+    asked ones again, each replacing its old row, the others kept (compiling stood in for here)."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import compile_tpu
+    compiled = []
+
+    def compile_check(config, topology):
+        compiled.append((config.model.scheme, topology))
+        return {"topology": topology, "device_kind": "TPU", "compile_s": float(len(compiled)), "failure": None}
+
+    monkeypatch.setattr(compile_tpu, "compile_check", compile_check)
+    path = str(tmp_path / "rows.jsonl")
+    compile_tpu.sweep(["rope", "alibi"], ["8192"], ["v4:1x1x1"], path)
+    compile_tpu.sweep(["rope", "alibi"], ["8192"], ["v4:1x1x1"], path)  # nothing left
+    assert compiled == [("rope", "v4:1x1x1"), ("alibi", "v4:1x1x1")]
+    compile_tpu.sweep(["alibi"], ["8192"], ["v4:1x1x1"], path, redo=True)
+    rows = [json.loads(line) for line in open(path)]
+    assert [(r["scheme"], r["compile_s"]) for r in rows] == [("rope", 1.0), ("alibi", 3.0)]
