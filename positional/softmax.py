@@ -99,11 +99,17 @@ def matmul(spec, a, b, dtype) -> jax.Array:
 
 
 def rounded(x, dtype):
-    """fp32 x with its values rounded to `dtype` (the type stays fp32); the gradient passes
-    through unrounded. x itself for a dtype of fp32 or wider."""
+    """fp32 x with its values rounded to `dtype`'s significand, to nearest even (the type stays
+    fp32; `dtype`'s exponent range is not applied: bf16's is fp32's); the gradient passes
+    through unrounded. x itself for a dtype of fp32 or wider. By the bit pattern, not a round
+    trip through `dtype`, which XLA on GPU removes (positional/angles.py)."""
     if jnp.finfo(dtype).bits >= 32:
         return x
-    return x + jax.lax.stop_gradient(x.astype(dtype).astype(x.dtype) - x)
+    drop = 23 - jnp.finfo(dtype).nmant
+    bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+    bits = bits + jnp.uint32((1 << (drop - 1)) - 1) + ((bits >> drop) & 1)  # ties to even
+    near = jax.lax.bitcast_convert_type(bits & jnp.uint32((0xFFFFFFFF << drop) & 0xFFFFFFFF), jnp.float32)
+    return x + jax.lax.stop_gradient(near - x)
 
 
 def causal_mask(qi, kj, seg_q, seg_k):

@@ -148,3 +148,21 @@ def test_fp32_computes_what_it_did(impl, monkeypatch):
     jax.clear_caches()  # ... and later traces these
     assert now == before
     assert "bf16" not in now and "custom_vjp" not in now
+
+
+def test_rounded_is_the_cast_and_survives_gpu_excess_precision():
+    """`softmax.rounded` (the weights as P.V takes them, so the row sums normalise exactly those)
+    equals fp32 -> bf16 -> fp32 on every value, ties to even included, and fp32 -> fp16 -> fp32 in
+    fp16's normal range; and it still rounds where the compiler drops such round trips, as XLA on
+    GPU does (tests/exported.py's emulation), where the round trip itself would be the identity."""
+    from exported import excess_precision
+    rng = np.random.default_rng(0)
+    ties = [1 + 2 ** -8, 1 + 3 * 2 ** -8, 1 + 2 ** -9, 1 + 3 * 2 ** -9, 0.0, -2.5e-30]
+    x = jnp.asarray(np.concatenate([rng.uniform(0, 1, 4096), rng.standard_normal(4096) * 1e3, ties]), jnp.float32)
+    cast = np.asarray(x.astype(jnp.bfloat16).astype(jnp.float32))
+    assert np.array_equal(np.asarray(softmax.rounded(x, jnp.bfloat16)), cast)
+    assert np.array_equal(np.asarray(excess_precision(lambda y: softmax.rounded(y, jnp.bfloat16))(x)), cast)
+    assert not np.array_equal(np.asarray(excess_precision(lambda y: y.astype(jnp.bfloat16).astype(jnp.float32))(x)),
+                              cast)
+    y = jnp.asarray(rng.uniform(1e-4, 1, 4096), jnp.float32)
+    assert np.array_equal(np.asarray(softmax.rounded(y, jnp.float16)), np.asarray(y.astype(jnp.float16).astype(jnp.float32)))

@@ -16,7 +16,7 @@ import pytest
 
 from draws import normal
 from lab.lowering import target
-from exported import MOSAIC, lowered
+from exported import MOSAIC, excess_precision, lowered
 from positional import vendor
 from models.registry import make_scheme
 from positional.fox import forget_bias
@@ -248,40 +248,6 @@ def test_per_key_bias_overflow_takes_the_inputs_as_they_came():
                             implementation="xla")
     assert seen == [(q.shape, k.shape, v.shape)]
     assert_close(out, reference_attention(q, k, v, bias_fn=bias, segment_ids=seg), 1e-6)
-
-
-def excess_precision(fn):
-    """fn as XLA on GPU computes it: its excess-precision rewrite (on by default there) drops a
-    float's round trip through a narrower float (fp32 -> bf16 -> fp32 is the identity)."""
-    def evaluate(jaxpr, consts, *args):
-        env, wider = dict(zip(jaxpr.constvars, consts)), {}
-        env.update(zip(jaxpr.invars, args))
-        read = lambda v: v.val if isinstance(v, jax.extend.core.Literal) else env[v]  # noqa: E731
-        for eqn in jaxpr.eqns:
-            ins = [read(v) for v in eqn.invars]
-            if eqn.primitive.name == "convert_element_type":
-                src, new = eqn.invars[0], jnp.dtype(eqn.params["new_dtype"])
-                if src in wider and wider[src].dtype == new:
-                    env[eqn.outvars[0]] = wider[src]
-                    continue
-                x = ins[0]
-                if jnp.issubdtype(x.dtype, jnp.floating) and jnp.issubdtype(new, jnp.floating) \
-                        and jnp.finfo(new).bits < jnp.finfo(x.dtype).bits:
-                    wider[eqn.outvars[0]] = x
-            if eqn.primitive.name in ("jit", "pjit", "closed_call"):
-                inner = eqn.params.get("jaxpr") or eqn.params["call_jaxpr"]
-                outs = evaluate(inner.jaxpr, inner.consts, *ins)
-            else:
-                outs = eqn.primitive.bind(*ins, **eqn.params)
-                outs = outs if eqn.primitive.multiple_results else [outs]
-            env.update(zip(eqn.outvars, outs))
-        return [read(v) for v in jaxpr.outvars]
-
-    def run(*args):
-        closed = jax.make_jaxpr(fn)(*args)
-        return jax.tree.unflatten(jax.tree.structure(jax.eval_shape(fn, *args)),
-                                  evaluate(closed.jaxpr, closed.consts, *jax.tree.leaves(args)))
-    return run
 
 
 def test_excess_precision_drops_round_trips():
