@@ -24,15 +24,15 @@ import statistics
 import time
 
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-from absl import app, flags  # noqa: E402
-from flax import nnx  # noqa: E402
+import jax
+import jax.numpy as jnp
+from absl import app, flags
+from flax import nnx
 
-import train_throughput  # noqa: E402  (beside this file)
-from models.registry import get_entry, make_scheme  # noqa: E402
-from models.lm import ModelConfig  # noqa: E402
-from positional import espr  # noqa: E402
+import train_throughput  # beside this file
+from models.registry import get_entry, make_scheme
+from models.lm import ModelConfig
+from positional import espr
 
 # Process-wide only when run as a script (why: benchmarks/train_throughput.py).
 FLAGS = flags.FLAGS if __name__ == "__main__" else flags.FlagValues()

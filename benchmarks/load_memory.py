@@ -26,7 +26,7 @@ import numpy as np
 from absl import app, flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from lab.hf import PUBLISHED  # noqa: E402 - after the path
+from lab.hf import PUBLISHED
 
 flags.DEFINE_string("model", "Llama-3.2-1B", f"of {', '.join(PUBLISHED)}")
 flags.DEFINE_string("dir", "/tmp/load_memory", "where the checkpoint and the run go (reused when there)")

@@ -16,13 +16,13 @@ import sys
 import time
 
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-from absl import app, flags  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import jax.numpy as jnp
+from absl import app, flags
+import numpy as np
 
-from positional.probes import logits  # noqa: E402
-from positional.rope import rope_frequencies  # noqa: E402
+from positional.probes import logits
+from positional.rope import rope_frequencies
 
 # Process-wide only when run as a script (why: benchmarks/train_throughput.py).
 FLAGS = flags.FLAGS if __name__ == "__main__" else flags.FlagValues()

@@ -32,17 +32,17 @@ from pathlib import Path
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # PyTorch shares the device
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from absl import app, flags  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from attention import timed  # noqa: E402  (beside this file)
-from positional import householder as hh  # noqa: E402
-from positional.fox import forget_bias  # noqa: E402
-from positional.kernels.path import TRANSPORT, path_attention  # noqa: E402
-from positional.softmax import reference_attention  # noqa: E402
+from attention import timed  # beside this file
+from positional import householder as hh
+from positional.fox import forget_bias
+from positional.kernels.path import TRANSPORT, path_attention
+from positional.softmax import reference_attention
 
 # Process-wide only when run as a script (why: benchmarks/train_throughput.py).
 FLAGS = flags.FLAGS if __name__ == "__main__" else flags.FlagValues()

@@ -30,16 +30,16 @@ import time
 from pathlib import Path
 
 
-import jax  # noqa: E402
-from absl import app, flags  # noqa: E402
-from flax import nnx  # noqa: E402
+import jax
+from absl import app, flags
+from flax import nnx
 
-import jax.numpy as jnp  # noqa: E402
+import jax.numpy as jnp
 
-from configs.default import get_config  # noqa: E402
-from models.lm import DecoderLM, ModelConfig, token_nll  # noqa: E402
-from positional.fox import forget_bias  # noqa: E402
-from positional.householder import chunked_attention  # noqa: E402
+from configs.default import get_config
+from models.lm import DecoderLM, ModelConfig, token_nll
+from positional.fox import forget_bias
+from positional.householder import chunked_attention
 
 # Process-wide only when run as a script (why: benchmarks/train_throughput.py).
 FLAGS = flags.FLAGS if __name__ == "__main__" else flags.FlagValues()

@@ -17,11 +17,11 @@ import functools
 import time
 
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-from absl import app, flags  # noqa: E402
+import jax
+import jax.numpy as jnp
+from absl import app, flags
 
-from positional.rope import rotate  # noqa: E402
+from positional.rope import rotate
 
 # Process-wide only when run as a script (why: benchmarks/train_throughput.py).
 FLAGS = flags.FLAGS if __name__ == "__main__" else flags.FlagValues()

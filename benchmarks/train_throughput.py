@@ -25,16 +25,16 @@ from typing import Callable
 
 # train.py sits at the repository root, outside the installed packages.
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import optax  # noqa: E402
-from absl import app, flags  # noqa: E402
-from flax import nnx  # noqa: E402
+import jax
+import jax.numpy as jnp
+import optax
+from absl import app, flags
+from flax import nnx
 
-from configs.default import get_config  # noqa: E402
-from models.lm import DecoderLM, token_nll  # noqa: E402
-from models.registry import REGISTRY  # noqa: E402
-from lab.state import make_optimizer, model_config  # noqa: E402
+from configs.default import get_config
+from models.lm import DecoderLM, token_nll
+from models.registry import REGISTRY
+from lab.state import make_optimizer, model_config
 
 VOCAB = 258
 BASELINE = "rope"

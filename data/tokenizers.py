@@ -181,7 +181,7 @@ def _tokenizers_backend(path: str, files: dict) -> Backend:
         raise _missing(path, "tokenizers") from None
     try:
         tok = tokenizers.Tokenizer.from_file(path)
-    except Exception as e:  # the library raises a bare Exception for a file it cannot read
+    except Exception as e:  # noqa: BLE001 - the library raises a bare Exception for a file it cannot read
         raise DataError(f"{path} is not a tokenizer.json the tokenizers library reads ({e}); restore it from the "
                         "checkpoint") from None
     tok.encode_special_tokens = True  # special tokens come from the pipeline, never from the text

@@ -339,7 +339,7 @@ def _writing(what: str):
     died during the save, which `lab.cli.run_cli` names."""
     try:
         yield
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         if distributed.multi() and isinstance(e, jax.errors.JaxRuntimeError):
             raise
         raise _WriteFailed(what) from e

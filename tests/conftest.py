@@ -7,9 +7,9 @@ import tempfile
 # private directory (about 2 s), never in the user's cache.
 os.environ.setdefault("POSITIONAL_DATA_DIR", tempfile.mkdtemp(prefix="positional-test-data-"))
 
-import pytest  # noqa: E402
+import pytest
 
-from tiny_setup import tiny_config  # noqa: E402
+from tiny_setup import tiny_config
 
 
 @pytest.fixture(scope="session")

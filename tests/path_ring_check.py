@@ -26,14 +26,14 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-from models.sharding import MESH_AXES  # noqa: E402
-from positional.attention import reference_attention  # noqa: E402
-from positional.fox import forget_bias  # noqa: E402
-from positional.householder import dense_score_fn, ring_path_attention  # noqa: E402
+from models.sharding import MESH_AXES
+from positional.attention import reference_attention
+from positional.fox import forget_bias
+from positional.householder import dense_score_fn, ring_path_attention
 
 B, T, H, K, D, CHUNK = 2, 48, 4, 2, 8, 4
 NAMES = ("q", "k", "v", "w", "beta", "log_forget")

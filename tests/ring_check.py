@@ -18,13 +18,13 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-from models.sharding import MESH_AXES  # noqa: E402
-from positional.attention import reference_attention  # noqa: E402
-from positional.ring import ring_attention  # noqa: E402
+from models.sharding import MESH_AXES
+from positional.attention import reference_attention
+from positional.ring import ring_attention
 
 B, T, H, K, D = 2, 32, 4, 2, 8
 

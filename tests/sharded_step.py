@@ -18,15 +18,15 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import jax  # noqa: E402
-from absl import app, flags  # noqa: E402
-import numpy as np  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+import jax
+from absl import app, flags
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
 
-from lab.state import init_state  # noqa: E402
-from lab.state import make_loss, make_train_step  # noqa: E402
-from models.sharding import MESH_AXES, activation_rules  # noqa: E402
-from tiny_setup import tiny_config  # noqa: E402
+from lab.state import init_state
+from lab.state import make_loss, make_train_step
+from models.sharding import MESH_AXES, activation_rules
+from tiny_setup import tiny_config
 
 VOCAB, ROWS, LENGTH = 64, 8, 32
 

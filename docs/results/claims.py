@@ -26,7 +26,7 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from lab.stats import paired, verdict  # noqa: E402 - after the path
+from lab.stats import paired, verdict
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
