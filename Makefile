@@ -35,7 +35,7 @@ QUICK_DESELECT := -k "not compile_for_tpu and not compiles_for_tpu and not gpu_c
 # what it lacks into .whl (git-ignored: the device call carries it), the releases `make test-min`
 # tests; `make gpu-check` there installs them under /tmp/site and runs benchmarks/gpu_check.py
 # (its json goes to $OUT). benchmarks/RESULTS.md has the device command.
-GPU_WHEELS := flax==0.12.10 optax==0.2.5 ml-collections==1.1.0
+GPU_WHEELS := flax==0.12.10 optax==0.2.5 ml-collections==1.1.0 sentencepiece==0.2.0
 GPU_PYTHON ?= python3
 GPU_BUDGET_S ?= 400
 

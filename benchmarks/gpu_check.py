@@ -21,6 +21,8 @@ against theirs) does not fit in what is left of --budget_s is skipped and named:
   3. train: tokens/s of the train step (lab.state.make_train_step, as train.py builds it;
      configs/default.py, 4 rows of 8,192, bf16, 4 documents per row), auto against blockwise,
      for rope, alibi, fox, tapa and path_fox.
+  4. eval plans: eval.py --dry_run on the device for Llama-3.2-1B, 3B and Llama-3.1-8B's shapes
+     (bf16, 4 windows of 2,048 and 4,096 tokens): does evaluating them fit this GPU.
 The json is rewritten after every item (and names the item in flight), so a run the device call
 cuts off keeps what it measured. Timings: benchmarks/attention.py's (compiled once, one warm call, the median of --repeats
 synchronised calls; XLA's temporary memory beside). It prints a
@@ -30,11 +32,13 @@ skipped). Off a GPU, cuDNN's rows say why they cannot run and the Pallas kernels
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 import jax
@@ -72,9 +76,11 @@ ATTENTION_SCHEMES = ("rope", "alibi", "fox", "rope+fox", "so2_learned_qkv+alibi"
 def sizes(tiny: bool) -> dict:
     if tiny:  # every kind of path once (the test's budget), not every scheme
         return dict(check=(2, 40, 4, 2, 16), lengths=(256,), heads=2, head_dim=64, dims=(72,), rows=2, seq_len=128,
-                    attention=("rope", "fox", "tapa", "path_fox"), train=("rope", "fox", "path_fox"))
+                    attention=("rope", "fox", "tapa", "path_fox"), train=("rope", "fox", "path_fox"),
+                    models=("tiny",), eval_len=256)
     return dict(check=(2, 1000, 4, 2, 64), lengths=(8192, 32768), heads=16, head_dim=128, dims=(136, 144, 152, 192),
-                rows=4, seq_len=8192, attention=ATTENTION_SCHEMES, train=TRAIN_SCHEMES)
+                rows=4, seq_len=8192, attention=ATTENTION_SCHEMES, train=TRAIN_SCHEMES,
+                models=("Llama-3.2-1B", "Llama-3.2-3B", "Llama-3.1-8B"), eval_len=4096)
 
 
 def packed_ids(b: int, t: int, documents: int) -> jax.Array:
@@ -217,6 +223,30 @@ def run_train(name, impl, rows, seq_len, repeats, tiny) -> dict:
             "loss": float(metrics["loss"]), "compile_s": compile_s}
 
 
+# ---- 4. evaluation plans ------------------------------------------------------------------------
+
+def run_eval_plan(model: str, seq_len: int) -> dict:
+    """eval.py --dry_run on this device for a published model's shape (benchmarks/eval_plans.py's
+    `host` target): the scoring step of 4 windows at half and all of seq_len, bf16, compiled by
+    the device's own compiler (nothing read or allocated). "tiny": a 1-layer model of the 1B's kind."""
+    from lab import files
+    from lab.hf import PUBLISHED, run_config
+    from lab.lengths import plan as eval_plan
+    hf = PUBLISHED.get(model) or {**PUBLISHED["Llama-3.2-1B"], "vocab_size": 512, "hidden_size": 64,
+                                  "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 2,
+                                  "num_key_value_heads": 1, "head_dim": 32}
+    with tempfile.TemporaryDirectory() as root:
+        workdir = os.path.join(root, model)
+        config = run_config(hf, f"{model} config.json", workdir, seq_len, "bfloat16")
+        files.write_text(os.path.join(workdir, "config.json"), config.to_json_best_effort(indent=2))
+        p = eval_plan(workdir, 1, dtype="bfloat16")
+    gib = 2 ** 30
+    return {"model": model, "params": p["params"], "device_gib": p["capacity_bytes"] and p["capacity_bytes"] / gib,
+            "lengths": [{"length": r["length"], "arguments_gib": r["argument_bytes"] / gib,
+                         "temp_gib": r["temp_bytes"] / gib, "total_gib": r["total_bytes"] / gib, "fits": r["fits"]}
+                        for r in p["lengths"]]}
+
+
 # ---- the plan ----------------------------------------------------------------------------------
 
 def plan(tiny: bool) -> list[tuple[str, str, float, object]]:
@@ -242,8 +272,9 @@ def plan(tiny: bool) -> list[tuple[str, str, float, object]]:
 
     dims = [("attention", f"ceiling at head dim {d}", 10,
              lambda d=d: run_attention("ceiling", first, s["heads"], d, reps)) for d in s["dims"]]
+    plans = [("eval plan", m, 30, lambda m=m: run_eval_plan(m, s["eval_len"])) for m in s["models"]]
     return (items + attention_items(first) + train_items(s["train"][:3]) + dims
-            + [x for t in longer for x in attention_items(t)] + train_items(s["train"][3:]) + last)
+            + [x for t in longer for x in attention_items(t)] + train_items(s["train"][3:]) + plans + last)
 
 
 def run(budget_s: float, tiny: bool, path: str = "") -> dict:
@@ -253,7 +284,7 @@ def run(budget_s: float, tiny: bool, path: str = "") -> dict:
 
     def result():
         return {"device": jax.devices()[0].device_kind, "platform": jax.default_backend(), "jax": jax.__version__,
-                "commit": commit(), "tiny": tiny, "budget_s": budget_s,
+                "commit": commit(), "modules": modules(), "tiny": tiny, "budget_s": budget_s,
                 "elapsed_s": round(time.perf_counter() - start, 1), "rows": rows, "skipped": skipped}
 
     for section, item, estimate, fn in plan(tiny):
@@ -277,6 +308,29 @@ def run(budget_s: float, tiny: bool, path: str = "") -> dict:
         if path:
             save(result(), path)
     return result()
+
+
+# What a later device call may need to carry: which of these the machine has (their versions).
+PROBED = ("orbax.checkpoint", "tensorstore", "grain", "tensorflow_datasets", "matplotlib", "sentencepiece",
+          "tokenizers", "torch", "triton", "fla")
+
+
+@functools.cache
+def modules() -> dict:
+    """{module: its version, or None where this machine lacks it}, without importing any."""
+    from importlib import metadata, util
+    found = {}
+    for name in PROBED:
+        try:
+            present = util.find_spec(name) is not None
+        except ModuleNotFoundError:  # a parent package is missing
+            present = False
+        dist = {"orbax.checkpoint": "orbax-checkpoint", "fla": "flash-linear-attention"}.get(name, name)
+        try:
+            found[name] = metadata.version(dist) if present else None
+        except metadata.PackageNotFoundError:
+            found[name] = "present" if present else None
+    return found
 
 
 def save(result: dict, path: str) -> None:
@@ -326,6 +380,15 @@ def tables(result: dict) -> str:
             continue
         ratio = f"{r['tokens_per_s'] / blockwise[r['scheme']]:.2f}" if r["scheme"] in blockwise else "-"
         out.append(f"| {r['item']} | {r['tokens_per_s']:,.0f} | {ratio} | {r['loss']:.3f} | {r['compile_s']:.0f} |")
+    out += ["", "| eval plan (bf16, 4 windows) | length | arguments GiB | temporaries GiB | total GiB | device GiB | fits |",
+            "|---|---|---|---|---|---|---|"]
+    for r in (r for r in rows if r["section"] == "eval plan"):
+        if "failed" in r:
+            out.append(f"| {r['item']} | {r['failed']} ||||||")
+            continue
+        device = f"{r['device_gib']:.1f}" if r["device_gib"] else "?"
+        out += [f"| {r['item']} ({r['params'] / 1e9:.2f} B) | {x['length']:,} | {x['arguments_gib']:.2f} | "
+                f"{x['temp_gib']:.2f} | {x['total_gib']:.2f} | {device} | {x['fits']} |" for x in r["lengths"]]
     if result["skipped"]:
         out += ["", "skipped (over the budget): " + "; ".join(result["skipped"])]
     return "\n".join(out)

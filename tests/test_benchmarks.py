@@ -213,7 +213,9 @@ def test_gpu_check_runs_end_to_end_at_toy_sizes(tmp_path, capsys, monkeypatch):
                 assert "impl='cudnn' needs cuDNN" in r["failed"] and "\n" not in r["failed"]
             else:
                 assert r["ok"], r
-    assert {r["section"] for r in rows.values() if "failed" not in r} == {"checks", "attention", "train"}
+    assert {r["section"] for r in rows.values() if "failed" not in r} == {"checks", "attention", "train", "eval plan"}
+    assert [x["fits"] for x in rows["tiny"]["lengths"]] == [True, True]  # eval.py --dry_run of a tiny Llama
+    assert result["modules"]["sentencepiece"] is not None and "torch" in result["modules"]  # what the machine has
     assert all(r["tokens_per_s"] > 0 and r["loss"] > 0 for r in rows.values() if r["section"] == "train")
     assert rows["ceiling at 256"]["ms"] > 0 and rows["path_fox at 256"]["ms"] > 0
     out = capsys.readouterr().out
