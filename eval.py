@@ -38,6 +38,8 @@ flags.DEFINE_integer("tokens", 0, "lengths: scored tokens per length (0: the run
 flags.DEFINE_integer("stride", -1, "lengths: sliding-window stride (0: non-overlapping; -1: the run's)")
 flags.DEFINE_enum("within_documents", None, ["true", "false"], "lengths: score only documents longer than the "
                   "longest length, no window crossing a document's end (default: the run's eval.within_documents)")
+flags.DEFINE_integer("documents", 0, "lengths, within documents: score the first N documents long enough, the "
+                     "targets spread over them, each one's NLL kept (0: the run's eval.documents)")
 flags.DEFINE_integer("probe_length", 0, "transport, near_far: window length of the probes")
 flags.DEFINE_list("near_far", [], "near_far: histogram logit(lam) - logit(Lam) for lam in NEAR, Lam in FAR, "
                   "given as lo:hi,lo:hi")
@@ -66,7 +68,8 @@ def _ranges() -> dict:
 OPTIONS = {  # evaluator -> its options from the flags
     "lengths": lambda: {"max_multiplier": FLAGS.max_multiplier or None, "tokens": FLAGS.tokens or None,
                         "stride": None if FLAGS.stride == -1 else FLAGS.stride,
-                        "within_documents": None if FLAGS.within_documents is None else FLAGS.within_documents == "true"},
+                        "within_documents": None if FLAGS.within_documents is None else FLAGS.within_documents == "true",
+                        "documents": FLAGS.documents or None},
     "transport": _probe_length,
     "near_far": lambda: {**_probe_length(), **_ranges()},
     "analysis": dict,

@@ -24,10 +24,10 @@ against theirs) does not fit in what is left of --budget_s is skipped and named:
   4. eval plans: eval.py --dry_run on the device for Llama-3.2-1B, 3B and Llama-3.1-8B's shapes
      (bf16, 4 windows of 2,048 and 4,096 tokens): does evaluating them fit this GPU.
 The json is rewritten after every item (and names the item in flight), so a run the device call
-cuts off keeps what it measured. Timings: benchmarks/attention.py's (compiled once, one warm call, the median of --repeats
-synchronised calls; XLA's temporary memory beside). It prints a
-table per section and writes one json (device, JAX version, commit, every row, what was
-skipped). Off a GPU, cuDNN's rows say why they cannot run and the Pallas kernels interpret.
+cuts off keeps what it measured. Timings: benchmarks/attention.py's (compiled once, one warm
+call, the median of --repeats synchronised calls; XLA's temporary memory beside). It prints a
+table per section and writes one json (device, JAX version, commit, the packages the machine
+has, every row, what was skipped). Off a GPU, cuDNN's rows say why they cannot run and the Pallas kernels interpret.
 """
 
 from __future__ import annotations
@@ -380,8 +380,8 @@ def tables(result: dict) -> str:
             continue
         ratio = f"{r['tokens_per_s'] / blockwise[r['scheme']]:.2f}" if r["scheme"] in blockwise else "-"
         out.append(f"| {r['item']} | {r['tokens_per_s']:,.0f} | {ratio} | {r['loss']:.3f} | {r['compile_s']:.0f} |")
-    out += ["", "| eval plan (bf16, 4 windows) | length | arguments GiB | temporaries GiB | total GiB | device GiB | fits |",
-            "|---|---|---|---|---|---|---|"]
+    out += ["", "| eval plan (bf16, 4 windows) | length | arguments GiB | temporaries GiB | total GiB | device GiB "
+            "| fits |", "|---|---|---|---|---|---|---|"]
     for r in (r for r in rows if r["section"] == "eval plan"):
         if "failed" in r:
             out.append(f"| {r['item']} | {r['failed']} ||||||")

@@ -82,6 +82,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         # True: only documents longer than the longest length, no window crossing a document's end;
         # False: the documents laid end to end (the protocol of the tables committed before 2026-11-24)
         within_documents=True,
+        # Within documents: 0 takes whole documents until `tokens` targets (few: two at 8,192 tokens
+        # in the default corpus); N > 0 takes the first N documents (of at least the longest length + 1
+        # tokens) with the targets spread evenly over them, each document's NLL kept for a bootstrap
+        # over documents (lab.stats.bootstrap): max(tokens, N x the longest length) targets.
+        documents=0,
         batch_size=4,
         blockwise_from=2048,  # lengths from here on use blockwise attention
         split="validation",

@@ -148,22 +148,25 @@ def scoring_plan(n_tokens: int, length: int, stride: int):
     return ends - length, np.concatenate([[0], length - np.diff(ends)])
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "impl"))
-def _window_nll(graphdef, state, tokens, first_scored, rng, impl):
+@functools.partial(jax.jit, static_argnames=("graphdef", "impl", "rows"))
+def _window_nll(graphdef, state, tokens, first_scored, rng, impl, rows=False):
+    """(summed NLL, scored targets) of a batch of windows; per row [B] each with `rows`."""
     model = nnx.merge(graphdef, state)
     nll, _ = token_nll(model, tokens, impl=impl, rng=rng)
     scored = jnp.arange(nll.shape[1])[None] >= first_scored[:, None]
-    return jnp.sum(jnp.where(scored, nll, 0.0)), jnp.sum(scored)
+    axis = 1 if rows else None
+    return jnp.sum(jnp.where(scored, nll, 0.0), axis=axis), jnp.sum(scored, axis=axis)
 
 
 def perplexity(model: DecoderLM, stream: np.ndarray, length: int, n_tokens: int, *,
                stride: int = 0, batch_size: int = 4, impl: str = "reference", seed: int = 0,
-               spans=None) -> dict:
+               spans=None, per_document: bool = False) -> dict:
     """Perplexity of `model` on targets 1..N of `stream`, N = max(n_tokens, length), in windows
     of `length` (`scoring_plan`); 'tokens' is N and 'stride' how far the windows slide (0: they
     do not overlap, also where `stride` >= length). With `spans`, [(offset, n)] (one document
     each, n >= length), the targets offset + 1 .. offset + n of each instead, in windows that
-    stay inside their span ('tokens' is the sum of the n; n_tokens is not used).
+    stay inside their span ('tokens' is the sum of the n; n_tokens is not used); with
+    `per_document`, also each span's [summed NLL, targets] ('per_document').
 
     Schemes with random features get a fresh draw for every batch of windows, from `seed`:
     the same draws for every model evaluated with the same seed.
@@ -171,6 +174,8 @@ def perplexity(model: DecoderLM, stream: np.ndarray, length: int, n_tokens: int,
     plans = [(offset, *scoring_plan(n, length, stride)) for offset, n in spans or [(0, n_tokens)]]
     starts = np.concatenate([offset + s for offset, s, _ in plans])
     first = np.concatenate([f for _, _, f in plans])
+    document = np.concatenate([np.full(len(s), i) for i, (_, s, _) in enumerate(plans)])
+    sums = np.zeros((len(plans), 2))  # per document: summed NLL, targets
     if starts[-1] + length + 1 > len(stream):
         raise ValueError(f"the held-out stream has {len(stream)} tokens; length {length} with "
                          f"{max(n_tokens, length)} scored tokens needs {starts[-1] + length + 1}. Lower eval.tokens "
@@ -185,11 +190,16 @@ def perplexity(model: DecoderLM, stream: np.ndarray, length: int, n_tokens: int,
         batch = distributed.place_rows({"tokens": np.concatenate([rows, rows[-1:].repeat(pad, 0)]),
                                         "first": np.append(first[i:i + batch_size], [length] * pad)}, model)
         rng = jax.random.fold_in(jax.random.key(seed), i)
-        nll, n = _window_nll(graphdef, state, batch["tokens"], batch["first"], rng, impl)
+        nll, n = _window_nll(graphdef, state, batch["tokens"], batch["first"], rng, impl, rows=per_document)
+        if per_document:  # the padding rows score nothing
+            rows_nll, rows_n = (distributed.to_host(x)[:len(rows)] for x in (nll, n))
+            np.add.at(sums, document[i:i + batch_size], np.stack([rows_nll, rows_n], 1))
+            nll, n = rows_nll.sum(), rows_n.sum()
         total, count = total + float(nll), count + int(n)
     step = window_step(length, stride)
     return {"length": length, "ppl": math.exp(total / count), "nll": total / count, "tokens": count,
-            "stride": step if step < length else 0, "seconds": time.perf_counter() - t0, "impl": impl}
+            "stride": step if step < length else 0, "seconds": time.perf_counter() - t0, "impl": impl,
+            **({"per_document": sums.tolist()} if per_document else {})}
 
 
 def eval_impl(impl: str, length: int, blockwise_from: int) -> str:
@@ -253,7 +263,7 @@ def task_accuracy_at(config, model, split: str = "test", n_examples: int = 0) ->
 
 
 def evaluate_runs(runs, *, multipliers=None, max_multiplier=None, tokens=None, stride=None,
-                  within_documents=None, log=print) -> dict:
+                  within_documents=None, documents=None, log=print) -> dict:
     """Evaluate every run at the same lengths (multiples of the first LM run's training length);
     a run trained on a synthetic task gets its task accuracy on the test split instead.
 
@@ -262,9 +272,11 @@ def evaluate_runs(runs, *, multipliers=None, max_multiplier=None, tokens=None, s
     several documents. `within_documents` (default: eval.within_documents) scores only whole
     documents of at least the longest length + 1 tokens, each in windows that stay inside it,
     the same targets at every length ('documents': how many; 'tokens': their targets, at least
-    the tokens asked). A stride >= a length cannot slide there: those windows do not overlap,
-    and the length's row records stride 0 (refusing it would refuse configs/tapa.py, whose
-    stride 64 slides from length 128 on and tiles 16 ... 64)."""
+    the tokens asked); `documents` N > 0 (default: eval.documents) takes the first N such
+    documents, the targets spread over them, and keeps each one's NLL ('per_document'). A stride
+    >= a length cannot slide there: those windows do not overlap, and the length's row records
+    stride 0 (refusing it would refuse configs/tapa.py, whose stride 64 slides from length 128
+    on and tiles 16 ... 64)."""
     runs = list(named_runs(runs))
     lm_runs = [run for _, run in runs if not tasks.is_task(run.config.data)]
     base = (lm_runs or [run for _, run in runs])[0].config
@@ -276,9 +288,11 @@ def evaluate_runs(runs, *, multipliers=None, max_multiplier=None, tokens=None, s
     stride = checked("eval.stride" if stride is None else "lengths option stride", ev.stride if stride is None
                      else stride, 0, meaning="0: non-overlapping windows; else the sliding-window stride")
     within = ev.get("within_documents", False) if within_documents is None else within_documents
+    documents = checked("lengths option documents" if documents else "eval.documents",
+                        documents or ev.get("documents", 0), 0, meaning="documents scored (0: whole ones until tokens)")
     held_out, spans = None, None
     if lm_runs and within:
-        held_out, spans = _documents(base, max(lengths), tokens)
+        held_out, spans = _documents(base, max(lengths), tokens, documents)
         n_scored = sum(n for _, n in spans)
     else:  # targets 1..N at every length: N is raised to the longest length where it is below it
         n_scored = max(tokens, max(lengths))
@@ -301,7 +315,7 @@ def evaluate_runs(runs, *, multipliers=None, max_multiplier=None, tokens=None, s
             # Past blockwise_from, fewer rows per call keep activation memory about constant.
             n_rows = max(1, min(ev.batch_size, ev.batch_size * ev.blockwise_from // length))
             r = perplexity(model, held_out, length, n_scored, stride=stride, batch_size=n_rows, impl=impl,
-                           spans=spans)
+                           spans=spans, per_document=bool(spans and documents))
             rows.append(r)
             log(f"{name:>16s}  L={length:>6d}  ppl={r['ppl']:9.3f}  ({r['seconds']:.1f}s, {impl})")
         train_ppl = next((r["ppl"] for r in rows if r["length"] == config.seq_len), None)
@@ -313,10 +327,20 @@ def evaluate_runs(runs, *, multipliers=None, max_multiplier=None, tokens=None, s
     return results
 
 
-def _documents(config, longest: int, tokens: int):
+def _documents(config, longest: int, tokens: int, documents: int = 0):
     """(their tokens laid end to end, [(offset, targets)]) of the first held-out documents with
     at least longest + 1 tokens, until `tokens` targets; the last document is cut there (to no
-    fewer than `longest` targets)."""
+    fewer than `longest` targets). `documents` N > 0: the first N such documents, each its first
+    max(longest, tokens / N) targets (all it has where fewer)."""
+    if documents:
+        docs = held_out_documents(config, longest + 1, 2 ** 62)[:documents]
+        if len(docs) < documents:
+            raise ValueError(f"eval.documents (--documents): the held-out split has {len(docs)} documents of at "
+                             f"least {longest + 1} tokens, fewer than the {documents} asked; ask fewer, or lower the "
+                             "longest length (--max_multiplier)")
+        each = max(longest, -(-tokens // documents))
+        ends = np.cumsum([0] + [len(d) for d in docs])
+        return np.concatenate(docs), [(int(o), min(len(d) - 1, each)) for o, d in zip(ends, docs)]
     # Every document has at least 2 tokens, so documents of 2 x tokens hold at least `tokens` targets.
     docs = held_out_documents(config, longest + 1, 2 * tokens)
     spans, offset, total = [], 0, 0

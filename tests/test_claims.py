@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from scipy import stats as scipy_stats
 
-from lab.stats import paired, verdict
+from lab.stats import bootstrap, log_ppl, paired, verdict
 from tiny_setup import ROOT
 
 
@@ -76,3 +76,25 @@ def test_the_verdict_rule():
     assert verdict(paired([1.0], [0.0]), "positive") == "not resolved"  # one seed: no interval
     # Three seeds with the same sign and a wide spread: the sign is no evidence.
     assert verdict(paired([0.1, 0.5, 3.0], [0, 0, 0]), "positive") == "not resolved"
+
+
+def test_bootstrap_over_documents_agrees_with_the_normal_interval_and_keeps_arms_paired():
+    """The percentile bootstrap of a mean over 400 documents is the normal interval to within 10%
+    of its width; arrays are resampled with the same documents, so an arm that is another plus a
+    constant gives that constant with no width; log_ppl pools the documents' NLL and targets."""
+    rng = np.random.default_rng(1)
+    x = rng.normal(0.3, 1.0, 400)
+    r = bootstrap(np.mean, x, resamples=4000)
+    half = 1.96 * x.std(ddof=1) / math.sqrt(400)
+    assert r["n"] == 400 and r["mean"] == pytest.approx(x.mean())
+    assert (r["low"], r["high"]) == pytest.approx((x.mean() - half, x.mean() + half), abs=0.1 * half)
+    assert r["p"] < 0.01 and verdict(r, "positive") == "supported"
+    a = rng.uniform(1, 3, size=(12, 2)) * [100, 50]  # [summed NLL, targets] per document
+    b = a + [[5.0, 0.0]]
+    d = bootstrap(lambda a, b: log_ppl(b) - log_ppl(a), a, b, resamples=500)
+    assert d["low"] < d["mean"] < d["high"] and d["low"] > 0
+    same = bootstrap(lambda a, b: log_ppl(b) - log_ppl(a), a, a.copy(), resamples=200)
+    assert same["low"] == same["high"] == same["mean"] == 0.0
+    assert log_ppl([[10.0, 4], [2.0, 1]]) == pytest.approx(12.0 / 5)
+    with pytest.raises(ValueError, match="one entry per document"):
+        bootstrap(lambda a, b: 0.0, a, b[:5])

@@ -294,6 +294,27 @@ def test_within_documents_the_same_whole_documents_at_every_length(tiny_run, tmp
         evaluate_runs([config.workdir], tokens=10**8, within_documents=True, log=lambda *_: None)
 
 
+def test_documents_spreads_the_targets_over_that_many_documents_and_keeps_each_ones_nll(tiny_run):
+    """eval.documents N: the first N documents long enough, each its first max(longest,
+    tokens / N) targets, the same at every length; each document's [summed NLL, targets] kept, and
+    they add up to the length's perplexity (what a bootstrap over documents resamples). Too many
+    asked: one line naming the field."""
+    config, _ = tiny_run
+    results = evaluate_runs([config.workdir], tokens=300, documents=5, log=lambda *_: None)
+    assert results["documents"] == 5
+    longest = max(results["lengths"])
+    for r in results["runs"]["rope"]["results"]:
+        docs = np.asarray(r["per_document"])
+        assert docs.shape == (5, 2) and np.all(docs[:, 1] == max(longest, 60))  # 300 / 5 = 60 < 128
+        assert docs[:, 1].sum() == r["tokens"] and docs[:, 0].sum() / r["tokens"] == pytest.approx(r["nll"], rel=1e-5)
+    default = evaluate_runs([config.workdir], tokens=300, log=lambda *_: None)  # eval.documents 0: as before
+    assert "per_document" not in default["runs"]["rope"]["results"][0]
+    with pytest.raises(ValueError) as raised:
+        evaluate_runs([config.workdir], tokens=300, documents=10**6, log=lambda *_: None)
+    line = str(raised.value)
+    assert line.startswith("eval.documents (--documents): the held-out split has ") and "\n" not in line
+
+
 def test_a_run_too_large_for_the_device_is_one_line_before_reading(tiny_run, monkeypatch):
     """Its parameters' bytes per device against the device's memory, before anything is read."""
     import lab.runs

@@ -165,4 +165,5 @@ def test_rounded_is_the_cast_and_survives_gpu_excess_precision():
     assert not np.array_equal(np.asarray(excess_precision(lambda y: y.astype(jnp.bfloat16).astype(jnp.float32))(x)),
                               cast)
     y = jnp.asarray(rng.uniform(1e-4, 1, 4096), jnp.float32)
-    assert np.array_equal(np.asarray(softmax.rounded(y, jnp.float16)), np.asarray(y.astype(jnp.float16).astype(jnp.float32)))
+    cast16 = np.asarray(y.astype(jnp.float16).astype(jnp.float32))
+    assert np.array_equal(np.asarray(softmax.rounded(y, jnp.float16)), cast16)
