@@ -1,6 +1,7 @@
 """The claims ledger (docs/results/claims.py) and its statistics (lab/stats.py)."""
 
 import glob
+import json
 import math
 import os
 import re
@@ -98,3 +99,30 @@ def test_bootstrap_over_documents_agrees_with_the_normal_interval_and_keeps_arms
     assert log_ppl([[10.0, 4], [2.0, 1]]) == pytest.approx(12.0 / 5)
     with pytest.raises(ValueError, match="one entry per document"):
         bootstrap(lambda a, b: 0.0, a, b[:5])
+
+
+def test_intervals_over_documents_from_an_eval_report(tiny_run):
+    """docs/results/documents.py on a report made with documents=N: each run's perplexity with
+    its interval (the mean is the report's own), and a run against the base paired by document;
+    a report made without it is one line."""
+    import importlib.util
+    from lab.lengths import evaluate_runs
+    spec = importlib.util.spec_from_file_location("documents", os.path.join(RESULTS, "documents.py"))
+    documents = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(documents)
+    config, _ = tiny_run
+    report = evaluate_runs([config.workdir], tokens=300, documents=5, log=lambda *_: None)
+    worse = json.loads(json.dumps(report["runs"]["rope"]))
+    for r in worse["results"]:  # a second run: 0.1 nats worse on every target of every document
+        r["per_document"] = [[s + 0.1 * n, n] for s, n in r["per_document"]]
+    report["runs"]["worse"] = worse
+    rows = documents.intervals(report, "rope", 300)
+    for r, own in zip(rows, report["runs"]["rope"]["results"]):
+        assert r["ppl"]["mean"] == pytest.approx(own["nll"]) and r["ppl"]["low"] <= r["ppl"]["mean"] <= r["ppl"]["high"]
+    worse_rows = [r for r in rows if r["run"] == "worse"]
+    assert all(r["ppl_vs_base"]["low"] == pytest.approx(0.1) == r["ppl_vs_base"]["high"] for r in worse_rows)
+    assert all(abs(r["ratio_vs_base"]["mean"]) < 1e-9 for r in worse_rows)
+    assert "| worse | 128 |" in documents.table(rows, "rope", 5)
+    del report["runs"]["rope"]["results"][0]["per_document"]
+    with pytest.raises(ValueError, match="run rope has no per_document rows: evaluate with eval.py --documents=N"):
+        documents.intervals(report, "rope", 10)
