@@ -18,6 +18,9 @@ PLATFORMS = {"cpu": "cpu", "cuda": "gpu", "tpu": "tpu"}
 # by the TPU compiler on a v4 (16 MiB): PaTH's backward at 8K used 3.5 MiB more than its
 # resident buffers, the Sessa solve at 32K 5.6 MiB more (benchmarks/RESULTS.md, the compile table).
 VMEM_HEADROOM = 8 * 2 ** 20
+# TPU: the most VMEM a kernel keeps for a whole sequence on any chip (with the scoped VMEM the
+# kernels ask for beside it, 96 MiB: within a v5e's or v6e's 128 MiB).
+RESIDENT_MAX = 64 * 2 ** 20
 
 
 def tpu_vmem_bytes() -> int | None:
@@ -32,7 +35,7 @@ def tpu_vmem_bytes() -> int | None:
         return None
 
 
-def resident_limit(most: int) -> tuple[int, str]:
+def resident_limit(most: int = RESIDENT_MAX) -> tuple[int, str]:
     """(the most VMEM a TPU kernel may keep for a whole sequence, how that was decided, for its
     one-line refusal): `most`, and on a TPU whose VMEM is known, no more than it less VMEM_HEADROOM."""
     vmem = tpu_vmem_bytes()

@@ -62,7 +62,6 @@ from positional.softmax import MASKED
 DEFAULT_BLOCK = {"gpu": 64, "tpu": 128, "interpret": 64}
 # TPU: the scoped VMEM asked for on top of the resident s (or lambda) of the sequential kernels.
 VMEM_LIMIT = 32 * 2 ** 20
-RESIDENT_MAX = 64 * 2 ** 20  # and no more than the chip's VMEM allows (`resident_limit`)
 
 
 def check_inputs(qb, kb, gamma, f, segment_ids=None) -> None:
@@ -422,7 +421,7 @@ def feedback_solve_pallas(qb, kb, gamma, f, segment_ids=None, *, block: int | No
         check_blocks(c, backend, interpret)
         if backend == "tpu" and not interpret:  # the sequential kernels keep s (or lambda) in VMEM
             need = 4 * (-(-qb.shape[1] // c) * c + c) * block_d
-            limit, rule = resident_limit(RESIDENT_MAX)
+            limit, rule = resident_limit()
             if need > limit:
                 raise ValueError(f"feedback solve kernel: on TPU it would keep {need / 2 ** 20:.1f} MiB of VMEM for "
                                  f"{qb.shape[1]} tokens ({rule}); use solve='blocked' (plain JAX) for this length")

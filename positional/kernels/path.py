@@ -81,10 +81,9 @@ from positional.softmax import MASKED, check_shapes
 # GPU: of the chunks measured on an H100 (benchmarks/RESULTS.md), 64 exceeds the shared memory
 # (232 KiB) and 16 trains fastest (4x faster than 32 at 8K tokens).
 DEFAULT_CHUNK = {"gpu": 16, "tpu": 128, "interpret": 64}
-# TPU backward: the scoped VMEM asked for on top of its resident accumulators and chain, and the
-# most of those it takes (with VMEM_LIMIT, 96 MiB: within a v5e's or v6e's 128 MiB).
+# TPU backward: the scoped VMEM asked for on top of its resident accumulators and chain (whose
+# most is positional.kernels.RESIDENT_MAX, and the chip's own limit: `resident_limit`).
 VMEM_LIMIT = 32 * 2 ** 20
-RESIDENT_MAX = 64 * 2 ** 20
 # fp32 products on GPU (Triton): IEEE fp32 (CUDA cores), three TF32 products (tensor cores,
 # about fp32's accuracy) or one. Other platforms always take "highest".
 TRANSPORT = {"highest": lax.Precision.HIGHEST, "tf32x3": lax.DotAlgorithmPreset.TF32_TF32_F32_X3,
@@ -502,7 +501,7 @@ def refusal(bias_fn, k, platform: str, chunk: int | None = None) -> str | None:
         c = chunk or DEFAULT_CHUNK["tpu"]
         need = _resident(-(-k.shape[1] // c) * c, max(16, pl.next_power_of_2(k.shape[3])), c,
                          len(bias_fn.values) if bias_fn is not None else 0)
-        limit, rule = resident_limit(RESIDENT_MAX)
+        limit, rule = resident_limit()
         if need > limit:
             return f"on TPU its backward would keep {need / 2 ** 20:.0f} MiB of VMEM for {k.shape[1]} tokens ({rule})"
     return None
