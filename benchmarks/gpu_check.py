@@ -183,12 +183,13 @@ def run_attention(name, t, heads, d, repeats) -> dict:
     keys = jax.random.split(jax.random.key(t), 3)
     q, k, v = (jax.random.normal(x, (1, t, heads, d), jnp.bfloat16) for x in keys)
     seg = packed_ids(1, t, 4)
+    pos = positions_of(seg)
     scheme = None if name == "ceiling" else make_scheme(name, num_heads=heads, head_dim=d)
 
     def fn(q, k, v):
         if scheme is None:
             return ceiling(q, k, v)
-        return scheme.attend(q, k, v, positions=positions_of(seg), segment_ids=seg, impl="auto", key=jax.random.key(0))
+        return scheme.attend(q, k, v, positions=pos, segment_ids=seg, impl="auto", key=jax.random.key(0))
 
     seconds, temp = timed(fwd_bwd(fn), (q, k, v), repeats)
     return {"scheme": name, "tokens": t, "head_dim": d, "ms": 1e3 * seconds, "temp_gib": temp / 2 ** 30}
