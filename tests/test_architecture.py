@@ -150,6 +150,25 @@ def test_kernels_import_no_scheme_file():
                 f"{module} imports {sorted(targets - allowed)}: kernels take what they need as arguments")
 
 
+# Test modules share helpers through tests/tiny_setup.py (and draws.py, exported.py), never by
+# importing one another. The one exception runs the conformance suite's checks on a scheme the
+# suite leaves out (LM-Infinite's windowed form).
+TESTS_IMPORTING_TESTS = {"test_lm_infinite": {"test_conformance"}}
+
+
+def test_tests_do_not_import_tests():
+    found = {}
+    for file in sorted(os.listdir(os.path.join(ROOT, "tests"))):
+        if file.startswith("test_") and file.endswith(".py"):
+            tree = ast.parse(open(os.path.join(ROOT, "tests", file)).read())
+            names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+            names |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+            tests = {name for name in names if name.startswith("test_")}
+            if tests:
+                found[file[:-3]] = tests
+    assert found == TESTS_IMPORTING_TESTS, "move what tests share into tests/tiny_setup.py"
+
+
 def test_the_checks_can_fail(tmp_path, monkeypatch):
     """A planted cycle and a function-local import are caught (the checks above are not vacuous)."""
     a, b = tmp_path / "a.py", tmp_path / "b.py"

@@ -1,6 +1,5 @@
 """Smoke tests: each benchmark runs end to end on a tiny setting, so the scripts cannot rot."""
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -9,16 +8,13 @@ from pathlib import Path
 
 import pytest
 
+from tiny_setup import load_benchmark
+
 ROOT = Path(__file__).resolve().parents[1]
 BENCHMARKS = ROOT / "benchmarks"
 
 
-def load(name: str):
-    # benchmarks/ holds scripts, not a package: load them by path.
-    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+load = load_benchmark
 
 
 def run(name: str, argv: list[str]):

@@ -180,14 +180,14 @@ def test_asynchronous_saves_change_nothing(tiny_run, tmp_path):
     tests/test_runs_safety.py's fault test: the previous checkpoint stays loadable.)"""
     from lab.checkpoints import load_params
     from lab.training import train
-    from test_train import _abstract
+    from tiny_setup import abstract_params
     import jax
     config, summary = tiny_run
     assert config.train.async_checkpoints
     sync = config.copy_and_resolve_references()
     sync.workdir, sync.train.async_checkpoints = str(tmp_path), False
     assert train(sync)["losses"] == summary["losses"]
-    (step_a, a), (step_b, b) = (load_params(w, _abstract(config)) for w in (config.workdir, str(tmp_path)))
+    (step_a, a), (step_b, b) = (load_params(w, abstract_params(config)) for w in (config.workdir, str(tmp_path)))
     assert step_a == step_b == 12
     assert all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 

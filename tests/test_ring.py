@@ -16,8 +16,7 @@ from positional.attention import attention, blockwise_attention
 from positional.householder import Path, chunked_attention, ring_path_attention
 from positional.ring import ring_mesh
 from positional.scheme import Scheme
-from test_scale import check_sharded, sharded_step
-from tiny_setup import cli
+from tiny_setup import check_sharded, cli, sharded_step
 
 
 def ring_check(meshes, script="tests/ring_check.py", *args):

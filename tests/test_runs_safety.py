@@ -19,8 +19,7 @@ import pytest
 from lab import training
 from lab.checkpoints import load_params
 from lab.training import TrainingError, dry_run, train, workdir_lock
-from test_train import _abstract
-from tiny_setup import ROOT, cli, overrides, tiny_config
+from tiny_setup import ROOT, abstract_params, cli, overrides, tiny_config
 
 
 def tree_bytes(root):
@@ -225,7 +224,7 @@ def test_a_failed_metrics_write_is_one_line_after_an_emergency_save(tmp_path, ca
             "step 2 was saved to ") in message
     assert f"move it into {tmp_path / 'checkpoints'} to continue from it" in message
     where = message.split("was saved to ")[1].split(" ")[0]
-    step, params = load_params(os.path.dirname(where), _abstract(config))
+    step, params = load_params(os.path.dirname(where), abstract_params(config))
     assert step == 2
 
 
@@ -448,7 +447,7 @@ def test_parameters_read_in_groups_equal_one_read_and_a_flipped_bit_in_any_group
     import numpy as np
     from lab import checkpoints
     config, _ = tiny_run
-    abstract = _abstract(config)
+    abstract = abstract_params(config)
     whole = load_params(config.workdir, abstract)
     monkeypatch.setattr(checkpoints, "RESTORE_GROUP_BYTES", 1)
     assert len(checkpoints.leaf_groups(abstract, 1)) == len(jax.tree.leaves(abstract)) > 3

@@ -1,7 +1,6 @@
 """Training at scale: rematerialisation policies and the dry run (compile the sharded train
 step, print per-device memory, run nothing)."""
 
-import json
 
 import jax
 import numpy as np
@@ -10,7 +9,7 @@ from flax import nnx
 
 from models.lm import DecoderLM, ModelConfig, token_nll
 from models.registry import REGISTRY
-from tiny_setup import cli, tiny_config
+from tiny_setup import check_sharded, cli, sharded_step, tiny_config
 from lab.training import dry_run
 
 
@@ -63,23 +62,6 @@ def test_dry_run_on_8_devices_shards_the_state(tmp_path):
     assert "8 devices, mesh {'data': 2, 'fsdp': 4, 'sequence': 1, 'tensor': 1}" in run.stdout
     assert "total" in run.stdout
     assert not (tmp_path / "run").exists()
-
-
-def sharded_step(schemes, meshes, devices, impl=None):
-    impl = ["--impl", impl] if impl else []
-    run = cli("tests/sharded_step.py", ",".join(schemes), json.dumps(meshes), *impl,
-              env={"XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"})
-    assert run.returncode == 0, run.stderr[-3000:]
-    return json.loads(run.stdout.strip().splitlines()[-1])
-
-
-def check_sharded(result):
-    # Parameters after Adam's first non-zero step (lr 1.5e-3) only to within the learning rate:
-    # Adam divides by |g|, so a near-zero gradient entry that rounds differently in another
-    # summation order can move by up to ~lr (seen: ESPR's zero-initialised skew parameters).
-    for scheme, by_mesh in result.items():
-        for mesh, d in by_mesh.items():
-            assert d["loss"] < 1e-5 and d["grads"] < 1e-4 and d["params"] < 1.5e-3, (scheme, mesh, d)
 
 
 @pytest.mark.slow

@@ -18,7 +18,7 @@ import pytest
 
 from lab.checkpoints import checkpoint_manager, load_params
 from lab.training import TrainingError, blow_up, dry_run, train, workdir_lock
-from tiny_setup import ROOT, cli, overrides, tiny_config
+from tiny_setup import ROOT, abstract_params, cli, overrides, tiny_config
 
 
 def losses_of(workdir):
@@ -60,7 +60,7 @@ def test_bf16_parameters_keep_fp32_optimizer_state(tiny_run, tmp_path):
     state = manager.restore(12, args=ocp.args.Composite(state=ocp.args.StandardRestore()))["state"]
     assert {x.dtype for x in jax.tree.leaves(state["params"])} == {np.dtype(jnp.bfloat16)}
     assert {x.dtype for x in jax.tree.leaves(state["opt_state"]) if x.ndim} == {np.dtype(np.float32)}
-    assert load_params(str(tmp_path / "bf16"), _abstract(config))[0] == 12  # eval restores it (as fp32)
+    assert load_params(str(tmp_path / "bf16"), abstract_params(config))[0] == 12  # eval restores it (as fp32)
     half = dry_run(config)
     config.train.param_dtype = "float32"
     assert dry_run(config)["argument_bytes"] - half["argument_bytes"] == 2 * half["params"]  # 4 -> 2 bytes
@@ -84,17 +84,6 @@ def test_training_is_deterministic_given_the_seed(tiny_run, tmp_path):
     assert not np.allclose(train(other)["losses"], summary["losses"])
 
 
-def _abstract(config):
-    """Abstract parameters of the tiny config's model (what load_params restores into)."""
-    from flax import nnx
-
-    from models.lm import DecoderLM
-    from lab.state import model_config
-    model = DecoderLM(model_config(config, 258), rngs=nnx.Rngs(0))
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
-                        nnx.to_pure_dict(nnx.state(model, nnx.Param)))
-
-
 def test_partial_checkpoint_is_skipped_with_a_warning(tiny_run, tmp_path, capsys):
     config, _ = tiny_run
     workdir = tmp_path / "damaged"
@@ -104,7 +93,7 @@ def test_partial_checkpoint_is_skipped_with_a_warning(tiny_run, tmp_path, capsys
     for data_dir in (workdir / "checkpoints" / "12" / "state").rglob("d"):
         shutil.rmtree(data_dir)
     (workdir / "checkpoints" / "16.orbax-checkpoint-tmp-1").mkdir()
-    step, params = load_params(str(workdir), _abstract(config))
+    step, params = load_params(str(workdir), abstract_params(config))
     assert step == 8
     assert "skipping unreadable checkpoint at step 12" in capsys.readouterr().err
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(params))
@@ -124,7 +113,7 @@ def test_nan_guard_stops_and_keeps_the_last_good_checkpoint(tmp_path, lr, warmup
     last_good = int(str(e.value).split("Last good checkpoint: step ")[1].split()[0])
     manager = checkpoint_manager(tmp_path / "checkpoints", create=False)
     assert manager.latest_step() == last_good
-    step, params = load_params(str(tmp_path), _abstract(config))
+    step, params = load_params(str(tmp_path), abstract_params(config))
     assert step == last_good
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(params))
 
@@ -191,7 +180,7 @@ def test_signal_mid_run_leaves_a_good_checkpoint(tmp_path, sig, capsys):
     proc.send_signal(sig)
     out, err = proc.communicate(timeout=60)
     manager = checkpoint_manager(tmp_path / "checkpoints", create=False)
-    found = load_params(str(tmp_path), _abstract(config))
+    found = load_params(str(tmp_path), abstract_params(config))
     with workdir_lock(str(tmp_path)):  # free again, however the run ended
         pass
     took_over = [line for line in capsys.readouterr().err.splitlines() if f"pid {proc.pid}" in line]
@@ -221,7 +210,7 @@ def test_sharded_training_on_8_devices_matches_one_device(tiny_run, tmp_path):
     sharded = losses_of(tmp_path)
     np.testing.assert_allclose([sharded[s] for s in range(1, 13)], summary["losses"], rtol=2e-4)
     # The sharded checkpoint restores on this single-device process (a different mesh).
-    assert load_params(str(tmp_path), _abstract(config))[0] == 12
+    assert load_params(str(tmp_path), abstract_params(config))[0] == 12
     # ... and training resumes from it on one device and on a tensor x sequence mesh alike.
     shutil.copytree(tmp_path, tmp_path / "one", ignore=shutil.ignore_patterns("one"))
     one = train(tiny_config(tmp_path / "one", steps=16))
@@ -275,8 +264,8 @@ def test_extend_from_a_pretrained_run_with_a_rope_extension(tiny_run, tmp_path):
 
     zero = train(extension(tmp_path / "zeroshot", 0))
     assert zero["step"] == 0 and zero["losses"] == []
-    _, pre = load_params(source, _abstract(config))
-    step, zs = load_params(str(tmp_path / "zeroshot"), _abstract(config))
+    _, pre = load_params(source, abstract_params(config))
+    step, zs = load_params(str(tmp_path / "zeroshot"), abstract_params(config))
     assert step == 0
     jax.tree.map(np.testing.assert_array_equal, zs, pre)
     saved = json.load(open(tmp_path / "zeroshot" / "config.json"))

@@ -1,5 +1,9 @@
-"""Helpers shared by the training and eval tests: a tiny config and a subprocess runner."""
+"""Helpers shared by the tests: a tiny config and its abstract parameters, a subprocess runner,
+the sharded-step check, and a benchmark script loaded as a module. (Test modules import these,
+never each other: tests/test_architecture.py.)"""
 
+import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -33,3 +37,42 @@ def cli(*args, env=None, cwd=ROOT):
     """Run a project entry point in a subprocess (from the repository root by default)."""
     return subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True,
                           env={**os.environ, **(env or {})}, timeout=600)
+
+
+def abstract_params(config):
+    """Abstract parameters of the tiny config's model (what load_params restores into)."""
+    import jax
+    from flax import nnx
+
+    from lab.state import model_config
+    from models.lm import DecoderLM
+    model = DecoderLM(model_config(config, 258), rngs=nnx.Rngs(0))
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+                        nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+
+
+def sharded_step(schemes, meshes, devices, impl=None):
+    """tests/sharded_step.py on `devices` simulated CPU devices: per scheme and mesh, how far a
+    sharded train step is from the one-device one."""
+    impl = ["--impl", impl] if impl else []
+    run = cli("tests/sharded_step.py", ",".join(schemes), json.dumps(meshes), *impl,
+              env={"XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def check_sharded(result):
+    # Parameters after Adam's first non-zero step (lr 1.5e-3) only to within the learning rate:
+    # Adam divides by |g|, so a near-zero gradient entry that rounds differently in another
+    # summation order can move by up to ~lr (seen: ESPR's zero-initialised skew parameters).
+    for scheme, by_mesh in result.items():
+        for mesh, d in by_mesh.items():
+            assert d["loss"] < 1e-5 and d["grads"] < 1e-4 and d["params"] < 1.5e-3, (scheme, mesh, d)
+
+
+def load_benchmark(name: str):
+    """benchmarks/<name>.py as a module (benchmarks/ holds scripts, not a package)."""
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "benchmarks", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
