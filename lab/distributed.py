@@ -92,8 +92,10 @@ def initialize(d: ml_collections.ConfigDict | dict | None) -> None:
     finally:
         watchdog.cancel()
     atexit.register(_mark_done)  # runs before JAX's shutdown (registered earlier)
-    threading.Thread(target=_watch, args=(d.heartbeat_s, d.coordinator or "detected"), daemon=True,
-                     name="positional-heartbeat").start()
+    watcher = threading.Thread(target=_watch, args=(d.heartbeat_s, d.coordinator or "detected"), daemon=True,
+                               name="positional-heartbeat")
+    watcher.start()
+    atexit.register(_stop_watching, watcher)  # runs first of the three
 
 
 def first_line(e: BaseException) -> str:
@@ -124,6 +126,15 @@ def _mark_done(how: str = "ended") -> None:
 
 
 _ENDING = threading.Lock()  # the main thread and the watcher: one of them prints the last line
+_WATCH_STOP = threading.Event()
+
+
+def _stop_watching(watcher: threading.Thread) -> None:
+    """At a normal exit (sys.exit included), end the watcher between its calls before Python
+    finalises: a daemon thread still inside a C++ call of JAX's client then is unwound by force,
+    which aborts the process ("FATAL: exception not rethrown"; seen at a SIGTERM stop's exit)."""
+    _WATCH_STOP.set()
+    watcher.join(timeout=10)
 _HEARTBEAT_S = [DEFAULTS["heartbeat_s"]]
 
 
@@ -204,7 +215,7 @@ def _watch(heartbeat_s: float, coordinator: str) -> None:
     interval = min(1.0, heartbeat_s / 5)
     seen = {p: (None, time.monotonic()) for p in range(n) if p != me}  # last heartbeat, when it changed
     beat, unreachable = 0, None
-    while True:
+    while not _WATCH_STOP.is_set():
         now = time.monotonic()
         try:
             beat += 1
@@ -215,7 +226,7 @@ def _watch(heartbeat_s: float, coordinator: str) -> None:
             unreachable = unreachable or now
             if now - unreachable > heartbeat_s:  # (JAX's own client usually aborts the process first)
                 _stop(f"lost the job's coordinator, process 0 ({first_line(e)}): it ended or its host is unreachable")
-            time.sleep(interval)
+            _WATCH_STOP.wait(interval)
             continue
         if peer := _failed_peer():
             _stop(f"process {peer[0]} failed ({peer[1]})")
@@ -225,7 +236,7 @@ def _watch(heartbeat_s: float, coordinator: str) -> None:
             elif p not in done and now - since > heartbeat_s:
                 _stop(f"process {p} stopped responding: no heartbeat for {heartbeat_s:g} s "
                       "(distributed.heartbeat_s; killed, hung, or its host lost)")
-        time.sleep(interval)
+        _WATCH_STOP.wait(interval)
 
 
 def check_same_config(config: ml_collections.ConfigDict) -> None:
