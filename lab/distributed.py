@@ -126,6 +126,7 @@ def _mark_done(how: str = "ended") -> None:
 
 
 _ENDING = threading.Lock()  # the main thread and the watcher: one of them prints the last line
+_HEARTBEAT_S = [DEFAULTS["heartbeat_s"]]
 _WATCH_STOP = threading.Event()
 
 
@@ -135,7 +136,6 @@ def _stop_watching(watcher: threading.Thread) -> None:
     which aborts the process ("FATAL: exception not rethrown"; seen at a SIGTERM stop's exit)."""
     _WATCH_STOP.set()
     watcher.join(timeout=10)
-_HEARTBEAT_S = [DEFAULTS["heartbeat_s"]]
 
 
 def end(line: str, code: int, tell: bool = True) -> None:
