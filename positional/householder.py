@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable
 
 import jax
@@ -230,7 +231,8 @@ def transport_to_end(k, w, beta, chunk: int = 64) -> jax.Array:
 
 
 def chunked_attention(q, k, v, w, beta, *, bias_fn=None, segment_ids=None, chunk: int = 64,
-                      group: int = 8, scale: float | None = None, autodiff: bool = False) -> jax.Array:
+                      group: int = 8, scale: float | None = None, autodiff: bool = False, span: int | None = None,
+                      outer_group: int = 8) -> jax.Array:
     """PaTH attention with O(T * D) memory, forward and backward: returns [B, T, H, D] in q's dtype.
 
     For query chunk n and key chunk m < n the route splits as (prefix of chunk n up to i) x
@@ -242,20 +244,102 @@ def chunked_attention(q, k, v, w, beta, *, bias_fn=None, segment_ids=None, chunk
     one step's tiles stay in cache), and a group skips the distances that would take all its
     chunks before the start. `autodiff`: differentiate `_far` through its scans instead, which
     keeps every step's carry (about T^2 / chunk * D floats per head: for comparison only).
+
+    `span` (a multiple of the chunk, shorter than T): two levels, the same split one level up.
+    The inner level is the above restricted to blocks of `span` tokens (the scan reaches back at
+    most span / chunk - 1 chunks); the outer level treats each block as one chunk: its queries
+    carried back to the block's start and its keys to the block's end (the chunks' D x D
+    products, prefix and suffix), one D x D product per block, no in-block logits, `outer_group`
+    blocks at a time. The two merge by their log-sum-exp, and the backward runs `_far_bwd` on
+    each level with the merged output and log-sum-exp. The same logits and result; the scans
+    take span / chunk + T / span steps instead of about T / chunk per group, each on larger
+    tiles, for O(T * D * (span / chunk + T / span * outer_group / T * span)) memory.
     """
     check_shapes(q, k, v, segment_ids)
     check_transport(k, w, beta)
     b, t, h, d = q.shape
+    scale = d ** -0.5 if scale is None else scale
+    c = min(chunk, t)
+    if span is not None and span < t:
+        if span % c:
+            raise ValueError(f"PaTH chunked_attention span={span} must be a multiple of chunk={c}")
+        return _two_levels(q, k, v, w, beta, bias_fn, segment_ids, c, span, group, outer_group, scale, autodiff)
     c, gq, n = _chunking(t, chunk, group)
     (q_start, near, k_end, vc, wc, u), seg = _chunk_pieces(q, k, v, w, beta, c, n), _chunk_rows(segment_ids, b, t, c, n)
-    bias, consts = None, []
-    if bias_fn is not None:  # the arrays it reads become inputs of _far, which returns their gradients
-        bias, consts = jax.closure_convert(bias_fn, jnp.arange(c), jnp.arange(c))
-    st = _Far(length=t, chunk=c, group=gq, heads=h, scale=d ** -0.5 if scale is None else scale, bias=bias,
-              autodiff=autodiff)
-    args = (q_start, near, k_end, vc, _chunk_operators(wc, u), seg, tuple(consts))
+    bias, consts = _bias_hook(bias_fn, c)
+    st = _Far(length=t, chunk=c, group=gq, heads=h, scale=scale, bias=bias, autodiff=autodiff)
+    args = (q_start, near, k_end, vc, _chunk_operators(wc, u), seg, consts)
     o = _far_forward(st, *args)[0] if autodiff else _far(st, *args)  # [B,K,G,N,c,D]
     return _unchunked(o, t).astype(q.dtype)
+
+
+def _bias_hook(bias_fn, c: int):
+    """(bias(qpos, kpos, *consts) for tiles of c x c, consts): the arrays bias_fn reads become
+    inputs of `_far`, which returns their gradients. (None, ()) without a bias."""
+    if bias_fn is None:
+        return None, ()
+    bias, consts = jax.closure_convert(bias_fn, jnp.arange(c), jnp.arange(c))
+    return bias, tuple(consts)
+
+
+def _two_levels(q, k, v, w, beta, bias_fn, segment_ids, c: int, span: int, group: int, outer_group: int,
+                scale: float, autodiff: bool):
+    """`chunked_attention` with `span`: the per-chunk pieces, the outer blocks' pieces made from
+    them (plain JAX, autodiff), and `_spanned` (the two levels, their own backward)."""
+    b, t, h, d = q.shape
+    kh, per = k.shape[2], span // c
+    blocks = -(-t // span)
+    g2 = min(outer_group, blocks)
+    blocks = -(-blocks // g2) * g2
+    n = blocks * per
+    (q_start, near, k_end, vc, wc, u), seg = _chunk_pieces(q, k, v, w, beta, c, n), _chunk_rows(segment_ids, b, t, c, n)
+    ops = dense_product(wc, u).reshape(b, kh, blocks, per, d, d)  # chunk products by block
+    before = exclusive_products(ops, 3)  # the block's chunks before chunk m, [B, K, blocks, per, D, D]
+    q_outer = jnp.matmul(q_start.reshape(*q_start.shape[:3], blocks, per, c, d), before[:, :, None], precision=HIGHEST)
+    k_outer = jnp.einsum("bknmde,bknmce->bknmcd", exclusive_products(ops, 3, reverse=True),
+                         k_end.reshape(b, kh, blocks, per, c, d), precision=HIGHEST)
+    whole = jnp.matmul(ops[:, :, :, -1], before[:, :, :, -1], precision=HIGHEST)  # [B, K, blocks, D, D]
+    (bias1, consts1), (bias2, consts2) = _bias_hook(bias_fn, c), _bias_hook(bias_fn, span)
+    inner = _Far(length=t, chunk=c, group=math.gcd(n, group), heads=h, scale=scale, bias=bias1, autodiff=autodiff,
+                 span=per)
+    outer = _Far(length=t, chunk=span, group=g2, heads=h, scale=scale, bias=bias2, autodiff=autodiff, near=False)
+    by_block = lambda x: x.reshape(*x.shape[:3], blocks, span, *x.shape[6:])  # noqa: E731  [.., n, c, ..] -> blocks
+    inner_args = (q_start, near, k_end, vc, _chunk_operators(wc, u), seg, consts1)
+    outer_args = (by_block(q_outer), None, k_outer.reshape(b, kh, blocks, span, d), vc.reshape(b, kh, blocks, span, d),
+                  (whole,), seg.reshape(b, blocks, span), consts2)
+    o = (_spanned_forward(inner, outer, inner_args, outer_args)[0] if autodiff
+         else _spanned(inner, outer, inner_args, outer_args))
+    return _unchunked(o, t).astype(q.dtype)
+
+
+def _spanned_forward(inner: _Far, outer: _Far, inner_args, outer_args):
+    """(o [B, K, G, blocks, span, D], lse) of the two levels merged by their log-sum-exp."""
+    o1, lse1 = (x.reshape(*x.shape[:3], -1, outer.chunk, *x.shape[5:]) for x in _far_forward(inner, *inner_args))
+    o2, lse2 = _far_forward(outer, *outer_args)
+    lse = jnp.logaddexp(lse1, lse2)
+    return o1 * jnp.exp(lse1 - lse)[..., None] + o2 * jnp.exp(lse2 - lse)[..., None], lse
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _spanned(inner: _Far, outer: _Far, inner_args, outer_args):
+    return _spanned_forward(inner, outer, inner_args, outer_args)[0]
+
+
+def _spanned_fwd(inner, outer, inner_args, outer_args):
+    o, lse = _spanned_forward(inner, outer, inner_args, outer_args)
+    return o, (inner_args, outer_args, o, lse)
+
+
+def _spanned_bwd(inner, outer, res, do):
+    """Each level's gradients by `_far_bwd` from the merged output and log-sum-exp (the rows'
+    softmax is over both levels' keys: p = exp(s - lse) is then each tile's own share)."""
+    inner_args, outer_args, o, lse = res
+    to_chunks = lambda x: x.reshape(*x.shape[:3], -1, inner.chunk, *x.shape[5:])  # noqa: E731
+    return (_far_bwd(inner, (inner_args, to_chunks(o), to_chunks(lse)), to_chunks(do)),
+            _far_bwd(outer, (outer_args, o, lse), do))
+
+
+_spanned.defvjp(_spanned_fwd, _spanned_bwd)
 
 
 def _chunking(t: int, chunk: int, group: int) -> tuple[int, int, int]:
@@ -313,7 +397,11 @@ class _Far:
     """The static part of `_far`: the length (positions from it on are padding), chunk size,
     query chunks per group, query heads, logit scale, the closure-converted bias hook
     bias(qpos, kpos, *consts) (None: no bias), and whether autodiff differentiates the forward
-    (it then recomputes each group and step in the backward, `jax.checkpoint`)."""
+    (it then recomputes each group and step in the backward, `jax.checkpoint`). `span`: the
+    chunks of an outer block (None: the whole sequence is one); only key chunks in the query's
+    own outer block are scored (`chunked_attention`'s inner level). `near`: the in-chunk logits
+    are scored (False: only earlier chunks, the outer level, whose first chunk's queries then
+    see no key: out 0, log-sum-exp -inf)."""
     length: int
     chunk: int
     group: int
@@ -321,9 +409,19 @@ class _Far:
     scale: float
     bias: Callable | None
     autodiff: bool = False
+    span: int | None = None
+    near: bool = True
 
     def remat(self, fn):
         return jax.checkpoint(fn) if self.autodiff else fn
+
+    def distances(self, n: int) -> jax.Array:
+        """The chunk distances 1 .. (span or n) - 1 a query chunk may reach back."""
+        return jnp.arange(1, min(self.span or n, n))
+
+    def reaches(self, ids, delta, n: int):
+        """Whether query chunks ids see key chunks ids - delta: in the same outer block."""
+        return ids % min(self.span or n, n) >= delta
 
     def logits(self, s, ids, delta, seg, consts):
         """Query chunks ids [M] against key chunks ids - delta (all masked before the first):
@@ -338,7 +436,8 @@ class _Far:
             bias = jnp.broadcast_to(bias, (bias.shape[0], self.heads, m, c, c)).reshape(bias.shape[0], kh, g, m, c, c)
             s = s + bias.astype(jnp.float32)
         qseg, kseg = (jnp.take(seg, x, axis=1) for x in (ids, src))  # [B, M, c]
-        ok = (kpos[:, None, :] <= qpos[:, :, None]) & (kpos[:, None, :] < self.length) & (ids >= delta)[:, None, None]
+        ok = ((kpos[:, None, :] <= qpos[:, :, None]) & (kpos[:, None, :] < self.length)
+              & self.reaches(ids, delta, seg.shape[1])[:, None, None])
         ok = ok[None] & (qseg[..., :, None] == kseg[..., None, :])  # [B, M, c, c]
         return jnp.where(ok[:, None, None], s, MASKED)
 
@@ -396,14 +495,15 @@ def _far_forward(st: _Far, q_start, near, k, v, op, seg, consts):
                 src = _sources(ids, delta)
                 return _carry_back(qt, _take(op, src)), tile(state, _dots(qt, _take(k, src)), delta)
 
-            # At distances beyond the group's last chunk every key chunk is before the start.
-            return jax.lax.cond(delta < first + gq, st.remat(update), lambda c: c, carry), None
+            # At distances beyond the group's reach every key chunk is before the start (or its block's).
+            return jax.lax.cond(jnp.any(st.reaches(ids, delta, n)), st.remat(update), lambda c: c, carry), None
 
         rows = jax.lax.dynamic_slice_in_dim(q_start, first, gq, axis=3)
         state = (jnp.full(rows.shape[:-1], MASKED), jnp.zeros(rows.shape[:-1]), jnp.zeros(rows.shape))
-        state = tile(state, jax.lax.dynamic_slice_in_dim(near, first, gq, axis=3), 0)
-        (_, (m, row_sum, acc)), _ = jax.lax.scan(far, (rows, state), jnp.arange(1, n))
-        return acc / row_sum[..., None], m + jnp.log(row_sum)
+        if st.near:
+            state = tile(state, jax.lax.dynamic_slice_in_dim(near, first, gq, axis=3), 0)
+        (_, (m, row_sum, acc)), _ = jax.lax.scan(far, (rows, state), st.distances(n))
+        return acc / jnp.where(row_sum > 0, row_sum, 1.0)[..., None], m + jnp.log(row_sum)
 
     o, lse = jax.lax.map(st.remat(query_group), jnp.arange(0, n, gq))
     return _regroup(o), _regroup(lse)
@@ -456,15 +556,18 @@ def _far_bwd(st, res, do):
             dp = jnp.einsum("bkgnid,bknjd->bkgnij", do_g, _take(v, src), precision=HIGHEST)
             return vjp(p * (dp - delta_g[..., None])), jnp.einsum("bkgnij,bkgnid->bknjd", p, do_g, precision=HIGHEST)
 
-        (d_near, d_consts), dv_near = tile(lambda s, cs: st.logits(s, ids, 0, seg, cs), (rows(near), consts), ids)
-        dk, dv, dop, dcs = grads
-        grads = (dk, dv.at[:, :, ids].add(dv_near), dop, add(dcs, d_consts))
+        d_near = None
+        if st.near:
+            (d_near, d_consts), dv_near = tile(lambda s, cs: st.logits(s, ids, 0, seg, cs), (rows(near), consts),
+                                               ids)
+            dk, dv, dop, dcs = grads
+            grads = (dk, dv.at[:, :, ids].add(dv_near), dop, add(dcs, d_consts))
 
         def advance(qt, delta):  # the forward's query chain, kept: chain[e - 1] = q^(e)
             step = lambda q: _carry_back(q, _take(op, _sources(ids, delta)))  # noqa: E731
-            return jax.lax.cond(delta < first + gq, step, lambda q: q, qt), qt
+            return jax.lax.cond(jnp.any(st.reaches(ids, delta, n)), step, lambda q: q, qt), qt
 
-        _, chain = jax.lax.scan(advance, rows(q_start), jnp.arange(1, n))
+        _, chain = jax.lax.scan(advance, rows(q_start), st.distances(n))
 
         def back(carry, xs):  # carry: g^(e+1), the gradients so far
             delta, qt = xs
@@ -479,15 +582,15 @@ def _far_bwd(st, res, do):
                 at = lambda acc, x: acc.at[:, :, src].add(x)  # noqa: E731
                 return dq + dq_chain, (at(dk, dkt), at(dv, dvt), jax.tree.map(at, dop, dop_t), add(dcs, d_consts))
 
-            return jax.lax.cond(delta < first + gq, update, lambda c: c, carry), None
+            return jax.lax.cond(jnp.any(st.reaches(ids, delta, n)), update, lambda c: c, carry), None
 
-        (dq, grads), _ = jax.lax.scan(back, (jnp.zeros_like(rows(q_start)), grads), (jnp.arange(1, n), chain),
+        (dq, grads), _ = jax.lax.scan(back, (jnp.zeros_like(rows(q_start)), grads), (st.distances(n), chain),
                                       reverse=True)
         return grads, (dq, d_near)
 
     zeros = functools.partial(jax.tree.map, jnp.zeros_like)
     (dk, dv, dop, dcs), (dq, d_near) = jax.lax.scan(query_group, zeros((k, v, op, consts)), jnp.arange(0, n, gq))
-    return _regroup(dq), _regroup(d_near), dk, dv, dop, None, dcs
+    return _regroup(dq), None if d_near is None else _regroup(d_near), dk, dv, dop, None, dcs
 
 
 _far.defvjp(_far_fwd, _far_bwd)
@@ -610,7 +713,8 @@ class Path(Scheme):
 
     impl "reference" materialises the T x T logits (`path_scores`, one UT solve per
     `solve_chunk` tokens), "blockwise" is the flash-style chunked form with `block_size` tokens
-    per chunk and O(T * D) memory, training included (`chunked_attention`), "pallas" the same
+    per chunk and O(T * D) memory, training included (`chunked_attention`; in two levels with
+    blocks of `span` tokens where span > 0), "pallas" the same
     algorithm as a Pallas kernel (positional/kernels/path.py; the interpreter on CPU, with
     `block_size`-token chunks there), "ring" splits the sequence over the devices of the
     enclosing sequence mesh (`ring_path_attention`; off one, the chunked form), and "auto" the
@@ -624,6 +728,9 @@ class Path(Scheme):
     conv: int = 3  # width of the short causal convolution in w (0: none); 3 as the public layer
     qk_norm: bool = False  # RMS-normalise q and k per head (parameter-free) before the transport
     solve_chunk: int = 64  # impl "reference": tokens per UT solve in the logits (0: one solve over T)
+    # impl "blockwise": the chunked form in two levels, blocks of `span` tokens (a multiple of
+    # block_size; 0: one level). Fewer, larger scan steps (`chunked_attention`).
+    span: int = 0
 
     relative = False  # routes depend on the tokens between, not on positions
     impls = ("auto", "reference", "blockwise", "pallas", "ring")
@@ -635,7 +742,7 @@ class Path(Scheme):
 
     def __post_init__(self):
         super().__post_init__()
-        for name, least in (("rank", 1), ("conv", 0), ("solve_chunk", 0)):
+        for name, least in (("rank", 1), ("conv", 0), ("solve_chunk", 0), ("span", 0)):
             if getattr(self, name) < least:
                 raise ValueError(f"PaTH option {name}={getattr(self, name)} must be >= {least}")
 
@@ -683,7 +790,8 @@ class Path(Scheme):
             return ring_path_attention(q, k, v, w, beta, mesh=active_mesh(), bias_fn=bias, segment_ids=segment_ids,
                                        chunk=block_size)
         if impl in ("blockwise", "ring"):  # "ring" off a sequence mesh: the chunked form
-            return chunked_attention(q, k, v, w, beta, segment_ids=segment_ids, bias_fn=bias, chunk=block_size)
+            return chunked_attention(q, k, v, w, beta, segment_ids=segment_ids, bias_fn=bias, chunk=block_size,
+                                     span=self.span or None)
         if impl == "pallas":  # the Pallas interpreter on CPU, with block_size-token chunks
             return path_attention(q, k, v, w, beta, bias_fn=bias, segment_ids=segment_ids, block_size=block_size,
                                   platform=platform)

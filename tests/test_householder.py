@@ -86,12 +86,12 @@ def test_route_convention_query_step_counts_key_step_does_not():
         assert (changed[j <= i] == on_route[j <= i]).all(), t
 
 
-def gated_path_grads(t, d, chunk, group, segments, gated, impls, solve=None):
+def gated_path_grads(t, d, chunk, group, segments, gated, impls, solve=None, span=None, outer_group=8):
     """{impl: ((loss, output), gradients of q, k, v, w, beta and the FoX log-gates)} of PaTH
     attention (GQA: 4 query heads on 2 kv heads; FoX gates as a `Bias` read from the log-gates
     when `gated`) for impls "reference" (the materialised logits, one UT solve per `solve`
-    tokens or one over T), "recompute" (chunked, its own backward) and "autodiff" (chunked,
-    autodiff through its scans)."""
+    tokens or one over T), "recompute" (chunked, its own backward; two levels with `span`) and
+    "autodiff" (chunked, autodiff through its scans)."""
     q, k, v, w, beta = inputs(t=t, d=d)
     log_f = uniform(jax.random.key(3), (2, t, 4), minval=-1.0, maxval=0.0)
     seg = jnp.asarray([[1] * 5 + [2] * t, [3] * (t + 5)])[:, :t] if segments else None
@@ -102,7 +102,7 @@ def gated_path_grads(t, d, chunk, group, segments, gated, impls, solve=None):
             return reference_attention(q, k, v, bias_fn=bias, segment_ids=seg,
                                        score_fn=hh.dense_score_fn(w, beta, d ** -0.5, solve))
         return hh.chunked_attention(q, k, v, w, beta, bias_fn=bias, segment_ids=seg, chunk=chunk, group=group,
-                                    autodiff=impl == "autodiff")
+                                    autodiff=impl == "autodiff", span=span, outer_group=outer_group)
 
     def loss(impl, *args):
         out = attend(impl, *args)
@@ -135,6 +135,32 @@ def test_chunked_equals_reference_values_and_gradients(t, d, chunk, group, segme
     and gradients of q, k, v, w, beta and of the FoX gates (the bias hook's arrays)."""
     assert_same_values_and_gradients(
         gated_path_grads(t, d, chunk, group, segments, gated, ("reference", "recompute"), solve), "reference")
+
+
+@pytest.mark.parametrize("t,d,chunk,span,group,outer_group,segments,gated", [
+    (16, 8, 2, 4, 2, 2, True, True),  # 4 blocks of 2 chunks, two outer groups
+    (13, 8, 1, 3, 3, 2, False, True),  # chunks of one token; 5 blocks padded to 6
+    (37, 16, 4, 8, 8, 1, True, True),  # D > c: compact chunk operators inside, dense per block
+    (100, 16, 8, 32, 4, 8, True, True),  # every block in one outer group
+    (200, 48, 16, 64, 8, 2, True, False),
+])
+def test_two_levels_equal_reference_values_and_gradients(t, d, chunk, span, group, outer_group, segments, gated):
+    """`span`: the chunked form inside blocks of span tokens and again across blocks, merged by
+    log-sum-exp, each level's backward from the merged statistics: the same values and
+    gradients as the materialised logits (documents crossing block boundaries, FoX gates)."""
+    assert_same_values_and_gradients(gated_path_grads(t, d, chunk, group, segments, gated, ("reference", "recompute"),
+                                                      span=span, outer_group=outer_group), "reference")
+
+
+def test_two_levels_autodiff_through_the_scans_agrees():
+    assert_same_values_and_gradients(gated_path_grads(37, 16, 4, 2, True, True, ("autodiff", "recompute"), span=8,
+                                                      outer_group=2), "autodiff")
+
+
+def test_span_must_hold_whole_chunks():
+    q, k, v, w, beta = inputs(t=20)
+    with pytest.raises(ValueError, match=r"^PaTH chunked_attention span=6 must be a multiple of chunk=4$"):
+        hh.chunked_attention(q, k, v, w, beta, chunk=4, span=6)
 
 
 @pytest.mark.slow  # the reference test above checks the same gradients; this one the old path
@@ -258,6 +284,21 @@ def test_scheme_solve_chunk_reaches_the_reference_logits():
     np.testing.assert_allclose(out, product_attention(q, k, v, w, beta), atol=2e-5)
     with pytest.raises(ValueError, match="solve_chunk"):
         make_scheme("path", num_heads=4, head_dim=8, solve_chunk=-1)
+
+
+def test_scheme_span_runs_two_levels_with_the_same_result():
+    """Path(span=8) with impl blockwise and 2-token chunks over 21 tokens (3 blocks) equals the
+    explicit products; a span that is not whole chunks is refused in one line."""
+    from models.registry import make_scheme
+    q, k, v, w, beta = inputs(t=21)
+    scheme = make_scheme("path", num_heads=4, head_dim=8, span=8)
+    features = {"w": w, "beta": beta}
+    out = jax.jit(lambda q, k, v, f: scheme.attention(q, k, v, f, impl="blockwise", block_size=2))(q, k, v, features)
+    np.testing.assert_allclose(out, product_attention(q, k, v, w, beta), atol=2e-5)
+    with pytest.raises(ValueError, match=r"span=8 must be a multiple of chunk=3"):
+        scheme.attention(q, k, v, features, impl="blockwise", block_size=3)
+    with pytest.raises(ValueError, match="span"):
+        make_scheme("path", num_heads=4, head_dim=8, span=-1)
 
 
 def test_decode_prefills_in_parallel_at_any_index():
