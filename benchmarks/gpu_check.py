@@ -16,8 +16,9 @@ against theirs) does not fit in what is left of --budget_s is skipped and named:
      hook kernel (KERPLE, TAPA), PaTH-FoX's kernel, the Sessa feedback solve (run last: `LAST`).
   2. attention: forward + backward of one call, 1 x 16 heads x 128 bf16, 4 packed documents
      per row, at 8,192 then 32,768 tokens: each scheme's auto path against cuDNN plain causal
-     softmax without packing (the ceiling); then cuDNN plain at the head dims the bias channels
-     make (136, 144, 152, 192 against 128).
+     softmax without packing (the ceiling); PaTH-FoX's chunked form at 8,192 in one level and
+     in two (chunk, span: `chunked_attention`); then cuDNN plain at the head dims the bias
+     channels make (136, 144, 152, 192 against 128).
   3. train: tokens/s of the train step (lab.state.make_train_step, as train.py builds it;
      configs/default.py, 4 rows of 8,192, bf16, 4 documents per row), auto against blockwise,
      for rope, alibi, fox, tapa and path_fox.
@@ -77,10 +78,11 @@ def sizes(tiny: bool) -> dict:
     if tiny:  # every kind of path once (the test's budget), not every scheme
         return dict(check=(2, 40, 4, 2, 16), lengths=(256,), heads=2, head_dim=64, dims=(72,), rows=2, seq_len=128,
                     attention=("rope", "fox", "tapa", "path_fox"), train=("rope", "fox", "path_fox"),
-                    models=("tiny",), eval_len=256)
+                    models=("tiny",), eval_len=256, path_spans=((32, 128),))
     return dict(check=(2, 1000, 4, 2, 64), lengths=(8192, 32768), heads=16, head_dim=128, dims=(136, 144, 152, 192),
                 rows=4, seq_len=8192, attention=ATTENTION_SCHEMES, train=TRAIN_SCHEMES,
-                models=("Llama-3.2-1B", "Llama-3.2-3B", "Llama-3.1-8B"), eval_len=4096)
+                models=("Llama-3.2-1B", "Llama-3.2-3B", "Llama-3.1-8B"), eval_len=4096,
+                path_spans=((64, 0), (64, 512), (64, 1024), (128, 1024)))
 
 
 def packed_ids(b: int, t: int, documents: int) -> jax.Array:
@@ -179,17 +181,18 @@ def ceiling(q, k, v):
     return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn" if on_gpu else "xla")
 
 
-def run_attention(name, t, heads, d, repeats) -> dict:
+def run_attention(name, t, heads, d, repeats, impl="auto", block_size=512, **options) -> dict:
     keys = jax.random.split(jax.random.key(t), 3)
     q, k, v = (jax.random.normal(x, (1, t, heads, d), jnp.bfloat16) for x in keys)
     seg = packed_ids(1, t, 4)
     pos = positions_of(seg)
-    scheme = None if name == "ceiling" else make_scheme(name, num_heads=heads, head_dim=d)
+    scheme = None if name == "ceiling" else make_scheme(name, num_heads=heads, head_dim=d, **options)
 
     def fn(q, k, v):
         if scheme is None:
             return ceiling(q, k, v)
-        return scheme.attend(q, k, v, positions=pos, segment_ids=seg, impl="auto", key=jax.random.key(0))
+        return scheme.attend(q, k, v, positions=pos, segment_ids=seg, impl=impl, block_size=block_size,
+                             key=jax.random.key(0))
 
     seconds, temp = timed(fwd_bwd(fn), (q, k, v), repeats)
     return {"scheme": name, "tokens": t, "head_dim": d, "ms": 1e3 * seconds, "temp_gib": temp / 2 ** 30}
@@ -273,8 +276,12 @@ def plan(tiny: bool) -> list[tuple[str, str, float, object]]:
 
     dims = [("attention", f"ceiling at head dim {d}", 10,
              lambda d=d: run_attention("ceiling", first, s["heads"], d, reps)) for d in s["dims"]]
+    # PaTH-FoX's chunked form (auto's choice on GPU) at its training chunk, one level and two.
+    spans = [("attention", f"path_fox blockwise chunk {c} span {span} at {first}", 30 * first / 8192,
+              lambda c=c, span=span: run_attention("path_fox", first, s["heads"], s["head_dim"], reps, "blockwise", c,
+                                                   span=span)) for c, span in s["path_spans"]]
     plans = [("eval plan", m, 30, lambda m=m: run_eval_plan(m, s["eval_len"])) for m in s["models"]]
-    return (items + attention_items(first) + train_items(s["train"][:3]) + dims
+    return (items + attention_items(first) + spans + train_items(s["train"][:3]) + dims
             + [x for t in longer for x in attention_items(t)] + train_items(s["train"][3:]) + plans + last)
 
 
