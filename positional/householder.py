@@ -49,11 +49,14 @@ import jax.numpy as jnp
 from positional.attention import OwnKernel, attention, choose, log_ring, per_device, per_platform_choice
 from positional.kernels.path import check_transport, path_attention, refusal
 from positional.ring import active_mesh, float_part, make_ring, ring_active, ring_call
-from positional.softmax import MASKED, check_shapes
+from positional.softmax import MASKED, check_shapes, matmul, rounded
 from positional.linalg import unit_lower_inverse
 from positional.scheme import Scheme
 
 HIGHEST = jax.lax.Precision.HIGHEST
+# The chunked form's tile operands (`tiles`): fp32 at highest precision, or bf16 accumulating in
+# fp32 (tensor cores / the MXU, as flash attention and the authors' kernels take q.k and P.V).
+TILES = {"fp32": jnp.float32, "bf16": jnp.bfloat16}
 
 
 # ---- dense references ------------------------------------------------------------------------
@@ -231,8 +234,8 @@ def transport_to_end(k, w, beta, chunk: int = 64) -> jax.Array:
 
 
 def chunked_attention(q, k, v, w, beta, *, bias_fn=None, segment_ids=None, chunk: int = 64,
-                      group: int = 8, scale: float | None = None, autodiff: bool = False, span: int | None = None,
-                      outer_group: int = 8) -> jax.Array:
+                      group: int | None = None, scale: float | None = None, autodiff: bool = False,
+                      span: int | None = None, outer_group: int = 8, tiles: str = "fp32") -> jax.Array:
     """PaTH attention with O(T * D) memory, forward and backward: returns [B, T, H, D] in q's dtype.
 
     For query chunk n and key chunk m < n the route splits as (prefix of chunk n up to i) x
@@ -241,8 +244,8 @@ def chunked_attention(q, k, v, w, beta, *, bias_fn=None, segment_ids=None, chunk
     queries to the start of theirs, the in-chunk logits. Across chunks, `_far`: queries carried
     back one whole chunk per step of a scan over the chunk distance, with an online softmax,
     and its own recomputing backward (see `_far_bwd`). Query chunks go `group` at a time (so
-    one step's tiles stay in cache), and a group skips the distances that would take all its
-    chunks before the start. `autodiff`: differentiate `_far` through its scans instead, which
+    one step's tiles stay in cache; default 8), and a group skips the distances that would take
+    all its chunks before the start. `autodiff`: differentiate `_far` through its scans instead, which
     keeps every step's carry (about T^2 / chunk * D floats per head: for comparison only).
 
     `span` (a multiple of the chunk, shorter than T): two levels, the same split one level up.
@@ -251,23 +254,31 @@ def chunked_attention(q, k, v, w, beta, *, bias_fn=None, segment_ids=None, chunk
     carried back to the block's start and its keys to the block's end (the chunks' D x D
     products, prefix and suffix), one D x D product per block, no in-block logits, `outer_group`
     blocks at a time. The two merge by their log-sum-exp, and the backward runs `_far_bwd` on
-    each level with the merged output and log-sum-exp. The same logits and result; the scans
-    take span / chunk + T / span steps instead of about T / chunk per group, each on larger
-    tiles, for O(T * D * (span / chunk + T / span * outer_group / T * span)) memory.
+    each level with the merged output and log-sum-exp. The same logits and result; the inner
+    level takes every chunk in one group by default (its scans are span / chunk - 1 steps long),
+    so the scans take about span / chunk + (T / span)^2 / outer_group steps where one level
+    takes (T / chunk)^2 / group, for O(T * D * (span / chunk + outer_group)) memory per head.
+
+    `tiles`: the operands of the q.k and P.V tiles, both passes (TILES): "fp32" (highest
+    precision) or "bf16" (accumulated in fp32, as flash attention's). The transport, the
+    in-chunk pieces and the softmax statistics stay fp32.
     """
     check_shapes(q, k, v, segment_ids)
     check_transport(k, w, beta)
+    if tiles not in TILES:
+        raise ValueError(f"PaTH chunked_attention tiles={tiles!r} must be one of {sorted(TILES)}")
     b, t, h, d = q.shape
     scale = d ** -0.5 if scale is None else scale
     c = min(chunk, t)
     if span is not None and span < t:
         if span % c:
             raise ValueError(f"PaTH chunked_attention span={span} must be a multiple of chunk={c}")
-        return _two_levels(q, k, v, w, beta, bias_fn, segment_ids, c, span, group, outer_group, scale, autodiff)
-    c, gq, n = _chunking(t, chunk, group)
+        return _two_levels(q, k, v, w, beta, bias_fn, segment_ids, c, span, group, outer_group, scale, autodiff,
+                           tiles)
+    c, gq, n = _chunking(t, chunk, group or 8)
     (q_start, near, k_end, vc, wc, u), seg = _chunk_pieces(q, k, v, w, beta, c, n), _chunk_rows(segment_ids, b, t, c, n)
     bias, consts = _bias_hook(bias_fn, c)
-    st = _Far(length=t, chunk=c, group=gq, heads=h, scale=scale, bias=bias, autodiff=autodiff)
+    st = _Far(length=t, chunk=c, group=gq, heads=h, scale=scale, bias=bias, autodiff=autodiff, tiles=tiles)
     args = (q_start, near, k_end, vc, _chunk_operators(wc, u), seg, consts)
     o = _far_forward(st, *args)[0] if autodiff else _far(st, *args)  # [B,K,G,N,c,D]
     return _unchunked(o, t).astype(q.dtype)
@@ -282,8 +293,8 @@ def _bias_hook(bias_fn, c: int):
     return bias, tuple(consts)
 
 
-def _two_levels(q, k, v, w, beta, bias_fn, segment_ids, c: int, span: int, group: int, outer_group: int,
-                scale: float, autodiff: bool):
+def _two_levels(q, k, v, w, beta, bias_fn, segment_ids, c: int, span: int, group: int | None, outer_group: int,
+                scale: float, autodiff: bool, tiles: str):
     """`chunked_attention` with `span`: the per-chunk pieces, the outer blocks' pieces made from
     them (plain JAX, autodiff), and `_spanned` (the two levels, their own backward)."""
     b, t, h, d = q.shape
@@ -300,9 +311,10 @@ def _two_levels(q, k, v, w, beta, bias_fn, segment_ids, c: int, span: int, group
                          k_end.reshape(b, kh, blocks, per, c, d), precision=HIGHEST)
     whole = jnp.matmul(ops[:, :, :, -1], before[:, :, :, -1], precision=HIGHEST)  # [B, K, blocks, D, D]
     (bias1, consts1), (bias2, consts2) = _bias_hook(bias_fn, c), _bias_hook(bias_fn, span)
-    inner = _Far(length=t, chunk=c, group=math.gcd(n, group), heads=h, scale=scale, bias=bias1, autodiff=autodiff,
-                 span=per)
-    outer = _Far(length=t, chunk=span, group=g2, heads=h, scale=scale, bias=bias2, autodiff=autodiff, near=False)
+    inner = _Far(length=t, chunk=c, group=math.gcd(n, group or n), heads=h, scale=scale, bias=bias1,
+                 autodiff=autodiff, span=per, tiles=tiles)
+    outer = _Far(length=t, chunk=span, group=g2, heads=h, scale=scale, bias=bias2, autodiff=autodiff, near=False,
+                 tiles=tiles)
     by_block = lambda x: x.reshape(*x.shape[:3], blocks, span, *x.shape[6:])  # noqa: E731  [.., n, c, ..] -> blocks
     inner_args = (q_start, near, k_end, vc, _chunk_operators(wc, u), seg, consts1)
     outer_args = (by_block(q_outer), None, k_outer.reshape(b, kh, blocks, span, d), vc.reshape(b, kh, blocks, span, d),
@@ -411,9 +423,34 @@ class _Far:
     autodiff: bool = False
     span: int | None = None
     near: bool = True
+    tiles: str = "fp32"  # the q.k and P.V tiles' operands (TILES): fp32 at highest precision, or bf16
 
     def remat(self, fn):
         return jax.checkpoint(fn) if self.autodiff else fn
+
+    def mm(self, spec, a, b):
+        """A tile's einsum (q.k, P.V and theirs in the backward), accumulated in fp32. spec's
+        g (a query head of the kv head) is a row axis: with bf16 tiles it is folded into the
+        rows (i), so every dot, its transposes included, has the batch axes first (XLA's CPU
+        dot takes bf16 operands only so)."""
+        if self.tiles == "fp32":
+            return jnp.einsum(spec, a, b, precision=HIGHEST)
+        ins, out = spec.split("->")
+        g = next(x.shape[ax.index("g")] for x, ax in zip((a, b), ins.split(",")) if "g" in ax)
+
+        def fold(x, ax):  # [b, k, g, n, i, ...] -> [b, k, n, g * i, ...]
+            return jnp.moveaxis(x, 2, 3).reshape(x.shape[0], x.shape[1], x.shape[3], -1, *x.shape[5:]) if "g" in ax else x
+
+        plain = lambda ax: ax.replace("g", "")  # noqa: E731
+        y = matmul(f"{plain(ins.split(',')[0])},{plain(ins.split(',')[1])}->{plain(out)}",
+                   *(fold(x, ax) for x, ax in zip((a, b), ins.split(","))), TILES[self.tiles])
+        if "g" not in out:
+            return y
+        return jnp.moveaxis(y.reshape(y.shape[0], y.shape[1], y.shape[2], g, -1, *y.shape[4:]), 3, 2)
+
+    def dots(self, qt, kt):
+        """q.k tiles: qt [B, K, G, M, c, D], kt [B, K, M, c, D] -> [B, K, G, M, c, c]."""
+        return self.mm("bkgnid,bknjd->bkgnij", qt, kt)
 
     def distances(self, n: int) -> jax.Array:
         """The chunk distances 1 .. (span or n) - 1 a query chunk may reach back."""
@@ -484,16 +521,16 @@ def _far_forward(st: _Far, q_start, near, k, v, op, seg, consts):
             m, row_sum, acc = state
             s = st.logits(s, ids, delta, seg, consts)
             m_new = jnp.maximum(m, s.max(-1))
-            p = jnp.exp(s - m_new[..., None])
+            p = rounded(jnp.exp(s - m_new[..., None]), TILES[st.tiles])  # as P.V takes it
             corr = jnp.exp(m - m_new)
-            pv = jnp.einsum("bkgnij,bknjd->bkgnid", p, _take(v, _sources(ids, delta)), precision=HIGHEST)
+            pv = st.mm("bkgnij,bknjd->bkgnid", p, _take(v, _sources(ids, delta)))
             return m_new, row_sum * corr + p.sum(-1), acc * corr[..., None] + pv
 
         def far(carry, delta):  # query chunk ids[i] sees key chunk ids[i] - delta
             def update(carry):
                 qt, state = carry
                 src = _sources(ids, delta)
-                return _carry_back(qt, _take(op, src)), tile(state, _dots(qt, _take(k, src)), delta)
+                return _carry_back(qt, _take(op, src)), tile(state, st.dots(qt, _take(k, src)), delta)
 
             # At distances beyond the group's reach every key chunk is before the start (or its block's).
             return jax.lax.cond(jnp.any(st.reaches(ids, delta, n)), st.remat(update), lambda c: c, carry), None
@@ -553,8 +590,8 @@ def _far_bwd(st, res, do):
         def tile(logits, primals, src):  # (d primals, dV of key chunks src) of one tile
             s, vjp = jax.vjp(logits, *primals)
             p = jnp.exp(s - lse_g[..., None])
-            dp = jnp.einsum("bkgnid,bknjd->bkgnij", do_g, _take(v, src), precision=HIGHEST)
-            return vjp(p * (dp - delta_g[..., None])), jnp.einsum("bkgnij,bkgnid->bknjd", p, do_g, precision=HIGHEST)
+            dp = st.mm("bkgnid,bknjd->bkgnij", do_g, _take(v, src))
+            return vjp(p * (dp - delta_g[..., None])), st.mm("bkgnij,bkgnid->bknjd", p, do_g)
 
         d_near = None
         if st.near:
@@ -575,7 +612,7 @@ def _far_bwd(st, res, do):
             def update(carry):
                 g, (dk, dv, dop, dcs) = carry
                 src = _sources(ids, delta)
-                (dq, dkt, d_consts), dvt = tile(lambda q, kt, cs: st.logits(_dots(q, kt), ids, delta, seg, cs),
+                (dq, dkt, d_consts), dvt = tile(lambda q, kt, cs: st.logits(st.dots(q, kt), ids, delta, seg, cs),
                                                 (qt, _take(k, src), consts), src)
                 _, chain_vjp = jax.vjp(_carry_back, qt, _take(op, src))
                 dq_chain, dop_t = chain_vjp(g)
@@ -731,6 +768,7 @@ class Path(Scheme):
     # impl "blockwise": the chunked form in two levels, blocks of `span` tokens (a multiple of
     # block_size; 0: one level). Fewer, larger scan steps (`chunked_attention`).
     span: int = 0
+    tiles: str = "fp32"  # impl "blockwise": its q.k and P.V tiles' operands, "fp32" or "bf16" (TILES)
 
     relative = False  # routes depend on the tokens between, not on positions
     impls = ("auto", "reference", "blockwise", "pallas", "ring")
@@ -745,6 +783,8 @@ class Path(Scheme):
         for name, least in (("rank", 1), ("conv", 0), ("solve_chunk", 0), ("span", 0)):
             if getattr(self, name) < least:
                 raise ValueError(f"PaTH option {name}={getattr(self, name)} must be >= {least}")
+        if self.tiles not in TILES:
+            raise ValueError(f"PaTH option tiles={self.tiles!r} must be one of {sorted(TILES)}")
 
     def transform(self, q, k, v, features, positions):
         if self.qk_norm:
@@ -791,7 +831,7 @@ class Path(Scheme):
                                        chunk=block_size)
         if impl in ("blockwise", "ring"):  # "ring" off a sequence mesh: the chunked form
             return chunked_attention(q, k, v, w, beta, segment_ids=segment_ids, bias_fn=bias, chunk=block_size,
-                                     span=self.span or None)
+                                     span=self.span or None, tiles=self.tiles)
         if impl == "pallas":  # the Pallas interpreter on CPU, with block_size-token chunks
             return path_attention(q, k, v, w, beta, bias_fn=bias, segment_ids=segment_ids, block_size=block_size,
                                   platform=platform)
