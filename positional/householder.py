@@ -280,7 +280,7 @@ def chunked_attention(q, k, v, w, beta, *, bias_fn=None, segment_ids=None, chunk
     bias, consts = _bias_hook(bias_fn, c)
     st = _Far(length=t, chunk=c, group=gq, heads=h, scale=scale, bias=bias, autodiff=autodiff, tiles=tiles)
     args = (q_start, near, k_end, vc, _chunk_operators(wc, u), seg, consts)
-    o = _far_forward(st, *args)[0] if autodiff else _far(st, *args)  # [B,K,G,N,c,D]
+    o = (_far_forward if autodiff else _far)(st, *args)[0]  # [B,K,G,N,c,D]
     return _unchunked(o, t).astype(q.dtype)
 
 
@@ -296,7 +296,7 @@ def _bias_hook(bias_fn, c: int):
 def _two_levels(q, k, v, w, beta, bias_fn, segment_ids, c: int, span: int, group: int | None, outer_group: int,
                 scale: float, autodiff: bool, tiles: str):
     """`chunked_attention` with `span`: the per-chunk pieces, the outer blocks' pieces made from
-    them (plain JAX, autodiff), and `_spanned` (the two levels, their own backward)."""
+    them, each level's (o, lse) by `_far`, merged by their log-sum-exp (autodiff outside `_far`)."""
     b, t, h, d = q.shape
     kh, per = k.shape[2], span // c
     blocks = -(-t // span)
@@ -319,39 +319,17 @@ def _two_levels(q, k, v, w, beta, bias_fn, segment_ids, c: int, span: int, group
     inner_args = (q_start, near, k_end, vc, _chunk_operators(wc, u), seg, consts1)
     outer_args = (by_block(q_outer), None, k_outer.reshape(b, kh, blocks, span, d), vc.reshape(b, kh, blocks, span, d),
                   (whole,), seg.reshape(b, blocks, span), consts2)
-    o = (_spanned_forward(inner, outer, inner_args, outer_args)[0] if autodiff
-         else _spanned(inner, outer, inner_args, outer_args))
-    return _unchunked(o, t).astype(q.dtype)
+    far = _far_forward if autodiff else _far
+    o1, lse1 = (x.reshape(*x.shape[:3], blocks, span, *x.shape[5:]) for x in far(inner, *inner_args))
+    o2, lse2 = far(outer, *outer_args)
+    return _unchunked(merged(o1, lse1, o2, lse2), t).astype(q.dtype)
 
 
-def _spanned_forward(inner: _Far, outer: _Far, inner_args, outer_args):
-    """(o [B, K, G, blocks, span, D], lse) of the two levels merged by their log-sum-exp."""
-    o1, lse1 = (x.reshape(*x.shape[:3], -1, outer.chunk, *x.shape[5:]) for x in _far_forward(inner, *inner_args))
-    o2, lse2 = _far_forward(outer, *outer_args)
+def merged(o1, lse1, o2, lse2):
+    """Attention over two disjoint sets of keys merged: each part's output weighted by its share
+    of the row's softmax, exp(lse_part - lse) (a part a row has no key in: lse -inf, weight 0)."""
     lse = jnp.logaddexp(lse1, lse2)
-    return o1 * jnp.exp(lse1 - lse)[..., None] + o2 * jnp.exp(lse2 - lse)[..., None], lse
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _spanned(inner: _Far, outer: _Far, inner_args, outer_args):
-    return _spanned_forward(inner, outer, inner_args, outer_args)[0]
-
-
-def _spanned_fwd(inner, outer, inner_args, outer_args):
-    o, lse = _spanned_forward(inner, outer, inner_args, outer_args)
-    return o, (inner_args, outer_args, o, lse)
-
-
-def _spanned_bwd(inner, outer, res, do):
-    """Each level's gradients by `_far_bwd` from the merged output and log-sum-exp (the rows'
-    softmax is over both levels' keys: p = exp(s - lse) is then each tile's own share)."""
-    inner_args, outer_args, o, lse = res
-    to_chunks = lambda x: x.reshape(*x.shape[:3], -1, inner.chunk, *x.shape[5:])  # noqa: E731
-    return (_far_bwd(inner, (inner_args, to_chunks(o), to_chunks(lse)), to_chunks(do)),
-            _far_bwd(outer, (outer_args, o, lse), do))
-
-
-_spanned.defvjp(_spanned_fwd, _spanned_bwd)
+    return o1 * jnp.exp(lse1 - lse)[..., None] + o2 * jnp.exp(lse2 - lse)[..., None]
 
 
 def _chunking(t: int, chunk: int, group: int) -> tuple[int, int, int]:
@@ -548,15 +526,16 @@ def _far_forward(st: _Far, q_start, near, k, v, op, seg, consts):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _far(st: _Far, q_start, near, k, v, op, seg, consts):
-    return _far_forward(st, q_start, near, k, v, op, seg, consts)[0]
+    """(o, lse) of `_far_forward`, with its own backward (`_far_bwd`)."""
+    return _far_forward(st, q_start, near, k, v, op, seg, consts)
 
 
 def _far_fwd(st, *args):
     o, lse = _far_forward(st, *args)
-    return o, (args, o, lse)
+    return (o, lse), (args, o, lse)
 
 
-def _far_bwd(st, res, do):
+def _far_bwd(st, res, cotangents):
     """The gradients of `_far`'s inputs in O(T * D * group) memory, by recomputation.
 
     Per tile, flash attention's recurrences: P = exp(logits - lse) from the forward's log-sum-
@@ -578,8 +557,11 @@ def _far_bwd(st, res, do):
     query carried to the boundary of each 512-token block, T^2 / 512 * D.)
     """
     (q_start, near, k, v, op, seg, consts), o, lse = res
+    do, d_lse = cotangents
     n, gq = seg.shape[1], st.group
-    delta_o = jnp.sum(o * do, -1)  # [B,K,G,N,c]
+    # d lse_i / d s_ij = p_ij: a cotangent of the log-sum-exp enters as delta - d_lse.
+    delta_o = jnp.sum(o * do, -1) - d_lse  # [B,K,G,N,c]
+    lse = jnp.where(jnp.isfinite(lse), lse, -MASKED)  # a row with no key: every p = 0
     add = functools.partial(jax.tree.map, jnp.add)
 
     def query_group(grads, first):
@@ -729,7 +711,7 @@ def ring_path_attention(q, k, v, w, beta, *, mesh, axis: str = "sequence", bias_
         kh = k.shape[2]
         # Padding rows get lse +1e30: weights exp(s - lse) = 0, as their dO is.
         saved = (_chunk_heads(o, kh, c, nc), _chunk_heads(lse, kh, c, nc, -MASKED))
-        *d_own, _, d_consts = _far_bwd(st, ((*own, rows, consts), *saved), _chunk_heads(do, kh, c, nc))
+        *d_own, _, d_consts = _far_bwd(st, ((*own, rows, consts), *saved), (_chunk_heads(do, kh, c, nc), 0.0))
         dq0, d_keys, dv, (da, *d_bias) = ring.backward(q0, keys, vf, seg, (a, features), o, lse, do)
         grads = pieces_vjp((tuple(d_own), dq0, d_keys, dv, spans_vjp(da)[0]))
         return (*grads, [x + y for x, y in zip(d_consts, d_bias)])
