@@ -235,7 +235,8 @@ def transport_to_end(k, w, beta, chunk: int = 64) -> jax.Array:
 
 def chunked_attention(q, k, v, w, beta, *, bias_fn=None, segment_ids=None, chunk: int = 64,
                       group: int | None = None, scale: float | None = None, autodiff: bool = False,
-                      span: int | None = None, outer_group: int = 8, tiles: str = "fp32") -> jax.Array:
+                      span: int | None = None, outer_group: int = 8, tiles: str = "fp32",
+                      kernel: dict | None = None) -> jax.Array:
     """PaTH attention with O(T * D) memory, forward and backward: returns [B, T, H, D] in q's dtype.
 
     For query chunk n and key chunk m < n the route splits as (prefix of chunk n up to i) x
@@ -262,6 +263,10 @@ def chunked_attention(q, k, v, w, beta, *, bias_fn=None, segment_ids=None, chunk
     `tiles`: the operands of the q.k and P.V tiles, both passes (TILES): "fp32" (highest
     precision) or "bf16" (accumulated in fp32, as flash attention's). The transport, the
     in-chunk pieces and the softmax statistics stay fp32.
+
+    `kernel` (with `span`): the inner level by PaTH's Pallas kernel, each block a sequence of
+    its own (positional/kernels/path.py `path_attention` with `span`; the dict: its options,
+    e.g. block_size, platform).
     """
     check_shapes(q, k, v, segment_ids)
     check_transport(k, w, beta)
@@ -274,7 +279,7 @@ def chunked_attention(q, k, v, w, beta, *, bias_fn=None, segment_ids=None, chunk
         if span % c:
             raise ValueError(f"PaTH chunked_attention span={span} must be a multiple of chunk={c}")
         return _two_levels(q, k, v, w, beta, bias_fn, segment_ids, c, span, group, outer_group, scale, autodiff,
-                           tiles)
+                           tiles, kernel)
     c, gq, n = _chunking(t, chunk, group or 8)
     (q_start, near, k_end, vc, wc, u), seg = _chunk_pieces(q, k, v, w, beta, c, n), _chunk_rows(segment_ids, b, t, c, n)
     bias, consts = _bias_hook(bias_fn, c)
@@ -294,9 +299,10 @@ def _bias_hook(bias_fn, c: int):
 
 
 def _two_levels(q, k, v, w, beta, bias_fn, segment_ids, c: int, span: int, group: int | None, outer_group: int,
-                scale: float, autodiff: bool, tiles: str):
+                scale: float, autodiff: bool, tiles: str, kernel: dict | None):
     """`chunked_attention` with `span`: the per-chunk pieces, the outer blocks' pieces made from
-    them, each level's (o, lse) by `_far`, merged by their log-sum-exp (autodiff outside `_far`)."""
+    them, each level's (o, lse), merged by their log-sum-exp (autodiff outside `_far` and the
+    kernel). The inner level by `_far`, or with `kernel` by PaTH's Pallas kernel (its options)."""
     b, t, h, d = q.shape
     kh, per = k.shape[2], span // c
     blocks = -(-t // span)
@@ -320,7 +326,12 @@ def _two_levels(q, k, v, w, beta, bias_fn, segment_ids, c: int, span: int, group
     outer_args = (by_block(q_outer), None, k_outer.reshape(b, kh, blocks, span, d), vc.reshape(b, kh, blocks, span, d),
                   (whole,), seg.reshape(b, blocks, span), consts2)
     far = _far_forward if autodiff else _far
-    o1, lse1 = (x.reshape(*x.shape[:3], blocks, span, *x.shape[5:]) for x in far(inner, *inner_args))
+    if kernel is None:
+        o1, lse1 = (x.reshape(*x.shape[:3], blocks, span, *x.shape[5:]) for x in far(inner, *inner_args))
+    else:
+        o1, lse1 = path_attention(q, k, v, w, beta, bias_fn=bias_fn, segment_ids=segment_ids, scale=scale, span=span,
+                                  **kernel)
+        o1, lse1 = _chunk_heads(o1.astype(jnp.float32), kh, span, blocks), _chunk_heads(lse1, kh, span, blocks)
     o2, lse2 = far(outer, *outer_args)
     return _unchunked(merged(o1, lse1, o2, lse2), t).astype(q.dtype)
 
@@ -747,10 +758,11 @@ class Path(Scheme):
     conv: int = 3  # width of the short causal convolution in w (0: none); 3 as the public layer
     qk_norm: bool = False  # RMS-normalise q and k per head (parameter-free) before the transport
     solve_chunk: int = 64  # impl "reference": tokens per UT solve in the logits (0: one solve over T)
-    # impl "blockwise": the chunked form in two levels, blocks of `span` tokens (a multiple of
-    # block_size; 0: one level). Fewer, larger scan steps (`chunked_attention`).
+    # impls "blockwise" and "pallas": two levels, blocks of `span` tokens (a multiple of block_size;
+    # 0: one level): the chunked form (or the kernel, each block its own sequence) inside the
+    # blocks, the chunked form across them (`chunked_attention`).
     span: int = 0
-    tiles: str = "fp32"  # impl "blockwise": its q.k and P.V tiles' operands, "fp32" or "bf16" (TILES)
+    tiles: str = "fp32"  # the chunked form's q.k and P.V tiles' operands, "fp32" or "bf16" (TILES)
 
     relative = False  # routes depend on the tokens between, not on positions
     impls = ("auto", "reference", "blockwise", "pallas", "ring")
@@ -792,17 +804,24 @@ class Path(Scheme):
         if impl == "auto" and ring_active():  # the sequence split over a mesh: PaTH's own ring
             impl = "ring"
             log_ring(type(self).__name__)
+        span = self.span if 0 < self.span < k.shape[1] else None
+
+        def kernel(q, k, v, w, beta, bias, seg, platform=platform):  # with span: inside blocks, the chunked form across
+            if span is None:
+                return path_attention(q, k, v, w, beta, bias_fn=bias, segment_ids=seg, block_size=block_size,
+                                      platform=platform)
+            return chunked_attention(q, k, v, w, beta, bias_fn=bias, segment_ids=seg, chunk=block_size, span=span,
+                                     tiles=self.tiles, kernel={"block_size": block_size, "platform": platform})
+
         if impl == "auto":  # on CPU by length, on GPU blockwise (FACTS["path_kernel_gpu"]), on TPU the kernel
-            own = OwnKernel("PaTH's kernel", lambda platform: refusal(bias, k, platform),
+            own = OwnKernel("PaTH's kernel", lambda platform: refusal(bias, k[:, :span], platform),
                             slower={"cuda": "path_kernel_gpu"})
 
             def pick(platform):
                 chosen, why = choose(q, k, v, platform=platform, own=own)
                 if chosen == "pallas":  # the kernel per device on a mesh (XLA cannot partition it)
-                    def kernel(q, k, v, w, beta, bias, seg):
-                        return path_attention(q, k, v, w, beta, bias_fn=bias, segment_ids=seg,
-                                              block_size=block_size, platform=platform)
-                    return chosen, why, lambda q, k, v: per_device(kernel, q, k, v, w, beta, bias_fn=bias,
+                    return chosen, why, lambda q, k, v: per_device(functools.partial(kernel, platform=platform),
+                                                                   q, k, v, w, beta, bias_fn=bias,
                                                                    segment_ids=segment_ids)
                 return chosen, why, lambda q, k, v: self.attention(
                     q, k, v, features, positions=positions, segment_ids=segment_ids, impl=chosen,
@@ -813,10 +832,9 @@ class Path(Scheme):
                                        chunk=block_size)
         if impl in ("blockwise", "ring"):  # "ring" off a sequence mesh: the chunked form
             return chunked_attention(q, k, v, w, beta, segment_ids=segment_ids, bias_fn=bias, chunk=block_size,
-                                     span=self.span or None, tiles=self.tiles)
+                                     span=span, tiles=self.tiles)
         if impl == "pallas":  # the Pallas interpreter on CPU, with block_size-token chunks
-            return path_attention(q, k, v, w, beta, bias_fn=bias, segment_ids=segment_ids, block_size=block_size,
-                                  platform=platform)
+            return kernel(q, k, v, w, beta, bias, segment_ids)
         return super().attention(q, k, v, features, positions=positions, segment_ids=segment_ids)
 
     def init_cache(self, batch, max_len, num_kv_heads, dtype=jnp.float32):

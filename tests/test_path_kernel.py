@@ -99,6 +99,62 @@ def test_grouped_backward_equals_reference():
     check(11, 16, 2, False, kh=2, gated=True, packed=True, groups=4)
 
 
+def two_level_grads(impl, args, seg, span, chunk, stream=False):
+    """(output, gradients of q, k, v, w, beta and a bias's values) of PaTH with a bias that
+    reads absolute key positions and the FoX gates, by the reference or by the kernel inside
+    blocks of `span` tokens and the chunked form across them."""
+    d = args[0].shape[-1]
+
+    def attend(q, k, v, w, beta, log_f):
+        gates = forget_bias(log_f)
+        bias = Bias(fn=lambda q_, k_, qi, kj: gates.fn(q_, k_, qi, kj) + 0.03 * kj, values=gates.values)
+        if impl == "reference":
+            return reference_attention(q, k, v, bias_fn=bias, segment_ids=seg,
+                                       score_fn=hh.dense_score_fn(w, beta, d ** -0.5))
+        return hh.chunked_attention(q, k, v, w, beta, bias_fn=bias, segment_ids=seg, chunk=chunk, span=span,
+                                    kernel={"interpret": True, "stream": stream})
+
+    def loss(*args):
+        out = attend(*args)
+        return jnp.sum(out.astype(jnp.float32) * jnp.cos(jnp.arange(out.size).reshape(out.shape))), out
+
+    return jax.jit(jax.value_and_grad(loss, argnums=range(6), has_aux=True))(*args)
+
+
+@pytest.mark.parametrize("t,d,chunk,span,stream,kh", [
+    (21, 16, 2, 8, False, 2),  # 3 blocks (the last padded), documents across their boundaries
+    (21, 48, 4, 8, True, 1),  # the streamed form; D padded to 64; one kv head
+])
+def test_kernel_inside_blocks_chunked_across_equals_reference(t, d, chunk, span, stream, kh):
+    """`span` with `kernel`: the kernel runs each block of span tokens as a sequence of its own
+    (its rows' log-sum-exp differentiable), the chunked form scores the routes between blocks,
+    merged by log-sum-exp: values and every gradient as the reference, the bias read at the
+    tokens' own positions (it adds 0.03 x the key's absolute position)."""
+    args, seg = inputs(t, d, kh=kh), segments(t)
+    (_, got), got_grads = two_level_grads("kernel", args, seg, span, chunk, stream)
+    (_, want), want_grads = two_level_grads("reference", args, seg, span, chunk)
+    assert rel(got, want) < 1e-5
+    for name, g, w in zip(NAMES, got_grads, want_grads):
+        assert rel(g, w) < 1e-5, name
+
+
+def test_kernel_span_returns_the_blocks_log_sum_exp():
+    """path_attention(span=8): the same output as the kernel run on each block alone, and the
+    rows' log-sum-exp of the block's scores; bad spans refused in one line."""
+    q, k, v, w, beta, _ = inputs(16, 16)
+    out, lse = path_attention(q, k, v, w, beta, span=8, chunk=4, interpret=True)
+    for start in (0, 8):
+        piece = slice(start, start + 8)
+        alone = path_attention(*(x[:, piece] for x in (q, k, v, w, beta)), chunk=4, interpret=True)
+        np.testing.assert_allclose(out[:, piece], alone, atol=1e-6)
+    logits = jnp.where(jnp.tril(jnp.ones((8, 8), bool)), hh.path_scores(
+        *hh._heads_first(q[:, 8:], k[:, 8:], w[:, 8:], beta[:, 8:])) * 16 ** -0.5, -jnp.inf)
+    want = jax.nn.logsumexp(logits, -1).reshape(2, 4, 8)  # [B, K * G, T]
+    np.testing.assert_allclose(jnp.moveaxis(lse[:, 8:], 1, 2), want, atol=1e-5)
+    with pytest.raises(ValueError, match=r"^PaTH kernel span=0 must be a positive integer \(tokens per block\)$"):
+        path_attention(q, k, v, w, beta, span=0, interpret=True)
+
+
 @pytest.mark.parametrize("stream", [False, pytest.param(True, marks=SLOW)])
 def test_bf16_inputs_fp32_transport(stream):
     """bf16 q, k, v: the output is bf16, and it and the gradients match the fp32 reference at

@@ -95,7 +95,7 @@ def _refusal(message: str, out) -> Callable:
 
     def backward(args, cotangent):
         floats = [a for a in args if jnp.issubdtype(a.dtype, jnp.inexact)]
-        grads = iter(_refused(message, floats, (*args, cotangent)))
+        grads = iter(_refused(message, floats, (*args, *jax.tree.leaves(cotangent))))
         return tuple(next(grads) if jnp.issubdtype(a.dtype, jnp.inexact) else None
                      for a in args)
 

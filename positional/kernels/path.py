@@ -510,17 +510,20 @@ def refusal(bias_fn, k, platform: str, chunk: int | None = None) -> str | None:
 # ---- custom VJP -------------------------------------------------------------------------------
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _path(st, arrays):
-    return _forward(st, arrays)[0]
+    """(out, the rows' log-sum-exp [B, H, T, 1]), both differentiable."""
+    return _forward(st, arrays)
 
 
 def _path_fwd(st, arrays):
     o, lse = _forward(st, arrays)
-    return o, (arrays, o, lse)
+    return (o, lse), (arrays, o, lse)
 
 
-def _path_bwd(st, res, do):
+def _path_bwd(st, res, cotangents):
     arrays, o, lse = res
+    do, d_lse = cotangents
     v, full = arrays["k"]["v"], backward_inputs(arrays, o, lse, do)
+    full["q"]["delta"] = full["q"]["delta"] - d_lse  # d lse_i / d s_ij = p_ij
     dq, dk = _backward(st, full)
     b, kh = v.shape[:2]
 
@@ -541,10 +544,17 @@ _path.defvjp(_path_fwd, _path_bwd)
 def path_attention(q, k, v, w, beta, *, bias_fn: Bias | None = None, segment_ids=None, scale: float | None = None,
                    chunk: int | None = None, block_size: int | None = None, interpret: bool | str | None = None,
                    stream: bool | None = None, platform: str | None = None, num_warps: int | tuple | None = None,
-                   num_stages: int | tuple | None = None, transport: str = "highest", groups: int = 1) -> jax.Array:
+                   num_stages: int | tuple | None = None, transport: str = "highest", groups: int = 1,
+                   span: int | None = None):
     """PaTH attention, q [B, T, H, D]; k, v, w [B, T, K, D] (w unit vectors); beta [B, T, K] in
     [0, 2]; bias_fn a `positional.logits.Bias` or None; segment_ids [B, T] -> [B, T, H, D] in
     q's dtype. Differentiable in q, k, v, w, beta and the bias's values (a custom VJP).
+
+    `span`: only the routes inside blocks of `span` tokens, each block run as a sequence of its
+    own (so B * T / span rows of span tokens: that much more parallel, and on TPU the resident
+    buffers of span tokens, not T), the bias still read at the tokens' own positions; returns
+    (out, the rows' log-sum-exp [B, T, H] fp32), both differentiable: the inner level of
+    positional.householder's two-level form, which adds the routes between blocks.
 
     `chunk`: the chunk (tile) size; None takes the platform's default, or in the interpreter
     `block_size` where given (the plain-JAX paths' block, so a model's CPU tests run the kernel
@@ -577,6 +587,16 @@ def path_attention(q, k, v, w, beta, *, bias_fn: Bias | None = None, segment_ids
             raise ValueError(f"bias value {name!r} has shape {tuple(x.shape)}; it must broadcast to "
                              f"[B, T, H] = {(b, t, h)} (one number per slot and query head)")
         values[name] = jnp.broadcast_to(jnp.asarray(x, jnp.float32), (b, t, h))
+    bias = bias_fn.fn if bias_fn is not None else None
+    seg = jnp.zeros((b, t), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
+    if span is not None:
+        if not (isinstance(span, int) and span >= 1):
+            raise ValueError(f"PaTH kernel span={span!r} must be a positive integer (tokens per block)")
+        if bias is not None:  # read at the tokens' own positions, not the block's
+            values[POSITION] = jnp.broadcast_to(jnp.arange(t, dtype=jnp.float32)[None, :, None], (b, t, h))
+            bias = _at_positions(bias)
+        q, k, v, w, beta, seg = (_blocks(x, span) for x in (q, k, v, w, beta, seg))
+        values = {name: _blocks(x, span) for name, x in values.items()}
 
     def settings(backend: str, interpret: bool) -> _Static:
         c = chunk if chunk is not None else (block_size if interpret and block_size else
@@ -590,20 +610,43 @@ def path_attention(q, k, v, w, beta, *, bias_fn: Bias | None = None, segment_ids
             raise ValueError(f"PaTH kernel: {why}; use impl='blockwise'")
         triton = {name: (x, x) if isinstance(x, int) else tuple(x)
                   for name, x in (("num_warps", num_warps), ("num_stages", num_stages)) if x is not None}
-        return _Static(bias=bias_fn.fn if bias_fn is not None else None, chunk=c, heads=h,
+        return _Static(bias=bias, chunk=c, heads=h,
                        scale=d ** -0.5 if scale is None else float(scale),
                        stream=backend == "tpu" and not interpret if stream is None else bool(stream),
                        interpret=interpret, backend=backend,
                        transport=transport if backend == "gpu" and not interpret else "highest", groups=groups,
                        **triton)
 
-    seg = jnp.zeros((b, t), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
     if interpret == "tpu":
-        return _padded(dataclasses.replace(settings("tpu", True), stream=True, interpret="tpu"), q, k, v, w, beta,
-                       values, seg)
-    if interpret not in (None, True, False):
+        out = _padded(dataclasses.replace(settings("tpu", True), stream=True, interpret="tpu"), q, k, v, w, beta,
+                      values, seg)
+    elif interpret not in (None, True, False):
         raise ValueError(f"PaTH kernel interpret={interpret!r} must be None, True, False or 'tpu'")
-    return per_platform(settings, _padded, (q, k, v, w, beta, values, seg), interpret, platform)
+    else:
+        out = per_platform(settings, _padded, (q, k, v, w, beta, values, seg), interpret, platform)
+    if span is None:
+        return out[0]
+    return tuple(x.reshape(b, -1, *x.shape[2:])[:, :t] for x in out)
+
+
+POSITION = "__position__"  # with span: the tokens' positions, read by the bias as a value
+
+
+def _at_positions(fn: Callable) -> Callable:
+    """A Bias fn reading its query and key positions from the POSITION values."""
+    def at(q, k, qi, kj):
+        q, k = dict(q), dict(k)
+        return fn(q, k, q.pop(POSITION).astype(jnp.int32), k.pop(POSITION).astype(jnp.int32))
+    return at
+
+
+def _blocks(x, span: int):
+    """[B, T, ...] -> [B * blocks, span, ...], T padded with zeros (beta 0: no step; padded keys
+    come after every real query of their block, so the causal mask drops them)."""
+    b, t = x.shape[:2]
+    n = -(-t // span)
+    x = jnp.pad(x, [(0, 0), (0, n * span - t)] + [(0, 0)] * (x.ndim - 2))
+    return x.reshape(b * n, span, *x.shape[2:])
 
 
 def _padded(st: _Static, q, k, v, w, beta, values, seg):
@@ -635,5 +678,5 @@ def _padded(st: _Static, q, k, v, w, beta, values, seg):
     arrays = {"q": {"q": layout(q), "seg": seg[:, None, :, None], "values": {n_: x[..., None] for n_, x in vals.items()}},
               "k": {"k": layout(k), "ke": flat(k_end), "v": layout(v), "w": flat(wc), "u": flat(u),
                     "seg": seg[:, None, None, :], "values": {n_: x[:, :, None] for n_, x in vals.items()}}}
-    o = _path(st, arrays)
-    return jnp.swapaxes(o, 1, 2)[:, :t, :, :d].astype(q.dtype)
+    o, lse = _path(st, arrays)
+    return jnp.swapaxes(o, 1, 2)[:, :t, :, :d].astype(q.dtype), jnp.swapaxes(lse[..., 0], 1, 2)[:, :t]
