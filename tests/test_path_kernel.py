@@ -275,6 +275,38 @@ def test_auto_on_tpu_keeps_the_kernel_within_the_chips_vmem(chip, t, kernel, cap
         assert "on a TPU with 16 MiB of VMEM" in tpu.why and "\n" not in tpu.why
 
 
+@pytest.mark.parametrize("platform,call", [("cuda", TRITON), ("tpu", MOSAIC)])
+def test_kernel_inside_blocks_lowers_for_gpu_and_tpu(platform, call):
+    """Path(span=512) with impl pallas at 2,048 tokens, forward + backward exported for an
+    accelerator: the kernel's two calls (on blocks of 512 tokens), the rest plain JAX, no T x T
+    tensor."""
+    scheme = make_scheme("path_fox", num_heads=4, head_dim=64, span=512)
+    x = jax.ShapeDtypeStruct((1, 2048, 4, 64), jnp.bfloat16)
+    pos = jnp.broadcast_to(jnp.arange(2048), (1, 2048))
+
+    def loss(q, k, v):
+        out = scheme.attend(q, k, v, positions=pos, impl="pallas", block_size=64, key=jax.random.key(0))
+        return out.astype(jnp.float32).sum()
+
+    text = simplified(lowered(jax.grad(loss, (0, 1, 2)), x, x, x, platforms=[platform]))
+    assert text.count(call) == 2 and t_by_t(text, 2048) == []
+
+
+@pytest.mark.parametrize("chip", ["TPU_V4", "TPU_V5E"])
+def test_auto_on_tpu_with_span_keeps_the_kernel_at_32k(chip, caplog):
+    """Without span the kernel's backward keeps whole-sequence buffers in VMEM and auto leaves
+    it past about 14K tokens (1.8K on a v4); with span=1024 it keeps a block's, so auto takes
+    the kernel at 32K on a v4 and a v5e."""
+    from lab.lowering import target
+    scheme = make_scheme("path_fox", num_heads=4, head_dim=64, span=1024)
+    x = jax.ShapeDtypeStruct((1, 32768, 4, 64), jnp.bfloat16)
+    with target("tpu", chip=chip), caplog.at_level(logging.DEBUG, logger="positional.attention"):
+        jax.eval_shape(lambda q: scheme.attend(q, q, q, positions=None, impl="auto", block_size=64,
+                                               key=jax.random.key(0)), x)
+    tpu = next(r for r in caplog.records if getattr(r, "label", None) == "Path" and r.platform == "tpu")
+    assert tpu.impl == "pallas", tpu.why
+
+
 def test_auto_on_a_sequence_mesh_is_the_ring(monkeypatch, caplog):
     """On a sequence mesh auto is PaTH's ring on every platform (no per-platform choice), and it
     says so for each platform (benchmarks/lowering.py reads these records)."""
