@@ -24,7 +24,11 @@ Algorithms, all exact (tests/test_householder.py compares values and gradients):
                      the end of the sequence (a decode cache prefilled in parallel);
   chunked_attention  flash-style: keys carried to the end of their chunk, queries carried
                      back one chunk at a time, online softmax; O(T * D) memory, and a
-                     backward that recomputes (a custom VJP) so training keeps it too.
+                     backward that recomputes (a custom VJP) so training keeps it too. With
+                     `span`, in two levels: the same inside blocks of span tokens (or PaTH's
+                     kernel, each block a sequence of its own) and across the blocks, one D x D
+                     product per block, merged by log-sum-exp (few, large steps; tiles="bf16"
+                     puts the q.k and P.V tiles on bf16 operands).
 
 Shapes: q [B, T, H, D]; k, v, w [B, T, K, D]; beta [B, T, K] (K kv heads, H % K == 0: a
 query head reads the transport of its kv head).
