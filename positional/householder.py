@@ -314,12 +314,18 @@ def _two_levels(q, k, v, w, beta, bias_fn, segment_ids, c: int, span: int, group
     blocks = -(-blocks // g2) * g2
     n = blocks * per
     (q_start, near, k_end, vc, wc, u), seg = _chunk_pieces(q, k, v, w, beta, c, n), _chunk_rows(segment_ids, b, t, c, n)
-    ops = dense_product(wc, u).reshape(b, kh, blocks, per, d, d)  # chunk products by block
-    before = exclusive_products(ops, 3)  # the block's chunks before chunk m, [B, K, blocks, per, D, D]
-    q_outer = jnp.matmul(q_start.reshape(*q_start.shape[:3], blocks, per, c, d), before[:, :, None], precision=HIGHEST)
-    k_outer = jnp.einsum("bknmde,bknmce->bknmcd", exclusive_products(ops, 3, reverse=True),
-                         k_end.reshape(b, kh, blocks, per, c, d), precision=HIGHEST)
-    whole = jnp.matmul(ops[:, :, :, -1], before[:, :, :, -1], precision=HIGHEST)  # [B, K, blocks, D, D]
+
+    @jax.checkpoint  # the chunks' products are recomputed in the backward, not kept
+    def outer_pieces(q_start, k_end, wc, u):
+        ops = dense_product(wc, u).reshape(b, kh, blocks, per, d, d)  # chunk products by block
+        before = exclusive_products(ops, 3)  # the block's chunks before chunk m, [B, K, blocks, per, D, D]
+        q_outer = jnp.matmul(q_start.reshape(*q_start.shape[:3], blocks, per, c, d), before[:, :, None],
+                             precision=HIGHEST)
+        k_outer = jnp.einsum("bknmde,bknmce->bknmcd", exclusive_products(ops, 3, reverse=True),
+                             k_end.reshape(b, kh, blocks, per, c, d), precision=HIGHEST)
+        return q_outer, k_outer, jnp.matmul(ops[:, :, :, -1], before[:, :, :, -1], precision=HIGHEST)
+
+    q_outer, k_outer, whole = outer_pieces(q_start, k_end, wc, u)  # whole: [B, K, blocks, D, D]
     (bias1, consts1), (bias2, consts2) = _bias_hook(bias_fn, c), _bias_hook(bias_fn, span)
     inner = _Far(length=t, chunk=c, group=math.gcd(n, group or n), heads=h, scale=scale, bias=bias1,
                  autodiff=autodiff, span=per, tiles=tiles)
