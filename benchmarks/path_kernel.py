@@ -13,7 +13,8 @@ Then the timings, one process, identical inputs (bf16 q, k, v; fp32 w, beta and 
 requires), batch 1, `--model_dim / head_dim` heads, causal, with and without the PaTH-FoX gate
 on the PaTH authors' scale (fla's g is our log_forget):
   - path/pallas <tile>    our kernel (positional/kernels/path.py), each setting of --tiles;
-  - path/blockwise        our plain-JAX chunked form with its recomputing backward, up to --blockwise_max;
+  - path/blockwise <s>    our plain-JAX chunked form with its recomputing backward, each setting of
+                          --blockwise (two levels, bf16 tiles, the kernel inside), up to --blockwise_max;
   - fla                   fla's Triton kernels (PyTorch), timed by `triton.testing.do_bench`;
   - cudnn                 plain causal softmax by `jax.nn.dot_product_attention(implementation="cudnn")`:
                           no transport and no gate, the ceiling.
@@ -54,6 +55,9 @@ flags.DEFINE_string("tiles", "16", "our kernel's settings, comma-separated: chun
                     "[/<transport>], warps and stages one number or forward.backward (16/w4.8/s2.1/g4/tf32x3)",
                     flag_values=FLAGS)
 flags.DEFINE_integer("blockwise_max", 8192, "longest length for our plain-JAX chunked form", flag_values=FLAGS)
+flags.DEFINE_string("blockwise", "64", "the chunked form's settings, comma-separated: chunk[/s<span>][/o<outer "
+                    "group>][/bf16][/k]: two levels with span, bf16 tiles, the kernel inside the blocks (k)",
+                    flag_values=FLAGS)
 flags.DEFINE_integer("repeats", 10, "timed calls", flag_values=FLAGS)
 flags.DEFINE_bool("check", True, "run the checks first", flag_values=FLAGS)
 flags.DEFINE_integer("checks", 6, "run the first this many of CHECKS", flag_values=FLAGS)
@@ -97,7 +101,22 @@ def tile(spec: str) -> dict:
     return out
 
 
-def ours(impl: str, gated: bool, seg=None, chunk: int | None = None, **kernel):
+def chunked(spec: str) -> dict:
+    """'64/s512/o4/bf16/k' -> chunked_attention's {'chunk': 64, 'span': 512, 'outer_group': 4,
+    'tiles': 'bf16', 'kernel': {}} (k: PaTH's kernel inside the blocks, its defaults)."""
+    chunk, *rest = spec.split("/")
+    out = {"chunk": int(chunk)}
+    for part in rest:
+        if part in ("bf16", "fp32"):
+            out["tiles"] = part
+        elif part == "k":
+            out["kernel"] = {}
+        else:
+            out[{"s": "span", "o": "outer_group"}[part[0]]] = int(part[1:])
+    return out
+
+
+def ours(impl: str, gated: bool, seg=None, chunk: int | None = None, blockwise: dict | None = None, **kernel):
     """fn(q, k, v, w, beta, log_forget) -> out, gates on the PaTH authors' scale (as `path_fox`)."""
     def fn(q, k, v, w, beta, log_f):
         d = q.shape[-1]
@@ -106,7 +125,8 @@ def ours(impl: str, gated: bool, seg=None, chunk: int | None = None, **kernel):
             return reference_attention(q, k, v, bias_fn=bias, segment_ids=seg,
                                        score_fn=hh.dense_score_fn(w, beta, d ** -0.5))
         if impl == "blockwise":
-            return hh.chunked_attention(q, k, v, w, beta, bias_fn=bias, segment_ids=seg, chunk=chunk or 64)
+            return hh.chunked_attention(q, k, v, w, beta, bias_fn=bias, segment_ids=seg,
+                                        **(blockwise or {"chunk": chunk or 64}))
         return path_attention(q, k, v, w, beta, bias_fn=bias, segment_ids=seg, chunk=chunk, **kernel)
     return fn
 
@@ -225,7 +245,8 @@ def bench() -> list[dict]:
                 n = 6 if gated else 5
                 contenders = {f"path/pallas {s}": ours("pallas", gated, **tile(s)) for s in FLAGS.tiles.split(",")}
                 if t <= FLAGS.blockwise_max:
-                    contenders["path/blockwise"] = ours("blockwise", gated)
+                    contenders |= {f"path/blockwise {s}": ours("blockwise", gated, blockwise=chunked(s))
+                                   for s in FLAGS.blockwise.split(",")}
                 if i == 0:  # once per length: no gate, no transport
                     contenders["cudnn"] = lambda q, k, v, *_: jax.nn.dot_product_attention(
                         q, k, v, is_causal=True, implementation="cudnn")

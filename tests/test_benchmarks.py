@@ -125,12 +125,13 @@ def test_path_kernel_runs(capsys, tmp_path):
     out = tmp_path / "path.json"
     result = run("path_kernel", ["--lengths", "40", "--head_dims", "16", "--model_dim", "32", "--repeats", "1",
                                  "--tiles", "16/w8/s1.3/g2/tf32x3", "--blockwise_max", "64", "--gates", "1", "--nocheck", "--nofla",
-                                 f"--json={out}"])
+                                 "--blockwise", "8,8/s16/o2/bf16/k", f"--json={out}"])
     rows, kernel = result["rows"], "path/pallas 16/w8/s1.3/g2/tf32x3"
-    assert {(r["impl"], r["gate"]) for r in rows} == {(kernel, True), ("path/blockwise", True)}
+    assert {(r["impl"], r["gate"]) for r in rows} == {(kernel, True), ("path/blockwise 8", True),
+                                                        ("path/blockwise 8/s16/o2/bf16/k", True)}
     assert all(r["ms"] > 0 for r in rows) and json.loads(out.read_text())["rows"] == rows
     text = capsys.readouterr().out
-    assert "cudnn D16 T40: failed" in text and "| 16 | 40 | yes | path/blockwise |" in text
+    assert "cudnn D16 T40: failed" in text and "| 16 | 40 | yes | path/blockwise 8 |" in text
 
 
 def lowering_check(argv: list[str], monkeypatch) -> int:
