@@ -51,7 +51,7 @@ flags.DEFINE_string("lengths", "4096,8192,16384,32768", "lengths, comma-separate
 flags.DEFINE_string("head_dims", "64,128", "head dimensions, comma-separated", flag_values=FLAGS)
 flags.DEFINE_integer("model_dim", 2048, "heads = model_dim / head_dim", flag_values=FLAGS)
 flags.DEFINE_string("gates", "0,1", "without (0) and with (1) the PaTH-FoX gate", flag_values=FLAGS)
-flags.DEFINE_string("tiles", "16", "our kernel's settings, comma-separated: chunk[/w<warps>][/s<stages>][/g<groups>]"
+flags.DEFINE_string("tiles", "16", "our kernel's settings ('none': no kernel), comma-separated: chunk[/w<warps>][/s<stages>][/g<groups>]"
                     "[/<transport>], warps and stages one number or forward.backward (16/w4.8/s2.1/g4/tf32x3)",
                     flag_values=FLAGS)
 flags.DEFINE_integer("blockwise_max", 8192, "longest length for our plain-JAX chunked form", flag_values=FLAGS)
@@ -243,7 +243,8 @@ def bench() -> list[dict]:
             xj, c = tuple(to_jax(x, jnp.bfloat16).values()), jnp.asarray(weights(x["q"].shape))
             for i, gated in enumerate(bool(int(s)) for s in FLAGS.gates.split(",")):
                 n = 6 if gated else 5
-                contenders = {f"path/pallas {s}": ours("pallas", gated, **tile(s)) for s in FLAGS.tiles.split(",")}
+                contenders = {f"path/pallas {s}": ours("pallas", gated, **tile(s)) for s in FLAGS.tiles.split(",")
+                              if FLAGS.tiles != "none"}
                 if t <= FLAGS.blockwise_max:
                     contenders |= {f"path/blockwise {s}": ours("blockwise", gated, blockwise=chunked(s))
                                    for s in FLAGS.blockwise.split(",")}
