@@ -123,7 +123,7 @@ def two_level_grads(impl, args, seg, span, chunk, stream=False):
 
 @pytest.mark.parametrize("t,d,chunk,span,stream,kh", [
     (21, 16, 2, 8, False, 2),  # 3 blocks (the last padded), documents across their boundaries
-    (21, 48, 4, 8, True, 1),  # the streamed form; D padded to 64; one kv head
+    pytest.param(21, 48, 4, 8, True, 1, marks=SLOW),  # the streamed form; D padded to 64; one kv head
 ])
 def test_kernel_inside_blocks_chunked_across_equals_reference(t, d, chunk, span, stream, kh):
     """`span` with `kernel`: the kernel runs each block of span tokens as a sequence of its own
