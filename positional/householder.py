@@ -268,9 +268,9 @@ def chunked_attention(q, k, v, w, beta, *, bias_fn=None, segment_ids=None, chunk
     precision) or "bf16" (accumulated in fp32, as flash attention's). The transport, the
     in-chunk pieces and the softmax statistics stay fp32.
 
-    `kernel` (with `span`): the inner level by PaTH's Pallas kernel, each block a sequence of
-    its own (positional/kernels/path.py `path_attention` with `span`; the dict: its options,
-    e.g. block_size, platform).
+    `kernel`: the inner level by PaTH's Pallas kernel, each block a sequence of its own
+    (positional/kernels/path.py `path_attention` with `span`; the dict: its options, e.g.
+    block_size, platform); without span (or span >= T) the kernel does it all.
     """
     check_shapes(q, k, v, segment_ids)
     check_transport(k, w, beta)
@@ -284,6 +284,8 @@ def chunked_attention(q, k, v, w, beta, *, bias_fn=None, segment_ids=None, chunk
             raise ValueError(f"PaTH chunked_attention span={span} must be a multiple of chunk={c}")
         return _two_levels(q, k, v, w, beta, bias_fn, segment_ids, c, span, group, outer_group, scale, autodiff,
                            tiles, kernel)
+    if kernel is not None:
+        return path_attention(q, k, v, w, beta, bias_fn=bias_fn, segment_ids=segment_ids, scale=scale, **kernel)
     c, gq, n = _chunking(t, chunk, group or 8)
     (q_start, near, k_end, vc, wc, u), seg = _chunk_pieces(q, k, v, w, beta, c, n), _chunk_rows(segment_ids, b, t, c, n)
     bias, consts = _bias_hook(bias_fn, c)
@@ -326,23 +328,23 @@ def _two_levels(q, k, v, w, beta, bias_fn, segment_ids, c: int, span: int, group
         return q_outer, k_outer, jnp.matmul(ops[:, :, :, -1], before[:, :, :, -1], precision=HIGHEST)
 
     q_outer, k_outer, whole = outer_pieces(q_start, k_end, wc, u)  # whole: [B, K, blocks, D, D]
-    (bias1, consts1), (bias2, consts2) = _bias_hook(bias_fn, c), _bias_hook(bias_fn, span)
-    inner = _Far(length=t, chunk=c, group=math.gcd(n, group or n), heads=h, scale=scale, bias=bias1,
-                 autodiff=autodiff, span=per, tiles=tiles)
-    outer = _Far(length=t, chunk=span, group=g2, heads=h, scale=scale, bias=bias2, autodiff=autodiff, near=False,
-                 tiles=tiles)
-    by_block = lambda x: x.reshape(*x.shape[:3], blocks, span, *x.shape[6:])  # noqa: E731  [.., n, c, ..] -> blocks
-    inner_args = (q_start, near, k_end, vc, _chunk_operators(wc, u), seg, consts1)
-    outer_args = (by_block(q_outer), None, k_outer.reshape(b, kh, blocks, span, d), vc.reshape(b, kh, blocks, span, d),
-                  (whole,), seg.reshape(b, blocks, span), consts2)
     far = _far_forward if autodiff else _far
     if kernel is None:
-        o1, lse1 = (x.reshape(*x.shape[:3], blocks, span, *x.shape[5:]) for x in far(inner, *inner_args))
+        bias, consts = _bias_hook(bias_fn, c)
+        inner = _Far(length=t, chunk=c, group=math.gcd(n, group or n), heads=h, scale=scale, bias=bias,
+                     autodiff=autodiff, span=per, tiles=tiles)
+        o1, lse1 = far(inner, q_start, near, k_end, vc, _chunk_operators(wc, u), seg, consts)
+        o1, lse1 = (x.reshape(*x.shape[:3], blocks, span, *x.shape[5:]) for x in (o1, lse1))  # [.., n, c, ..] -> blocks
     else:
         o1, lse1 = path_attention(q, k, v, w, beta, bias_fn=bias_fn, segment_ids=segment_ids, scale=scale, span=span,
                                   **kernel)
         o1, lse1 = _chunk_heads(o1.astype(jnp.float32), kh, span, blocks), _chunk_heads(lse1, kh, span, blocks)
-    o2, lse2 = far(outer, *outer_args)
+    bias, consts = _bias_hook(bias_fn, span)
+    outer = _Far(length=t, chunk=span, group=g2, heads=h, scale=scale, bias=bias, autodiff=autodiff, near=False,
+                 tiles=tiles)
+    o2, lse2 = far(outer, q_outer.reshape(*q_outer.shape[:3], blocks, span, d), None,
+                   k_outer.reshape(b, kh, blocks, span, d), vc.reshape(b, kh, blocks, span, d), (whole,),
+                   seg.reshape(b, blocks, span), consts)
     return _unchunked(merged(o1, lse1, o2, lse2), t).astype(q.dtype)
 
 
@@ -392,7 +394,8 @@ def _chunk_pieces(q, k, v, w, beta, c: int, n: int):
     k_end, uk = _carry_to_chunk_end(kc, wc, u)  # uk [B,K,N,c,c]
     qw, _ = _route_terms(qc, kc[:, :, None], wc[:, :, None], u[:, :, None])
     q_start = qc - jnp.matmul(jnp.matmul(qw, u[:, :, None], precision=HIGHEST), wc[:, :, None], precision=HIGHEST)
-    near = _dots(qc, kc) - jnp.matmul(qw, uk[:, :, None], precision=HIGHEST)
+    near = jnp.einsum("bkgnid,bknjd->bkgnij", qc, kc, precision=HIGHEST) - jnp.matmul(qw, uk[:, :, None],
+                                                                                      precision=HIGHEST)
     return q_start, near, k_end, vc, wc, u
 
 
@@ -486,11 +489,6 @@ def _sources(ids, delta):
 def _take(x, idx):
     """Chunks idx of every array in x (chunk axis 2: [B, K, N, ...])."""
     return jax.tree.map(lambda a: jnp.take(a, idx, axis=2), x)
-
-
-def _dots(qt, kt):
-    """q.k tiles: qt [B, K, G, M, c, D], kt [B, K, M, c, D] -> [B, K, G, M, c, c]."""
-    return jnp.einsum("bkgnid,bknjd->bkgnij", qt, kt, precision=HIGHEST)
 
 
 def _carry_back(qt, op):
@@ -754,7 +752,7 @@ class Path(Scheme):
     impl "reference" materialises the T x T logits (`path_scores`, one UT solve per
     `solve_chunk` tokens), "blockwise" is the flash-style chunked form with `block_size` tokens
     per chunk and O(T * D) memory, training included (`chunked_attention`; in two levels with
-    blocks of `span` tokens where span > 0), "pallas" the same
+    blocks of `span` tokens where span > 0; with "pallas" the kernel inside them), "pallas" the same
     algorithm as a Pallas kernel (positional/kernels/path.py; the interpreter on CPU, with
     `block_size`-token chunks there), "ring" splits the sequence over the devices of the
     enclosing sequence mesh (`ring_path_attention`; off one, the chunked form), and "auto" the
@@ -817,9 +815,6 @@ class Path(Scheme):
         span = self.span if 0 < self.span < k.shape[1] else None
 
         def kernel(q, k, v, w, beta, bias, seg, platform=platform):  # with span: inside blocks, the chunked form across
-            if span is None:
-                return path_attention(q, k, v, w, beta, bias_fn=bias, segment_ids=seg, block_size=block_size,
-                                      platform=platform)
             return chunked_attention(q, k, v, w, beta, bias_fn=bias, segment_ids=seg, chunk=block_size, span=span,
                                      tiles=self.tiles, kernel={"block_size": block_size, "platform": platform})
 
