@@ -53,7 +53,7 @@ import jax.numpy as jnp
 from positional.attention import OwnKernel, attention, choose, log_ring, per_device, per_platform_choice
 from positional.kernels.path import check_transport, path_attention, refusal
 from positional.ring import active_mesh, float_part, make_ring, ring_active, ring_call
-from positional.softmax import MASKED, check_shapes, matmul, rounded
+from positional.softmax import MASKED, check_shapes, matmul, merged, rounded
 from positional.linalg import unit_lower_inverse
 from positional.scheme import Scheme
 
@@ -345,14 +345,7 @@ def _two_levels(q, k, v, w, beta, bias_fn, segment_ids, c: int, span: int, group
     o2, lse2 = far(outer, q_outer.reshape(*q_outer.shape[:3], blocks, span, d), None,
                    k_outer.reshape(b, kh, blocks, span, d), vc.reshape(b, kh, blocks, span, d), (whole,),
                    seg.reshape(b, blocks, span), consts)
-    return _unchunked(merged(o1, lse1, o2, lse2), t).astype(q.dtype)
-
-
-def merged(o1, lse1, o2, lse2):
-    """Attention over two disjoint sets of keys merged: each part's output weighted by its share
-    of the row's softmax, exp(lse_part - lse) (a part a row has no key in: lse -inf, weight 0)."""
-    lse = jnp.logaddexp(lse1, lse2)
-    return o1 * jnp.exp(lse1 - lse)[..., None] + o2 * jnp.exp(lse2 - lse)[..., None]
+    return _unchunked(merged(o1, lse1, o2, lse2)[0], t).astype(q.dtype)
 
 
 def _chunking(t: int, chunk: int, group: int) -> tuple[int, int, int]:
@@ -720,8 +713,7 @@ def ring_path_attention(q, k, v, w, beta, *, mesh, axis: str = "sequence", bias_
         st, consts, rows = own_shard(seg, features, q.shape[2])
         o_own, lse_own = (_unchunked(x, length) for x in _far_forward(st, *own, rows, consts))
         o_far, lse_far = ring.forward(q0, keys, vf, seg, (spans(whole), features))
-        lse = jnp.logaddexp(lse_own, lse_far)
-        return o_own * jnp.exp(lse_own - lse)[..., None] + o_far * jnp.exp(lse_far - lse)[..., None], lse
+        return merged(o_own, lse_own, o_far, lse_far)
 
     def backward(q, k, v, w, beta, seg, features, o, lse, do):
         (own, q0, keys, vf, whole), pieces_vjp = jax.vjp(pieces, q, k, v, w, beta)

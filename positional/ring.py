@@ -64,7 +64,7 @@ from jax.sharding import PartitionSpec as P
 
 from positional.logits import Bias
 from positional.softmax import (MASKED, BiasFn, ScoreFn, block_scores, blockwise_attention, blockwise_lse,
-                                causal_mask, check_shapes, matmul)
+                                causal_mask, check_shapes, matmul, merged)
 
 Hooks = Callable[[Any], tuple[BiasFn | None, ScoreFn | None]]
 
@@ -187,9 +187,7 @@ class Ring:
                 o_s, lse_s = blockwise_lse(q, keys, kv[1], bias_fn=bias, segment_ids=seg, key_segment_ids=kv[2],
                                            q_offset=me * shard_len, k_offset=src * shard_len, scale=self.scale,
                                            score_fn=score, block_size=self.block)
-                lse_new = jnp.logaddexp(lse, lse_s)
-                return (o * jnp.exp(lse - lse_new)[..., None] + o_s * jnp.exp(lse_s - lse_new)[..., None],
-                        lse_new)
+                return merged(o, lse, o_s, lse_s)
 
             return jax.lax.cond(self.visible(src, me), merge, lambda acc: acc, acc)  # else all in the future
 

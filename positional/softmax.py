@@ -112,6 +112,14 @@ def rounded(x, dtype):
     return x + jax.lax.stop_gradient(near - x)
 
 
+def merged(o1, lse1, o2, lse2):
+    """Attention over two disjoint sets of keys as one: (o, lse), each part's output weighted by
+    its share of the row's softmax, exp(lse_part - lse) (a part a row has no key in: lse -inf or
+    ~MASKED, weight 0). The ring's steps and PaTH's levels merge so."""
+    lse = jnp.logaddexp(lse1, lse2)
+    return o1 * jnp.exp(lse1 - lse)[..., None] + o2 * jnp.exp(lse2 - lse)[..., None], lse
+
+
 def causal_mask(qi, kj, seg_q, seg_k):
     """Boolean [B or 1, 1, tq, tk]: causal and same-segment."""
     m = (kj[None, :] <= qi[:, None])[None, None]
