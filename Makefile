@@ -22,7 +22,7 @@ export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS ?= 0
 # What `make test-min` runs on the oldest releases: kernels, dispatch, vendor calls, lowering and
 # compiling for the accelerators, precision, the conformance suite, packaging.
 MIN_TESTS := tests/test_flash.py tests/test_path_kernel.py tests/test_feedback.py tests/test_vendor.py \
-	tests/test_auto.py tests/test_precision.py tests/test_householder.py tests/test_compile_tpu.py \
+	tests/test_auto.py tests/test_precision.py tests/test_path.py tests/test_compile_tpu.py \
 	tests/test_conformance.py tests/test_attention.py tests/test_packaging.py tests/test_benchmarks.py
 # `make test-quick` leaves out the modules that train, evaluate or run several processes.
 QUICK_SKIP := test_train test_runs_safety test_distributed test_eval test_retrieval test_hf_import test_analyze \

@@ -12,7 +12,7 @@ same reference, so both implementations' errors sit side by side.
 Then the timings, one process, identical inputs (bf16 q, k, v; fp32 w, beta and gates, as fla
 requires), batch 1, `--model_dim / head_dim` heads, causal, with and without the PaTH-FoX gate
 on the PaTH authors' scale (fla's g is our log_forget):
-  - path/pallas <tile>    our kernel (positional/kernels/path.py), each setting of --tiles;
+  - path/pallas <tile>    our kernel (positional/path/kernel.py), each setting of --tiles;
   - path/blockwise <s>    our plain-JAX chunked form with its recomputing backward, each setting of
                           --blockwise (two levels, bf16 tiles, the kernel inside), up to --blockwise_max;
   - fla                   fla's Triton kernels (PyTorch), timed by `triton.testing.do_bench`;
@@ -40,9 +40,11 @@ from absl import app, flags
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from attention import timed  # beside this file
-from positional import householder as hh
+
 from positional.fox import forget_bias
-from positional.kernels.path import TRANSPORT, path_attention
+from positional.path.chunked import chunked_attention
+from positional.path.kernel import TRANSPORT, path_attention
+from positional.path.reference import dense_score_fn
 from positional.softmax import reference_attention
 
 # Process-wide only when run as a script (why: benchmarks/train_throughput.py).
@@ -123,9 +125,9 @@ def ours(impl: str, gated: bool, seg=None, chunk: int | None = None, blockwise: 
         bias = forget_bias(log_f, d ** -0.5) if gated else None
         if impl == "reference":
             return reference_attention(q, k, v, bias_fn=bias, segment_ids=seg,
-                                       score_fn=hh.dense_score_fn(w, beta, d ** -0.5))
+                                       score_fn=dense_score_fn(w, beta, d ** -0.5))
         if impl == "blockwise":
-            return hh.chunked_attention(q, k, v, w, beta, bias_fn=bias, segment_ids=seg,
+            return chunked_attention(q, k, v, w, beta, bias_fn=bias, segment_ids=seg,
                                         **(blockwise or {"chunk": chunk or 64}))
         return path_attention(q, k, v, w, beta, bias_fn=bias, segment_ids=seg, chunk=chunk, **kernel)
     return fn

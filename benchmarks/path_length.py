@@ -39,7 +39,7 @@ import jax.numpy as jnp
 from configs.default import get_config
 from models.lm import DecoderLM, ModelConfig, token_nll
 from positional.fox import forget_bias
-from positional.householder import chunked_attention
+from positional.path.chunked import chunked_attention
 
 # Process-wide only when run as a script (why: benchmarks/train_throughput.py).
 FLAGS = flags.FLAGS if __name__ == "__main__" else flags.FlagValues()

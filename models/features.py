@@ -90,7 +90,7 @@ class EsprFeatures(nnx.Module):
 
 
 class HouseholderVectors(nnx.Module):
-    """PaTH's per-token Householder vectors and gains (positional/householder.py), per layer.
+    """PaTH's per-token Householder vectors and gains (positional/path/), per layer.
 
     w_t = normalise(conv(W_up W_down x_t)) per kv head: a rank-`scheme.rank` projection, as in
     the public PaTH layer, then (scheme.conv > 0) a causal depthwise convolution of that width

@@ -21,7 +21,7 @@ from models.features import (EsprFeatures, ForgetGate, HouseholderVectors, Kerpl
 from positional.alibi import Alibi
 from positional.espr import Espr, EsprRF
 from positional.fox import Fox
-from positional.householder import Path
+from positional.path.scheme import Path
 from positional.kerple import KerpleLog
 from positional.lm_infinite import LMInfinite
 from positional.nope import NoPE
@@ -193,7 +193,7 @@ register("path", Entry(Path, features=HouseholderVectors,
                            "`solve_chunk` tokens, `blockwise` is the flash-style chunked algorithm with O(T x D) "
                            "memory (`block_size` = chunk; in two levels with blocks of `span` tokens where span > 0; `tiles` = bf16: "
                            "its q.k and P.V on bf16 operands), `pallas` the fused kernel (with `span`: inside the blocks, "
-                           "each its own sequence) (positional/kernels/path.py; what `auto` "
+                           "each its own sequence) (positional/path/kernel.py; what `auto` "
                            "picks on TPU; on GPU it picks `blockwise`, measured faster)"))
 register("fox", Entry(Fox, features=ForgetGate,
                       doc="Forgetting Transformer gate: sum of log forget gates between key and query added to "

@@ -3,7 +3,7 @@
 Each token t and query head h emits a forget gate f_t in (0, 1), from the hidden state; the
 logit of query i on key j gains sum_{t=j+1}^{i} log f_t = F_i - F_j (F the cumulative sum of
 log f): a data-dependent, never positive, monotone-in-distance decay. The same route convention
-as PaTH (positional/householder.py): the query's own gate counts, the key's does not. With
+as PaTH (positional/path/): the query's own gate counts, the key's does not. With
 every f_t = exp(-m_h) it is exactly ALiBi with slopes m_h (a test).
 
 Like every bias-only scheme it can be added to any other ("so2_learned_qkv+fox"); `path_fox`

@@ -1,5 +1,5 @@
 """Small dense linear algebra built from matmuls only, for the triangular systems of PaTH's UT
-transform (positional/householder.py) and Sessa's feedback solve (positional/feedback.py), and
+transform (positional/path/transport.py) and Sessa's feedback solve (positional/feedback.py), and
 the per-token matrix exponentials of relaxed ESPR (positional/espr.py: jax.scipy.linalg.expm
 solves a Pade system by LAPACK, and vmapped over the tokens of a training step it hung on this
 2-core machine, jaxlib 0.10.2, every XLA pool thread idle and the main thread waiting to launch

@@ -44,7 +44,7 @@ and the dq, dk, dv sums are fp32, a block pair's dq, dk (from the vjp) are round
 before they are added.
 
 A device's part of both passes is `Ring.forward` / `Ring.backward`, wrapped by `ring_call` in
-the shard_maps and the custom VJP. PaTH's ring (positional/householder.py `ring_path_attention`)
+the shard_maps and the custom VJP. PaTH's ring (positional/path/ring.py `ring_path_attention`)
 reuses them with two options: its own shard is scored by its own algorithm (`diagonal=False`),
 and a visiting shard's keys are mapped before they are scored (`key_map`: carried through the
 Householder products of the shards in between).
@@ -127,7 +127,7 @@ class Ring:
     query heads (a bias comes back for all of them), `block` the tokens of one block of scores.
 
     Two options serve a scheme whose own shard needs an algorithm of its own (PaTH,
-    positional/householder.py `ring_path_attention`): `diagonal=False` skips a device's own key
+    positional/path/ring.py `ring_path_attention`): `diagonal=False` skips a device's own key
     shard (every key it then scores lies in an earlier shard), and `key_map(features, k, src)`
     maps the visiting keys of shard src before they are scored (once per visit; the backward
     takes its vjp once per visit too, so the map's features get their gradient).

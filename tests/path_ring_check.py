@@ -1,4 +1,4 @@
-"""PaTH over a sequence mesh (positional/householder.py `ring_path_attention`) against the
+"""PaTH over a sequence mesh (positional/path/ring.py `ring_path_attention`) against the
 reference on meshes of simulated devices (run by tests/test_ring.py in a process of its own,
 since the device count is fixed when JAX starts).
 
@@ -33,7 +33,8 @@ import numpy as np
 from models.sharding import MESH_AXES
 from positional.attention import reference_attention
 from positional.fox import forget_bias
-from positional.householder import dense_score_fn, ring_path_attention
+from positional.path.reference import dense_score_fn
+from positional.path.ring import ring_path_attention
 
 B, T, H, K, D, CHUNK = 2, 48, 4, 2, 8, 4
 NAMES = ("q", "k", "v", "w", "beta", "log_forget")

@@ -285,7 +285,7 @@ def test_notebook_call_needs_no_model(scheme):
 
 
 # The schemes whose features module at its initialisation, on a zero input, gives exactly the
-# default features (PaTH's directions come from its random projections instead: test_householder).
+# default features (PaTH's directions come from its random projections instead: test_path).
 AT_INIT = ["so2_random_qk", "so2_learned_qkv", "so2_hidden_qk", "espr", "espr_rf", "fox", "rope+fox"]
 
 

@@ -1,5 +1,5 @@
-"""The PaTH kernel (positional/kernels/path.py) against PaTH's reference (the materialised logits,
-positional/householder.py), in the interpreter and in both loop structures (GPU's loop over
+"""The PaTH kernel (positional/path/kernel.py) against PaTH's reference (the materialised logits,
+positional/path/reference.py), in the interpreter and in both loop structures (GPU's loop over
 whole-sequence refs, TPU's streamed grid), values and the gradients of q, k, v, w, beta and the
 FoX gates; lowered for cuda and tpu; what impl="auto" picks; bad input. The conformance suite
 runs impl "pallas" for path and path_fox at the layer."""
@@ -12,15 +12,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from draws import normal, uniform
 from exported import MOSAIC, TRITON, compiled_for_tpu, lowered, simplified
+
 from models.registry import make_scheme
-from positional import householder as hh
 from positional.fox import forget_bias
-from positional.kernels import path as kernel
-from positional.kernels.path import path_attention
 from positional.logits import Bias
+from positional.path import chunked, kernel, reference
+from positional.path import scheme as path_scheme
+from positional.path.kernel import path_attention
 from positional.softmax import reference_attention
 
 NAMES = ("q", "k", "v", "w", "beta", "log_forget")
@@ -49,7 +49,7 @@ def value_and_grads(impl, args, seg, gated, **kw):
         bias = forget_bias(log_f) if gated else None
         if impl == "reference":
             return reference_attention(q, k, v, bias_fn=bias, segment_ids=seg,
-                                       score_fn=hh.dense_score_fn(w, beta, d ** -0.5))
+                                       score_fn=reference.dense_score_fn(w, beta, d ** -0.5))
         return path_attention(q, k, v, w, beta, bias_fn=bias, segment_ids=seg, **{"interpret": True, **kw})
 
     def loss(*args):
@@ -110,8 +110,8 @@ def two_level_grads(impl, args, seg, span, chunk, stream=False):
         bias = Bias(fn=lambda q_, k_, qi, kj: gates.fn(q_, k_, qi, kj) + 0.03 * kj, values=gates.values)
         if impl == "reference":
             return reference_attention(q, k, v, bias_fn=bias, segment_ids=seg,
-                                       score_fn=hh.dense_score_fn(w, beta, d ** -0.5))
-        return hh.chunked_attention(q, k, v, w, beta, bias_fn=bias, segment_ids=seg, chunk=chunk, span=span,
+                                       score_fn=reference.dense_score_fn(w, beta, d ** -0.5))
+        return chunked.chunked_attention(q, k, v, w, beta, bias_fn=bias, segment_ids=seg, chunk=chunk, span=span,
                                     kernel={"interpret": True, "stream": stream})
 
     def loss(*args):
@@ -147,8 +147,8 @@ def test_kernel_span_returns_the_blocks_log_sum_exp():
         piece = slice(start, start + 8)
         alone = path_attention(*(x[:, piece] for x in (q, k, v, w, beta)), chunk=4, interpret=True)
         np.testing.assert_allclose(out[:, piece], alone, atol=1e-6)
-    logits = jnp.where(jnp.tril(jnp.ones((8, 8), bool)), hh.path_scores(
-        *hh._heads_first(q[:, 8:], k[:, 8:], w[:, 8:], beta[:, 8:])) * 16 ** -0.5, -jnp.inf)
+    logits = jnp.where(jnp.tril(jnp.ones((8, 8), bool)), reference.path_scores(
+        *reference.heads_first(q[:, 8:], k[:, 8:], w[:, 8:], beta[:, 8:])) * 16 ** -0.5, -jnp.inf)
     want = jax.nn.logsumexp(logits, -1).reshape(2, 4, 8)  # [B, K * G, T]
     np.testing.assert_allclose(jnp.moveaxis(lse[:, 8:], 1, 2), want, atol=1e-5)
     with pytest.raises(ValueError, match=r"^PaTH kernel span=0 must be a positive integer \(tokens per block\)$"):
@@ -311,9 +311,9 @@ def test_auto_on_a_sequence_mesh_is_the_ring(monkeypatch, caplog):
     """On a sequence mesh auto is PaTH's ring on every platform (no per-platform choice), and it
     says so for each platform (benchmarks/lowering.py reads these records)."""
     calls = []
-    monkeypatch.setattr(hh, "ring_active", lambda: True)
-    monkeypatch.setattr(hh, "active_mesh", lambda: "mesh")
-    monkeypatch.setattr(hh, "ring_path_attention", lambda q, *args, mesh, **kw: calls.append(mesh) or q)
+    monkeypatch.setattr(path_scheme, "ring_active", lambda: True)
+    monkeypatch.setattr(path_scheme, "active_mesh", lambda: "mesh")
+    monkeypatch.setattr(path_scheme, "ring_path_attention", lambda q, *args, mesh, **kw: calls.append(mesh) or q)
     scheme = make_scheme("path_fox", num_heads=4, head_dim=64)
     x = jax.ShapeDtypeStruct((1, 256, 4, 64), jnp.bfloat16)
     with caplog.at_level(logging.DEBUG, logger="positional.attention"):

@@ -1,4 +1,4 @@
-"""Ring attention (positional/ring.py, and PaTH's own, positional/householder.py
+"""Ring attention (positional/ring.py, and PaTH's own, positional/path/
 `ring_path_attention`): against the reference on meshes of simulated devices (in subprocesses:
 tests/ring_check.py, tests/path_ring_check.py, tests/sharded_step.py --impl ring), its fallback
 to blockwise attention off a sequence mesh, and which schemes run on it."""
@@ -9,14 +9,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from tiny_setup import check_sharded, cli, sharded_step
 
 from models.registry import REGISTRY, make_scheme
 from models.sharding import activation_rules
 from positional.attention import attention, blockwise_attention
-from positional.householder import Path, chunked_attention, ring_path_attention
+from positional.path.chunked import chunked_attention
+from positional.path.ring import ring_path_attention
+from positional.path.scheme import Path
 from positional.ring import ring_mesh
 from positional.scheme import Scheme
-from tiny_setup import check_sharded, cli, sharded_step
 
 
 def ring_check(meshes, script="tests/ring_check.py", *args):

@@ -8,20 +8,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from draws import normal, uniform
-from positional import householder as hh
+
 from positional.alibi import alibi_slopes
 from positional.attention import attention, reference_attention
 from positional.fox import forget_bias
-
+from positional.path import chunked, reference, transport
 
 # Jitted: called eagerly, every op compiles on its own, which took most of this file's time.
 # (test_bad_input_names_the_problem calls the library eagerly: its checks need concrete values.)
-chunked_attention = jax.jit(hh.chunked_attention, static_argnames=("bias_fn", "chunk", "group", "scale"))
-route_products = jax.jit(hh.route_products)
+chunked_attention = jax.jit(chunked.chunked_attention, static_argnames=("bias_fn", "chunk", "group", "scale"))
+route_products = jax.jit(reference.route_products)
 dense_reference = jax.jit(lambda q, k, v, w, beta: reference_attention(  # 8-dim heads
-    q, k, v, score_fn=hh.dense_score_fn(w, beta, 8 ** -0.5)))
+    q, k, v, score_fn=reference.dense_score_fn(w, beta, 8 ** -0.5)))
 
 
 def inputs(key=0, b=2, t=11, h=4, kh=2, d=8, beta_range=(0.0, 2.0), dtype=jnp.float32):
@@ -61,8 +60,8 @@ def product_attention(q, k, v, w, beta, bias=0.0):
 @pytest.mark.parametrize("chunk", [None, 1, 4, 5, 11, 64])
 def test_dense_ut_and_route_products_match_explicit_products(chunk):
     q, k, v, w, beta = inputs()
-    qh, kh_, wh, bh = hh._heads_first(q, k, w, beta)
-    scores = jax.jit(hh.path_scores, static_argnums=4)(qh, kh_, wh, bh, chunk)  # one solve per chunk
+    qh, kh_, wh, bh = reference.heads_first(q, k, w, beta)
+    scores = jax.jit(reference.path_scores, static_argnums=4)(qh, kh_, wh, bh, chunk)  # one solve per chunk
     s = np.asarray(scores).reshape(2, 4, 11, 11) / np.sqrt(8)
     expected = product_scores(q, k, w, beta)
     tril = np.tril(np.ones((11, 11), bool))
@@ -75,8 +74,8 @@ def test_dense_ut_and_route_products_match_explicit_products(chunk):
 def test_route_convention_query_step_counts_key_step_does_not():
     """Which H_t lie on the route from key j to query i: t in (j, i]."""
     q, k, v, w, beta = inputs(t=6)
-    qh, kh_, wh, _ = hh._heads_first(q, k, w, beta)
-    scores = jax.jit(hh.path_scores)
+    qh, kh_, wh, _ = reference.heads_first(q, k, w, beta)
+    scores = jax.jit(reference.path_scores)
     plain = np.asarray(scores(qh, kh_, wh, jnp.zeros((2, 2, 6))))
     for t in range(6):
         only = jnp.zeros((2, 2, 6)).at[..., t].set(1.5)
@@ -101,8 +100,8 @@ def gated_path_grads(t, d, chunk, group, segments, gated, impls, solve=None, spa
         bias = forget_bias(log_f) if gated else None
         if impl == "reference":
             return reference_attention(q, k, v, bias_fn=bias, segment_ids=seg,
-                                       score_fn=hh.dense_score_fn(w, beta, d ** -0.5, solve))
-        return hh.chunked_attention(q, k, v, w, beta, bias_fn=bias, segment_ids=seg, chunk=chunk, group=group,
+                                       score_fn=reference.dense_score_fn(w, beta, d ** -0.5, solve))
+        return chunked.chunked_attention(q, k, v, w, beta, bias_fn=bias, segment_ids=seg, chunk=chunk, group=group,
                                     autodiff=impl == "autodiff", span=span, outer_group=outer_group)
 
     def loss(impl, *args):
@@ -162,7 +161,7 @@ def test_two_levels_autodiff_through_the_scans_agrees():
 def test_span_must_hold_whole_chunks():
     q, k, v, w, beta = inputs(t=20)
     with pytest.raises(ValueError, match=r"^PaTH chunked_attention span=6 must be a multiple of chunk=4$"):
-        hh.chunked_attention(q, k, v, w, beta, chunk=4, span=6)
+        chunked.chunked_attention(q, k, v, w, beta, chunk=4, span=6)
 
 
 @pytest.mark.slow  # the reference test above checks the same gradients; this one the old path
@@ -184,7 +183,7 @@ def grad_temp_bytes(t, autodiff, d=64):
     beta, log_f = jax.ShapeDtypeStruct((1, t, 1), jnp.float32), jax.ShapeDtypeStruct((1, t, 2), jnp.float32)
 
     def loss(q, k, v, w, beta, log_f):
-        return hh.chunked_attention(q, k, v, w, beta, bias_fn=forget_bias(log_f), autodiff=autodiff).sum()
+        return chunked.chunked_attention(q, k, v, w, beta, bias_fn=forget_bias(log_f), autodiff=autodiff).sum()
 
     lowered = jax.jit(jax.grad(loss, argnums=range(6))).lower(q, kv, kv, kv, beta, log_f)
     return lowered.compile({"xla_backend_optimization_level": 0}).memory_analysis().temp_size_in_bytes
@@ -220,9 +219,9 @@ def test_bf16_inputs_fp32_transport_values_and_gradients():
             return jnp.sum(out * jnp.cos(jnp.arange(out.size).reshape(out.shape)))
         return jax.jit(jax.grad(loss, argnums=range(5)))(*(x.astype(jnp.float32) for x in (q, k, v)), w, beta)
 
-    fast = grads(lambda q, k, v, w, beta: hh.chunked_attention(q, k, v, w, beta, chunk=8), jnp.bfloat16)
+    fast = grads(lambda q, k, v, w, beta: chunked.chunked_attention(q, k, v, w, beta, chunk=8), jnp.bfloat16)
     ref = grads(lambda q, k, v, w, beta: reference_attention(
-        q, k, v, score_fn=hh.dense_score_fn(w, beta, 8 ** -0.5)), jnp.float32)
+        q, k, v, score_fn=reference.dense_score_fn(w, beta, 8 ** -0.5)), jnp.float32)
     for name, a, b in zip("q k v w beta".split(), fast, ref):
         assert np.linalg.norm(a - b) <= 1e-2 * np.linalg.norm(b), name  # seen: 1.3e-3 to 2.2e-3
 
@@ -243,8 +242,8 @@ def relative_errors(t, **options):
         return (out, *g)
 
     ref = grads(lambda q, k, v, w, beta, log_f: reference_attention(
-        q, k, v, bias_fn=forget_bias(log_f), score_fn=hh.dense_score_fn(w, beta, 64 ** -0.5)), jnp.float32)
-    got = grads(lambda q, k, v, w, beta, log_f: hh.chunked_attention(q, k, v, w, beta, bias_fn=forget_bias(log_f),
+        q, k, v, bias_fn=forget_bias(log_f), score_fn=reference.dense_score_fn(w, beta, 64 ** -0.5)), jnp.float32)
+    got = grads(lambda q, k, v, w, beta, log_f: chunked.chunked_attention(q, k, v, w, beta, bias_fn=forget_bias(log_f),
                                                                      **options), jnp.bfloat16)
     return np.array([np.linalg.norm(np.float64(a) - b) / np.linalg.norm(np.float64(b)) for a, b in zip(got, ref)])
 
@@ -268,7 +267,7 @@ def test_bf16_tiles_lower_to_bf16_dots_for_cuda():
 
     def text(tiles):
         def loss(q, k, v, w, beta):
-            return hh.chunked_attention(q.astype(jnp.bfloat16), k.astype(jnp.bfloat16), v.astype(jnp.bfloat16), w,
+            return chunked.chunked_attention(q.astype(jnp.bfloat16), k.astype(jnp.bfloat16), v.astype(jnp.bfloat16), w,
                                         beta, chunk=8, span=32, tiles=tiles).astype(jnp.float32).sum()
         return lowered(jax.grad(loss, argnums=(0, 1, 2)), q, k, v, w, beta)
 
@@ -291,10 +290,10 @@ def test_mean_route_with_uniform_directions_and_beta_two(d, n):
     samples = 20000
     w = normal(jax.random.key(d), (samples, n, d))
     w = w / jnp.linalg.norm(w, axis=-1, keepdims=True)
-    h = hh.householder_matrices(w, jnp.full((samples, n), 2.0))
+    h = transport.householder_matrices(w, jnp.full((samples, n), 2.0))
     p = h[:, 0]
     for t in range(1, n):
-        p = jnp.matmul(h[:, t], p, precision=hh.HIGHEST)
+        p = jnp.matmul(h[:, t], p, precision=transport.HIGHEST)
     mean = np.asarray(p.mean(0))
     # Each entry of P_n is bounded by 1, so its mean has standard error <= 1/sqrt(samples).
     np.testing.assert_allclose(mean, (1 - 2 / d) ** n * np.eye(d), atol=5 / np.sqrt(samples))
@@ -306,7 +305,7 @@ def test_routes_are_orthogonal_when_beta_is_two():
     p = route_products(w[0, :, 0], two[0, :, 0])
     np.testing.assert_allclose(jnp.einsum("ijde,ijfe->ijdf", p, p)[np.tril_indices(12)],
                                np.broadcast_to(np.eye(8), (78, 8, 8)), atol=1e-5)
-    ops = jax.jit(hh.chunk_products, static_argnames="chunk")(w, two, chunk=5)
+    ops = jax.jit(transport.chunk_products, static_argnames="chunk")(w, two, chunk=5)
     np.testing.assert_allclose(jnp.einsum("bnkde,bnkfe->bnkdf", ops, ops),
                                np.broadcast_to(np.eye(8), ops.shape), atol=1e-5)
 
@@ -314,7 +313,7 @@ def test_routes_are_orthogonal_when_beta_is_two():
 @pytest.mark.parametrize("chunk", [3, 5, 64])
 def test_transport_to_end_is_the_last_route(chunk):
     _, k, _, w, beta = inputs(t=13)
-    out = jax.jit(hh.transport_to_end, static_argnames="chunk")(k, w, beta, chunk=chunk)
+    out = jax.jit(transport.transport_to_end, static_argnames="chunk")(k, w, beta, chunk=chunk)
     p = route_products(w[1, :, 0], beta[1, :, 0])
     np.testing.assert_allclose(out[1, :, 0], jnp.einsum("jde,je->jd", p[-1], k[1, :, 0]), atol=1e-5)
 
@@ -370,7 +369,7 @@ def test_decode_prefills_in_parallel_at_any_index():
         out, cache = step(cache, *(x[:, a:b] for x in (q, k, v, w, beta)))
         outs.append(out)
     np.testing.assert_allclose(jnp.concatenate(outs, 1), product_attention(q, k, v, w, beta), atol=2e-5)
-    np.testing.assert_allclose(cache["k"][:, :t], hh.transport_to_end(k, w, beta), atol=2e-5)
+    np.testing.assert_allclose(cache["k"][:, :t], transport.transport_to_end(k, w, beta), atol=2e-5)
 
 
 def test_fox_with_constant_gates_is_alibi():
@@ -421,11 +420,11 @@ def test_path_fox_fixes_the_gate_scale():
 def test_bad_input_names_the_problem():
     q, k, v, w, beta = inputs(t=6)
     with pytest.raises(ValueError, match="beta"):
-        hh.chunked_attention(q, k, v, w, beta + 2.5)
+        chunked.chunked_attention(q, k, v, w, beta + 2.5)
     with pytest.raises(ValueError, match="w"):
-        hh.chunked_attention(q, k, v, w[..., :4], beta)
+        chunked.chunked_attention(q, k, v, w[..., :4], beta)
     with pytest.raises(ValueError, match="beta"):
-        hh.chunked_attention(q, k, v, w, beta[..., 0])
+        chunked.chunked_attention(q, k, v, w, beta[..., 0])
     from models.registry import make_scheme
     with pytest.raises(ValueError, match="rank"):
         make_scheme("path", num_heads=2, head_dim=8, rank=0)

@@ -1,5 +1,5 @@
 """PaTH attention in Pallas, forward and a recomputing backward: no T x T buffer, and no D x D
-product per token. The semantics of PaTH's reference (positional/householder.py: causal,
+product per token. The semantics of PaTH's reference (positional/path/reference.py: causal,
 grouped-query heads, segment ids), with a per-slot score `Bias` (positional/logits.py; FoX's
 gates) fused into the tiles as positional/kernels/flash.py fuses it.
 
@@ -28,7 +28,7 @@ is the kernels', which read q, k, v, w, U, k_end, the bias's per-slot values and
     chunk's own pieces give dq, dk, dw, dU of chunk n. The chain cannot be run backwards (H_t
     is singular at beta_t = 1), hence kept; the key side's gradients (dk_end, dv, dw, dU and the
     bias values read at key slots) accumulate over the query chunks in whole-sequence buffers
-    the program owns (O(T * D) per head). This is householder._far_bwd with groups of one
+    the program owns (O(T * D) per head). This is chunked.far_bwd with groups of one
     chunk, run per head; parallel over batch and heads, and on GPU optionally over `groups`
     programs per head, each taking every groups-th query chunk with accumulators of its own.
 
@@ -76,6 +76,7 @@ from jax.experimental.pallas import triton as plgpu
 from positional.kernels import backward_inputs, check_tile, per_platform, resident_limit
 from positional.linalg import unit_lower_inverse
 from positional.logits import Bias
+from positional.path.transport import check_transport
 from positional.softmax import MASKED, check_shapes
 
 # GPU: of the chunks measured on an H100 (benchmarks/RESULTS.md), 64 exceeds the shared memory
@@ -93,17 +94,6 @@ NT = (((1,), (1,)), ((), ()))  # a . b^T
 TN = (((0,), (0,)), ((), ()))  # a^T . b
 # The key side's per-slot numbers are rows [1, T] (sequence last: lane-dense on TPU).
 ROWS = ("seg", "values")
-
-
-def check_transport(k, w, beta) -> None:
-    """Shapes always; beta's range [0, 2] where its values are known (not under jit)."""
-    if w.shape != k.shape:
-        raise ValueError(f"Householder vectors w{w.shape} must have the keys' shape k{k.shape}")
-    if beta.shape != k.shape[:3]:
-        raise ValueError(f"Householder gains beta{beta.shape} must be [B, T, K] = {k.shape[:3]}")
-    if not isinstance(beta, jax.core.Tracer) and not bool(jnp.all((beta >= 0) & (beta <= 2))):
-        raise ValueError(f"Householder gains must lie in [0, 2] (H = I - beta w w^T is then a contraction); "
-                         f"got beta in [{float(beta.min())}, {float(beta.max())}]")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -554,7 +544,7 @@ def path_attention(q, k, v, w, beta, *, bias_fn: Bias | None = None, segment_ids
     own (so B * T / span rows of span tokens: that much more parallel, and on TPU the resident
     buffers of span tokens, not T), the bias still read at the tokens' own positions; returns
     (out, the rows' log-sum-exp [B, T, H] fp32), both differentiable: the inner level of
-    positional.householder's two-level form, which adds the routes between blocks.
+    positional/path/chunked.py's two-level form, which adds the routes between blocks.
 
     `chunk`: the chunk (tile) size; None takes the platform's default, or in the interpreter
     `block_size` where given (the plain-JAX paths' block, so a model's CPU tests run the kernel
