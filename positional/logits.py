@@ -72,6 +72,25 @@ class Bias:
         return out.reshape((1,) * (3 - out.ndim) + out.shape)
 
 
+POSITION = "__position__"  # `at_positions`: the tokens' positions, read by the bias as a value
+
+
+def at_positions(bias: Bias | None, positions) -> Bias | None:
+    """The bias with the slot indices its fn reads (qi, kj) replaced by `positions` [B|1, T, 1]
+    (a value of the Bias, so every implementation reads it): a part cut out of a sequence (a
+    block of PaTH's two levels, a ring's shard) scored at its tokens' own positions. A bias
+    already so placed is returned as it is (its positions are the sequence's); None stays None.
+    The per-key form (`key`) is dropped: the slots' indices no longer name the positions."""
+    if bias is None or POSITION in bias.values:
+        return bias
+
+    def fn(q, k, qi, kj):
+        q, k = dict(q), dict(k)
+        return bias.fn(q, k, q.pop(POSITION).astype(jnp.int32), k.pop(POSITION).astype(jnp.int32))
+
+    return Bias(fn, {**bias.values, POSITION: jnp.asarray(positions, jnp.float32)})
+
+
 def sum_of(biases: list[Bias]) -> Bias:
     """One Bias adding several: each part reads its own values (names kept apart by index)."""
     if len(biases) == 1:

@@ -327,21 +327,24 @@ def ring_call(ring: Ring, forward, backward, arrays, specs, segment_ids, feature
     bwd_map = jax.shard_map(summed, mesh=ring.mesh, in_specs=(*in_specs, spec, lse_spec, spec),
                             out_specs=(*specs, [P()] * len(float_part(features)[0])), check_vma=False)
 
+    # Every array an operand (none closed over), so the call can sit in a branch of
+    # `jax.lax.platform_dependent` (PaTH's auto on a sequence mesh).
     @jax.custom_vjp
-    def run(arrays, features):
+    def run(arrays, segment_ids, features):
         return fwd_map(*arrays, segment_ids, features)[0].astype(arrays[0].dtype)
 
-    def run_fwd(arrays, features):
+    def run_fwd(arrays, segment_ids, features):
         o, lse = fwd_map(*arrays, segment_ids, features)
-        return o.astype(arrays[0].dtype), (arrays, features, o, lse)
+        return o.astype(arrays[0].dtype), (arrays, segment_ids, features, o, lse)
 
     def run_bwd(res, do):
-        arrays, features, o, lse = res
+        arrays, segment_ids, features, o, lse = res
         *grads, dfeat = bwd_map(*arrays, segment_ids, features, o, lse, do)
-        return tuple(g.astype(x.dtype) for g, x in zip(grads, arrays)), float_part(features)[2](dfeat)
+        return (tuple(g.astype(x.dtype) for g, x in zip(grads, arrays)), None,
+                float_part(features)[2](dfeat))
 
     run.defvjp(run_fwd, run_bwd)
-    return run(tuple(arrays), features)
+    return run(tuple(arrays), segment_ids, features)
 
 
 def ring_attention(q, k, v, *, mesh, axis: str = "sequence", bias_fn: BiasFn | None = None,

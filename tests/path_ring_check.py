@@ -11,7 +11,11 @@ three packed documents per row whose boundaries cross shards, gains beta over al
 (so some steps are singular, beta = 1), chunks of at most 4 tokens (a shard of 12 tokens in
 three chunks of 4, padded to two groups of two; one of 6 in two of 3). Cases: "plain" (no
 bias), "fox" (FoX gates, F_i - F_j at global indices, as `Path.attention` passes them: a
-`Bias` holding F) and "alibi" (a plain closure over slopes, taken from the log-gates). Prints
+`Bias` holding F), "alibi" (a plain closure over slopes, taken from the log-gates) and "slots"
+(a `Bias` of the slots' indices, whose fn reads qi, kj: global positions); a case
+ending in "/kernel" runs the own shard by PaTH's kernel (interpreted, 4-token chunks), one in
+"/span" the same in two levels (the kernel inside blocks of 8 tokens: a shard of 12 in a whole
+block and a part). Prints
 JSON: per mesh and case the largest difference of the output and of the gradients of
 sum(sin(out)) in q, k, v, w, beta and the log-gates, each relative to the largest reference
 value; and the shapes of the arrays the compiled program all-gathers (only the n shards' D x D
@@ -33,6 +37,7 @@ import numpy as np
 from models.sharding import MESH_AXES
 from positional.attention import reference_attention
 from positional.fox import forget_bias
+from positional.logits import Bias
 from positional.path.reference import dense_score_fn
 from positional.path.ring import ring_path_attention
 
@@ -50,8 +55,12 @@ def inputs():
 
 
 def bias(case, log_forget):
+    case = case.split("/")[0]
     if case == "fox":
         return forget_bias(log_forget)
+    if case == "slots":  # slopes [1, 1, H] as the Bias's value; the slots' indices as positions, in a bias
+        # that a shift of both changes (so a shard's must be its global ones)
+        return Bias(lambda q, k, qi, kj: q["slope"] * 4 * jnp.abs(qi - kj) / (1.0 + qi), {"slope": log_forget[:1, :1]})
     if case == "alibi":  # a plain closure, over slopes log_forget[0, 0] < 0 (one per head)
         return lambda qi, kj: log_forget[0, 0][None, :, None, None] * jnp.abs(qi[:, None] - kj[None, :])
     return None
@@ -64,8 +73,11 @@ def reference(q, k, v, w, beta, log_forget, *, case, segment_ids):
 
 def ring(mesh):
     def attend(q, k, v, w, beta, log_forget, *, case, segment_ids):
+        own = case.partition("/")[2]
+        kernel = {"interpret": True, "block_size": CHUNK} if own else None
         return ring_path_attention(q, k, v, w, beta, mesh=mesh, bias_fn=bias(case, log_forget),
-                                   segment_ids=segment_ids, chunk=CHUNK, group=2)
+                                   segment_ids=segment_ids, chunk=CHUNK, group=2, kernel=kernel,
+                                   span=8 if own == "span" else None)
     return attend
 
 
@@ -94,7 +106,7 @@ def main(meshes, cases):
             rel = lambda a, b: float(jnp.abs(a - b).max() / jnp.abs(b).max())  # noqa: E731
             result = {"out": rel(got, want)}
             for name, a, b in zip(NAMES, got_grads, want_grads):
-                if name != "log_forget" or case != "plain":
+                if name != "log_forget" or not case.startswith("plain"):
                     result[name] = rel(a, b)
             result["gathered"] = sorted(set(re.findall(r"= f32\[([\d,]*)\][^ ]* all-gather\(", hlo)))
             out[f"{json.dumps({a: s for a, s in sizes.items() if s > 1}, sort_keys=True)} {case}"] = result

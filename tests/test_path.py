@@ -71,6 +71,20 @@ def test_dense_ut_and_route_products_match_explicit_products(chunk):
                                expected[0, 2, 7, :8], atol=2e-5)
 
 
+@pytest.mark.parametrize("form", [{}, {"span": 8}, {"kernel": {"interpret": True}},
+                                  {"span": 8, "kernel": {"interpret": True}}],
+                         ids=["one_level", "two_levels", "kernel", "kernel_in_blocks"])
+def test_with_lse_gives_the_rows_log_sum_exp(form):
+    """chunked_attention(with_lse=True) (a ring's own shard): the output as without it, and the
+    rows' log-sum-exp of the explicit products' logits, in each form."""
+    q, k, v, w, beta = inputs(t=20)
+    s = product_scores(q, k, w, beta)  # [B, H, T, T], -inf above the diagonal
+    want = np.log(np.exp(s - s.max(-1, keepdims=True)).sum(-1)) + s.max(-1)
+    out, lse = jax.jit(lambda *x: chunked.chunked_attention(*x, chunk=4, with_lse=True, **form))(q, k, v, w, beta)
+    np.testing.assert_allclose(np.moveaxis(np.asarray(lse), 1, 2), want, atol=2e-5)
+    np.testing.assert_allclose(out, product_attention(q, k, v, w, beta), atol=2e-5)
+
+
 def test_route_convention_query_step_counts_key_step_does_not():
     """Which H_t lie on the route from key j to query i: t in (j, i]."""
     q, k, v, w, beta = inputs(t=6)

@@ -17,7 +17,7 @@ from exported import MOSAIC, TRITON, compiled_for_tpu, lowered, simplified
 
 from models.registry import make_scheme
 from positional.fox import forget_bias
-from positional.logits import Bias
+from positional.logits import Bias, at_positions
 from positional.path import chunked, kernel, reference
 from positional.path import scheme as path_scheme
 from positional.path.kernel import path_attention
@@ -307,20 +307,37 @@ def test_auto_on_tpu_with_span_keeps_the_kernel_at_32k(chip, caplog):
     assert tpu.impl == "pallas", tpu.why
 
 
+def test_at_positions_reads_a_cut_part_at_its_own_positions():
+    """A Bias placed at positions 12..19 (a block, a ring's shard) scores as the whole sequence's
+    rows and columns 12..19, for a bias that a shift of both positions changes; placing twice
+    keeps the first placement."""
+    bias = Bias(lambda q, k, qi, kj: q["slope"] * (qi - kj) / (1.0 + qi), {"slope": jnp.array([[[0.5, -0.25]]])})
+    whole = bias(jnp.arange(20), jnp.arange(20))  # [1, H, 20, 20]
+    part = at_positions(bias, (12 + jnp.arange(8))[None, :, None])
+    np.testing.assert_allclose(part(jnp.arange(8), jnp.arange(8)), whole[:, :, 12:, 12:], rtol=1e-6)
+    assert float(jnp.abs(bias(jnp.arange(8), jnp.arange(8)) - whole[:, :, 12:, 12:]).max()) > 0.1
+    assert at_positions(part, jnp.zeros((1, 8, 1))) is part and at_positions(None, jnp.zeros((1, 8, 1))) is None
+
+
 def test_auto_on_a_sequence_mesh_is_the_ring(monkeypatch, caplog):
-    """On a sequence mesh auto is PaTH's ring on every platform (no per-platform choice), and it
-    says so for each platform (benchmarks/lowering.py reads these records)."""
+    """On a sequence mesh auto is PaTH's ring on every platform, its own shard by the kernel on
+    TPU only (chunked on CPU, and on GPU where the kernel is slower), and it says so for each
+    platform (benchmarks/lowering.py reads these records)."""
     calls = []
+    mesh = jax.sharding.AbstractMesh((4,), ("sequence",))
     monkeypatch.setattr(path_scheme, "ring_active", lambda: True)
-    monkeypatch.setattr(path_scheme, "active_mesh", lambda: "mesh")
-    monkeypatch.setattr(path_scheme, "ring_path_attention", lambda q, *args, mesh, **kw: calls.append(mesh) or q)
+    monkeypatch.setattr(path_scheme, "active_mesh", lambda: mesh)
+    monkeypatch.setattr(path_scheme, "ring_path_attention",
+                        lambda q, *args, mesh, kernel, **kw: calls.append((mesh, kernel)) or q)
     scheme = make_scheme("path_fox", num_heads=4, head_dim=64)
-    x = jax.ShapeDtypeStruct((1, 256, 4, 64), jnp.bfloat16)
+    x = jax.ShapeDtypeStruct((1, 1024, 4, 64), jnp.bfloat16)
     with caplog.at_level(logging.DEBUG, logger="positional.attention"):
         jax.eval_shape(lambda q: scheme.attend(q, q, q, positions=None, impl="auto", key=jax.random.key(0)), x)
     records = [r for r in caplog.records if getattr(r, "label", None) == "Path" and r.levelno == logging.DEBUG]
-    assert calls == ["mesh"] and {r.platform: r.impl for r in records} == {"cpu": "ring", "cuda": "ring", "tpu": "ring"}
-    assert len(records) == 3
+    assert {r.platform: r.impl for r in records} == {"cpu": "ring", "cuda": "ring", "tpu": "ring"}
+    assert len(records) == 3 and all("own shard" in r.why for r in records)
+    assert [m for m, _ in calls] == [mesh] * 3
+    assert [kernel and kernel["platform"] for _, kernel in calls] == [None, None, "tpu"]  # cpu, cuda, tpu
 
 
 @pytest.mark.parametrize("topology", ["v5e:1x1", "v6e:1x1"])

@@ -74,15 +74,17 @@ def check_path_ring(result, sizes):
 
 def test_path_ring_equals_reference_on_4_devices():
     """PaTH with FoX gates on sequence=4: GQA, packed documents across shards, beta over [0, 2],
-    chunks that pad a shard: values and gradients of every input."""
+    chunks that pad a shard: values and gradients of every input; the own shard by the chunked
+    form and by PaTH's kernel (interpreted; in two levels with span, "/span"), whose bias must
+    read global positions ("slots")."""
     sizes = {"sequence": 4}
-    check_path_ring(ring_check([sizes], "tests/path_ring_check.py", "fox"), sizes)
+    check_path_ring(ring_check([sizes], "tests/path_ring_check.py", "fox,fox/kernel,slots/span"), sizes)
 
 
 @pytest.mark.slow
 def test_path_ring_equals_reference_on_8_devices_and_with_batch_or_heads_split():
     meshes = [{"sequence": 8}, {"data": 2, "sequence": 4}, {"tensor": 2, "sequence": 4}]
-    result = ring_check(meshes, "tests/path_ring_check.py", "plain,fox,alibi")
+    result = ring_check(meshes, "tests/path_ring_check.py", "plain,fox,alibi,slots,plain/kernel,slots/kernel,fox/span")
     for sizes in meshes:
         key = json.dumps(sizes, sort_keys=True)
         check_path_ring({c: d for c, d in result.items() if c.startswith(key + " ")}, sizes)

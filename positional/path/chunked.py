@@ -24,8 +24,10 @@ TILES = {"fp32": jnp.float32, "bf16": jnp.bfloat16}
 def chunked_attention(q, k, v, w, beta, *, bias_fn=None, segment_ids=None, chunk: int = 64,
                       group: int | None = None, scale: float | None = None, autodiff: bool = False,
                       span: int | None = None, outer_group: int = 8, tiles: str = "fp32",
-                      kernel: dict | None = None) -> jax.Array:
-    """PaTH attention with O(T * D) memory, forward and backward: returns [B, T, H, D] in q's dtype.
+                      kernel: dict | None = None, with_lse: bool = False):
+    """PaTH attention with O(T * D) memory, forward and backward: returns [B, T, H, D] in q's dtype
+    (with `with_lse`, and the rows' log-sum-exp [B, T, H] fp32, both differentiable: a part of a
+    longer attention, as a ring's own shard).
 
     For query chunk n and key chunk m < n the route splits as (prefix of chunk n up to i) x
     P_{n-1} ... P_{m+1} x (suffix of chunk m after j). Per chunk (plain JAX, differentiated by
@@ -66,17 +68,19 @@ def chunked_attention(q, k, v, w, beta, *, bias_fn=None, segment_ids=None, chunk
     if span is not None and span < t:
         if span % c:
             raise ValueError(f"PaTH chunked_attention span={span} must be a multiple of chunk={c}")
-        return _two_levels(q, k, v, w, beta, bias_fn, segment_ids, c, span, group, outer_group, scale, autodiff,
-                           tiles, kernel)
-    if kernel is not None:
-        return path_attention(q, k, v, w, beta, bias_fn=bias_fn, segment_ids=segment_ids, scale=scale, **kernel)
+        o, lse = _two_levels(q, k, v, w, beta, bias_fn, segment_ids, c, span, group, outer_group, scale, autodiff,
+                             tiles, kernel)
+        return (o, lse) if with_lse else o
+    if kernel is not None:  # with_lse: one block of T tokens, which returns the log-sum-exp too
+        return path_attention(q, k, v, w, beta, bias_fn=bias_fn, segment_ids=segment_ids, scale=scale,
+                              span=t if with_lse else None, **kernel)
     c, gq, n = chunking(t, chunk, group or 8)
     (q_start, near, k_end, vc, wc, u), seg = chunk_pieces(q, k, v, w, beta, c, n), chunk_rows(segment_ids, b, t, c, n)
     bias, consts = _bias_hook(bias_fn, c)
     st = Far(length=t, chunk=c, group=gq, heads=h, scale=scale, bias=bias, autodiff=autodiff, tiles=tiles)
     args = (q_start, near, k_end, vc, chunk_operators(wc, u), seg, consts)
-    o = (far_forward if autodiff else _far)(st, *args)[0]  # [B,K,G,N,c,D]
-    return unchunked(o, t).astype(q.dtype)
+    o, lse = (unchunked(x, t) for x in (far_forward if autodiff else _far)(st, *args))  # from [B,K,G,N,c,...]
+    return (o.astype(q.dtype), lse) if with_lse else o.astype(q.dtype)
 
 
 def _bias_hook(bias_fn, c: int):
@@ -129,7 +133,8 @@ def _two_levels(q, k, v, w, beta, bias_fn, segment_ids, c: int, span: int, group
     o2, lse2 = far(outer, q_outer.reshape(*q_outer.shape[:3], blocks, span, d), None,
                    k_outer.reshape(b, kh, blocks, span, d), vc.reshape(b, kh, blocks, span, d), (whole,),
                    seg.reshape(b, blocks, span), consts)
-    return unchunked(merged(o1, lse1, o2, lse2)[0], t).astype(q.dtype)
+    o, lse = (unchunked(x, t) for x in merged(o1, lse1, o2, lse2))
+    return o.astype(q.dtype), lse
 
 
 def chunking(t: int, chunk: int, group: int) -> tuple[int, int, int]:

@@ -75,7 +75,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from positional.kernels import backward_inputs, check_tile, per_platform, resident_limit
 from positional.linalg import unit_lower_inverse
-from positional.logits import Bias
+from positional.logits import Bias, at_positions
 from positional.path.transport import check_transport
 from positional.softmax import MASKED, check_shapes
 
@@ -571,6 +571,8 @@ def path_attention(q, k, v, w, beta, *, bias_fn: Bias | None = None, segment_ids
     if why:
         raise ValueError(f"PaTH kernel: {why}; use impl='blockwise'")
     b, t, h, d = q.shape
+    if span is not None and span < t:  # the bias read at the tokens' own positions, not the block's
+        bias_fn = at_positions(bias_fn, jnp.arange(t)[None, :, None])
     values = {}
     for name, x in (bias_fn.values if bias_fn is not None else {}).items():
         if x.shape[0] not in (1, b) or x.shape[1] not in (1, t) or x.shape[2] not in (1, h):
@@ -582,9 +584,6 @@ def path_attention(q, k, v, w, beta, *, bias_fn: Bias | None = None, segment_ids
     if span is not None:
         if not (isinstance(span, int) and span >= 1):
             raise ValueError(f"PaTH kernel span={span!r} must be a positive integer (tokens per block)")
-        if bias is not None:  # read at the tokens' own positions, not the block's
-            values[POSITION] = jnp.broadcast_to(jnp.arange(t, dtype=jnp.float32)[None, :, None], (b, t, h))
-            bias = _at_positions(bias)
         q, k, v, w, beta, seg = (_blocks(x, span) for x in (q, k, v, w, beta, seg))
         values = {name: _blocks(x, span) for name, x in values.items()}
 
@@ -617,17 +616,6 @@ def path_attention(q, k, v, w, beta, *, bias_fn: Bias | None = None, segment_ids
     if span is None:
         return out[0]
     return tuple(x.reshape(b, -1, *x.shape[2:])[:, :t] for x in out)
-
-
-POSITION = "__position__"  # with span: the tokens' positions, read by the bias as a value
-
-
-def _at_positions(fn: Callable) -> Callable:
-    """A Bias fn reading its query and key positions from the POSITION values."""
-    def at(q, k, qi, kj):
-        q, k = dict(q), dict(k)
-        return fn(q, k, q.pop(POSITION).astype(jnp.int32), k.pop(POSITION).astype(jnp.int32))
-    return at
 
 
 def _blocks(x, span: int):

@@ -9,7 +9,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from positional.attention import OwnKernel, attention, choose, log_ring, per_device, per_platform_choice
+from positional.attention import OwnKernel, attention, choose, per_device, per_platform_choice
 from positional.path.chunked import TILES, chunked_attention
 from positional.path.kernel import refusal
 from positional.path.reference import dense_score_fn
@@ -29,8 +29,10 @@ class Path(Scheme):
     blocks of `span` tokens where span > 0; with "pallas" the kernel inside them), "pallas" the same
     algorithm as a Pallas kernel (positional/path/kernel.py; the interpreter on CPU, with
     `block_size`-token chunks there), "ring" splits the sequence over the devices of the
-    enclosing sequence mesh (`ring_path_attention`; off one, the chunked form), and "auto" the
-    ring on a sequence mesh, else the kernel on TPU (blockwise where it refuses the call),
+    enclosing sequence mesh (`ring_path_attention`, its own shard by the chunked form; off one,
+    the chunked form), and "auto" the ring on a sequence mesh (its own shard by the kernel where
+    auto would pick it for one shard, i.e. TPU; with `span`, inside blocks), else the kernel on
+    TPU (blockwise where it refuses the call),
     blockwise on GPU (attention.FACTS["path_kernel_gpu"]), on CPU the reference up to
     attention.REFERENCE_MAX keys and blockwise past it.
     The decode cache holds keys already carried to the latest token; each new token applies its
@@ -83,10 +85,26 @@ class Path(Scheme):
         w, beta = features["w"], features["beta"]
         check_transport(k, w, beta)
         bias = self.score_bias(features, positions)
-        if impl == "auto" and ring_active():  # the sequence split over a mesh: PaTH's own ring
-            impl = "ring"
-            log_ring(type(self).__name__)
         span = self.span if 0 < self.span < k.shape[1] else None
+        if impl == "auto" and ring_active():  # the sequence split over a mesh: PaTH's own ring, on every platform
+            mesh = active_mesh()
+            shard = k.shape[1] // mesh.shape["sequence"]  # its own shard by the kernel where auto picks it
+            inner = self.span if 0 < self.span < shard else shard  # (inside blocks of span tokens)
+            own = OwnKernel("PaTH's kernel", lambda platform: refusal(bias, k[:, :inner], platform),
+                            slower={"cuda": "path_kernel_gpu"})
+
+            def ring(platform):
+                chosen, why = choose(q[:, :shard], k[:, :shard], v[:, :shard], platform=platform, own=own)
+                kernel = {"block_size": block_size, "platform": platform} if chosen == "pallas" else None
+                own_span = inner if kernel and inner < shard else None
+
+                # The arrays as operands: a shard_map in a platform_dependent branch may close over none.
+                def run(q, k, v, features, positions, segment_ids):
+                    return ring_path_attention(q, k, v, features["w"], features["beta"], mesh=mesh,
+                                               bias_fn=self.score_bias(features, positions), segment_ids=segment_ids,
+                                               chunk=block_size, kernel=kernel, span=own_span)
+                return "ring", f"the sequence axis of the mesh splits the keys; own shard: {why}", run
+            return per_platform_choice(ring, q, k, v, features, positions, segment_ids, label=type(self).__name__)
 
         def kernel(q, k, v, w, beta, bias, seg, platform=platform):  # with span: inside blocks, the chunked form across
             return chunked_attention(q, k, v, w, beta, bias_fn=bias, segment_ids=seg, chunk=block_size, span=span,
