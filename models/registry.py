@@ -191,7 +191,8 @@ register("path", Entry(Path, features=HouseholderVectors,
                            "tokens after it (w from a rank-`rank` projection + short causal convolution, beta = "
                            "2 sigmoid in (0, 2)); impl `reference` materialises the logits with one UT solve per "
                            "`solve_chunk` tokens, `blockwise` is the flash-style chunked algorithm with O(T x D) "
-                           "memory (`block_size` = chunk; in two levels with blocks of `span` tokens where span > 0; `tiles` = bf16: "
+                           "memory (`block_size` = chunk; in two levels with blocks of `span` tokens where span > 0, "
+                           "`outer_group` blocks a step across them; `tiles` = bf16: "
                            "its q.k and P.V on bf16 operands), `pallas` the fused kernel (with `span`: inside the blocks, "
                            "each its own sequence) (positional/path/kernel.py; what `auto` "
                            "picks on TPU; on GPU it picks `blockwise`, measured faster)"))

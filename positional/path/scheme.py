@@ -46,6 +46,9 @@ class Path(Scheme):
     # 0: one level): the chunked form (or the kernel, each block its own sequence) inside the
     # blocks, the chunked form across them (`chunked_attention`).
     span: int = 0
+    # two levels: blocks per step of the outer scan; its backward keeps about T x outer_group x D
+    # numbers per head of query chains (fewer: less memory, more steps)
+    outer_group: int = 8
     tiles: str = "fp32"  # the chunked form's q.k and P.V tiles' operands, "fp32" or "bf16" (TILES)
 
     relative = False  # routes depend on the tokens between, not on positions
@@ -58,7 +61,7 @@ class Path(Scheme):
 
     def __post_init__(self):
         super().__post_init__()
-        for name, least in (("rank", 1), ("conv", 0), ("solve_chunk", 0), ("span", 0)):
+        for name, least in (("rank", 1), ("conv", 0), ("solve_chunk", 0), ("span", 0), ("outer_group", 1)):
             if getattr(self, name) < least:
                 raise ValueError(f"PaTH option {name}={getattr(self, name)} must be >= {least}")
         if self.tiles not in TILES:
@@ -102,13 +105,15 @@ class Path(Scheme):
                 def run(q, k, v, features, positions, segment_ids):
                     return ring_path_attention(q, k, v, features["w"], features["beta"], mesh=mesh,
                                                bias_fn=self.score_bias(features, positions), segment_ids=segment_ids,
-                                               chunk=block_size, kernel=kernel, span=own_span)
+                                               chunk=block_size, kernel=kernel, span=own_span,
+                                               outer_group=self.outer_group)
                 return "ring", f"the sequence axis of the mesh splits the keys; own shard: {why}", run
             return per_platform_choice(ring, q, k, v, features, positions, segment_ids, label=type(self).__name__)
 
         def kernel(q, k, v, w, beta, bias, seg, platform=platform):  # with span: inside blocks, the chunked form across
             return chunked_attention(q, k, v, w, beta, bias_fn=bias, segment_ids=seg, chunk=block_size, span=span,
-                                     tiles=self.tiles, kernel={"block_size": block_size, "platform": platform})
+                                     outer_group=self.outer_group, tiles=self.tiles,
+                                     kernel={"block_size": block_size, "platform": platform})
 
         if impl == "auto":  # on CPU by length, on GPU blockwise (FACTS["path_kernel_gpu"]), on TPU the kernel
             own = OwnKernel("PaTH's kernel", lambda platform: refusal(bias, k[:, :span], platform),
@@ -129,7 +134,7 @@ class Path(Scheme):
                                        chunk=block_size)
         if impl in ("blockwise", "ring"):  # "ring" off a sequence mesh: the chunked form
             return chunked_attention(q, k, v, w, beta, segment_ids=segment_ids, bias_fn=bias, chunk=block_size,
-                                     span=span, tiles=self.tiles)
+                                     span=span, outer_group=self.outer_group, tiles=self.tiles)
         if impl == "pallas":  # the Pallas interpreter on CPU, with block_size-token chunks
             return kernel(q, k, v, w, beta, bias, segment_ids)
         return super().attention(q, k, v, features, positions=positions, segment_ids=segment_ids)
