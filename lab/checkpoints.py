@@ -88,10 +88,13 @@ RESTORE_GROUP_BYTES = 256 * 2 ** 20  # a partial restore reads this many bytes o
 
 
 def leaf_groups(tree: dict, most_bytes: int) -> list[dict]:
-    """A nested dict's leaves (arrays or ShapeDtypeStructs) in consecutive groups of at most
-    `most_bytes` (a larger leaf alone), each group as a nested dict holding only its leaves."""
+    """A nested dict's leaves (arrays or ShapeDtypeStructs), the largest first, in groups of at
+    most `most_bytes` (a larger leaf alone), each group as a nested dict holding only its leaves.
+    Largest first: a read holds its group twice for a while (the reader's buffer and the array),
+    and the largest group so comes while little else is held, the last ones are small."""
     groups, size = [{}], 0
-    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+    leaves = jax.tree_util.tree_leaves_with_path(tree)
+    for path, leaf in sorted(leaves, key=lambda pl: -pl[1].size * jnp.dtype(pl[1].dtype).itemsize):  # stable
         nbytes = leaf.size * jnp.dtype(leaf.dtype).itemsize
         if size and size + nbytes > most_bytes:
             groups, size = groups + [{}], 0
