@@ -439,8 +439,8 @@ def test_checksums_do_not_depend_on_the_slices_an_array_is_summed_in(monkeypatch
 
 def test_parameters_read_in_groups_equal_one_read_and_a_flipped_bit_in_any_group_is_found(tiny_run, tmp_path,
                                                                                          monkeypatch, capsys):
-    """load_params reads a checkpoint's arrays in groups of about RESTORE_GROUP_BYTES (each
-    verified, so the reader's buffers are one group's): one array a group gives the very arrays
+    """load_params reads a checkpoint's arrays in groups of about RESTORE_GROUP_BYTES, the largest
+    first (each verified, so the reader's buffers are one group's): one array a group gives the very arrays
     of one group for all; bits flipped through the newest checkpoint's data are found, and the
     step before is read."""
     import jax
@@ -450,7 +450,10 @@ def test_parameters_read_in_groups_equal_one_read_and_a_flipped_bit_in_any_group
     abstract = abstract_params(config)
     whole = load_params(config.workdir, abstract)
     monkeypatch.setattr(checkpoints, "RESTORE_GROUP_BYTES", 1)
-    assert len(checkpoints.leaf_groups(abstract, 1)) == len(jax.tree.leaves(abstract)) > 3
+    groups = checkpoints.leaf_groups(abstract, 1)
+    assert len(groups) == len(jax.tree.leaves(abstract)) > 3
+    sizes = [jax.tree.leaves(g)[0].size for g in groups]  # the largest first (one dtype here)
+    assert sizes == sorted(sizes, reverse=True) and sizes[0] > sizes[-1]
     step, params = load_params(config.workdir, abstract)
     assert step == whole[0] == 12
     assert jax.tree.structure(params) == jax.tree.structure(whole[1])
