@@ -8,14 +8,13 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from positional.logits import Bias, at_positions
 from positional.path.chunked import (Far, chunk_heads, chunk_operators, chunk_pieces, chunk_rows, chunked_attention,
                                      chunking, far_bwd, far_forward, unchunked)
-from positional.logits import Bias, at_positions
 from positional.path.transport import HIGHEST, check_transport, dense_product, exclusive_products
 from positional.ring import float_part, make_ring, ring_call
 from positional.softmax import MASKED, check_shapes, merged
 
-# ---- the sequence split over a ring of devices ----------------------------------------------
 
 def ring_path_attention(q, k, v, w, beta, *, mesh, axis: str = "sequence", bias_fn=None, segment_ids=None,
                         chunk: int = 64, group: int = 8, scale: float | None = None, batch_axes=("data", "fsdp"),
@@ -54,11 +53,10 @@ def ring_path_attention(q, k, v, w, beta, *, mesh, axis: str = "sequence", bias_
     `kernel` (a dict of `path_attention`'s options, e.g. interpret, platform, block_size): the
     own shard by PaTH's Pallas kernel instead, with `span` in two levels (the kernel inside
     blocks of span tokens, the chunked form across them, `outer_group` blocks a step:
-    `chunked_attention` with_lse), the bias
-    a `Bias` read at the tokens' global positions (`positional.logits.at_positions`). Its
-    backward is that of `chunked_attention`, given the cotangents the merge sends its (out, lse)
-    (d out = dO e^(lse_own - lse), d lse_own = e^(lse_own - lse) <dO, out_own - O>); that
-    recomputes the own shard's forward once.
+    `chunked_attention` with_lse), the bias a `Bias` read at the tokens' global positions
+    (`positional.logits.at_positions`). Its backward is that of `chunked_attention`, given the
+    cotangents the merge sends its (out, lse) (d out = dO e^(lse_own - lse), d lse_own =
+    e^(lse_own - lse) <dO, out_own - O>); that recomputes the own shard's forward once.
 
     bias_fn(qi, kj) reads global indices; the arrays it holds (a `Bias`'s values: FoX's F)
     become inputs of the ring (positional/ring.py `make_ring`). The largest divisor of L up to `chunk` is both the own
@@ -68,15 +66,15 @@ def ring_path_attention(q, k, v, w, beta, *, mesh, axis: str = "sequence", bias_
     check_shapes(q, k, v, segment_ids)
     check_transport(k, w, beta)
     fused = isinstance(bias_fn, Bias)  # its values are the ring's features; the kernel reads them too
-    ring, features = make_ring(q, k, mesh=mesh, axis=axis, bias_fn=bias_fn, scale=scale, block_size=chunk,
-                               batch_axes=batch_axes, head_axes=head_axes,
-                               hooks=(lambda values: (Bias(bias_fn.fn, values), None)) if fused else None,
-                               features=dict(bias_fn.values) if fused else None)
     if kernel is None and span is not None:
         raise ValueError("PaTH's ring takes span only with kernel (the own shard in two levels)")
     if kernel is not None and bias_fn is not None and not fused:
         raise ValueError(f"PaTH's ring with the kernel takes a positional.logits.Bias as bias_fn (fused in the "
                          f"kernel); got {type(bias_fn).__name__}: pass kernel=None for the chunked form")
+    ring, features = make_ring(q, k, mesh=mesh, axis=axis, bias_fn=bias_fn, scale=scale, block_size=chunk,
+                               batch_axes=batch_axes, head_axes=head_axes,
+                               hooks=(lambda values: (Bias(bias_fn.fn, values), None)) if fused else None,
+                               features=dict(bias_fn.values) if fused else None)
     bias_hooks = ring.hooks
     # The ring's features: (A [n, B, K, D, D] of this device, the bias's arrays).
     ring = dataclasses.replace(ring, hooks=lambda f: bias_hooks(f[1]), diagonal=False,

@@ -32,9 +32,9 @@ class Path(Scheme):
     enclosing sequence mesh (`ring_path_attention`, its own shard by the chunked form; off one,
     the chunked form), and "auto" the ring on a sequence mesh (its own shard by the kernel where
     auto would pick it for one shard, i.e. TPU; with `span`, inside blocks), else the kernel on
-    TPU (blockwise where it refuses the call),
-    blockwise on GPU (attention.FACTS["path_kernel_gpu"]), on CPU the reference up to
-    attention.REFERENCE_MAX keys and blockwise past it.
+    TPU (blockwise where it refuses the call), blockwise on GPU (attention.FACTS
+    ["path_kernel_gpu"]), on CPU the reference up to attention.REFERENCE_MAX keys and blockwise
+    past it.
     The decode cache holds keys already carried to the latest token; each new token applies its
     H_t to all of them (O(T * D) per token).
     """
