@@ -22,7 +22,7 @@ def check_transport(k, w, beta) -> None:
                          f"got beta in [{float(beta.min())}, {float(beta.max())}]")
 
 
-# ---- steps -----------------------------------------------------------------------------------------
+# ---- steps ------------------------------------------------------------------------------------
 
 def householder_matrices(w, beta) -> jax.Array:
     """H_t = I - beta_t w_t w_t^T: w [..., D], beta [...] -> [..., D, D] fp32."""
