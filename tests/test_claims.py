@@ -126,3 +126,16 @@ def test_intervals_over_documents_from_an_eval_report(tiny_run):
     del report["runs"]["rope"]["results"][0]["per_document"]
     with pytest.raises(ValueError, match="run rope has no per_document rows: evaluate with eval.py --documents=N"):
         documents.intervals(report, "rope", 10)
+
+
+def test_every_claim_has_one_paper_row():
+    """docs/results/paper_claims.json covers each ledger claim once, with a direction the table
+    reads, and a quote or a place wherever the paper reports the comparison."""
+    claims = load_claims()
+    rows = claims.papers()
+    assert [p["id"] for p in rows] == [c[1] for c in claims.CLAIMS]
+    for p in rows:
+        assert p["direction"] in ("same", "opposite", "none"), p["id"]
+        assert p["direction"] == "none" or (p["paper"] and p["where"] and p["paper_says"]), p["id"]
+    assert claims.agreement("same", "contradicted") == "disagrees" and claims.agreement("opposite", "supported") == (
+        "disagrees") and claims.agreement("same", "supported") == "agrees"

@@ -11,9 +11,11 @@ and values [seed, column]) seed by seed, on one measure:
   ppl    log perplexity at a length
   acc    accuracy (absolute)
 and states the sign of A - B it claims. Log measures are shown as A / B - 1 (a relative change).
-This first version holds the seed comparisons the pages make in words; paper-against-ours
-rows, the number of evaluation documents per length and a bootstrap over documents are not in
-it yet.
+Against the papers: docs/results/paper_claims.json says, per claim id, what the paper reports on
+the same comparison (where, a verbatim quote to find it by, the direction against the claim:
+"same", "opposite" or "none" where the paper has no such result), rendered as a second table
+beside our verdict. The number of evaluation documents per length and a bootstrap over
+documents are not in the ledger yet.
 """
 
 from __future__ import annotations
@@ -128,7 +130,45 @@ def ledger() -> str:
             f"{'yes' if r['same_sign'] else 'no'} | {r['verdict']} |")
     counts = {v: sum(r["verdict"] == v for r in rows) for v in ("supported", "not resolved", "contradicted")}
     lines += ["", f"{len(rows)} comparisons: " + ", ".join(f"{n} {v}" for v, n in counts.items()) + ".", ""]
-    return "\n".join(lines)
+    return "\n".join(lines + against_papers(rows))
+
+
+PAPERS = {"accumulated_transformations_extrapolate": "accumulated transformations",
+          "espr_equivariant_structured_rotations": "ESPR", "sessa_selective_state_space_attention": "Sessa"}
+
+
+def papers() -> list[dict]:
+    """docs/results/paper_claims.json: per claim id, what the paper reports on that comparison."""
+    with open(os.path.join(HERE, "paper_claims.json")) as f:
+        return json.load(f)
+
+
+def agreement(direction: str, ours: str) -> str:
+    """Whether our verdict and the paper's result say the same thing."""
+    if direction == "none":
+        return "no result in the paper to compare"
+    if ours == "not resolved":
+        return "not settled here"
+    return "agrees" if (ours == "supported") == (direction == "same") else "disagrees"
+
+
+def against_papers(rows: list[dict]) -> list[str]:
+    ours = {r["id"]: r["verdict"] for r in rows}
+    lines = ["## Against the papers", "",
+             "What the paper reports on the same comparison (docs/results/paper_claims.json, which also holds a "
+             "verbatim quote to find each by). `direction`: the paper's result against the claim's (same, "
+             "opposite, or none where it reports no such comparison). Our settings differ from the papers' "
+             "(model sizes, training lengths, extrapolation factors, data): the last column says how where it "
+             "matters.", "",
+             "| id | paper | where | the paper reports | direction | ours | agreement | setting |",
+             "|---|---|---|---|---|---|---|---|"]
+    for p in papers():
+        lines.append(f"| {p['id']} | {PAPERS.get(p['paper'], p['paper'] or '-')} | {p['where']} | "
+                     f"{p['paper_says'] or 'nothing'} | {p['direction']} | {ours[p['id']]} | "
+                     f"{agreement(p['direction'], ours[p['id']])} | {p['setting_differs'] or ''} |")
+    found = [agreement(p["direction"], ours[p["id"]]) for p in papers()]
+    counts = {k: found.count(k) for k in ("agrees", "disagrees", "not settled here", "no result in the paper to compare")}
+    return lines + ["", ", ".join(f"{n} {k}" for k, n in counts.items()) + ".", ""]
 
 
 def main() -> None:
