@@ -27,7 +27,7 @@ flags.DEFINE_bool("untrained", False, "also analyse a freshly initialised copy o
 flags.DEFINE_integer("length", 0, "window length of the logit decompositions (0: the training length)")
 flags.DEFINE_integer("windows", 4, "held-out windows for the decompositions")
 flags.DEFINE_bool("dry_run", False, "say from the runs' config.json alone (no weights read) whether the "
-                  "decompositions fit in memory at --length with --windows, and the longest length that does")
+                  "decompositions fit in memory at --length, and the longest length that does")
 flags.DEFINE_list("gammas", ["0.01", "0.05", "0.1", "0.5"], "perturbation ratios")
 flags.DEFINE_list("l_max", ["5", "10", "100"], "perturbation ranges")
 flags.DEFINE_integer("perturb_windows", 8, "windows of the training length for the perturbations")
@@ -46,8 +46,7 @@ def main(argv):
     cli.run_cli(lambda: cli.require_workdirs(FLAGS.workdirs))
     if FLAGS.dry_run:  # from the runs' config.json alone: nothing read, nothing run
         for workdir in FLAGS.workdirs:
-            print(cli.run_cli(lambda: analysis.plan(workdir, length=FLAGS.length, windows=FLAGS.windows,
-                                                    **cli.loading())))
+            print(cli.run_cli(lambda: analysis.plan(workdir, length=FLAGS.length, **cli.loading())))
         return
     cli.run_cli(cli.start_processes)  # before anything touches a device
     options = cli.run_cli(lambda: analysis.flag_options(

@@ -10,12 +10,13 @@ Generalization" (Han & Ji) on trained runs, side by side, as three evaluators
 For every run (and, with --untrained, a freshly initialised copy of the first run's model):
 
   decompositions  on --windows held-out windows of --length tokens (default: the training
-                  length), every layer and head: the 3-axis fit of the logit map (r, R^2,
-                  against the chance level sqrt(6/n)); the fake-distance fit of the last
-                  query of each window, with key contents moved through the scheme itself
-                  (`placed_fake_logits`: the paper's fake distance for RoPE, the slot swap for
-                  data-dependent schemes); for RoPE heads the explicit f + g with 1, 2 and 4
-                  slow pairs and Observation 1's per-pair statistics;
+                  length), every layer and head (one layer, window and head at a time): the
+                  3-axis fit of the logit map (r, R^2, against the chance level sqrt(6/n));
+                  the fake-distance fit of the last query of each window, with key contents
+                  moved through the scheme itself (`placed_fake_logits`: the paper's fake
+                  distance for RoPE, the slot swap for data-dependent schemes); for RoPE heads
+                  the explicit f + g with 1, 2 and 4 slow pairs and Observation 1's per-pair
+                  statistics;
                   writes decompositions.json / .md, maps_<run>.png (logit maps beside their
                   reconstructions) and curves_<run>.png (positional curves per layer and head);
   perturbations   the change in perplexity under text transposition, key-order shuffle and
@@ -66,14 +67,22 @@ SLOW_PAIRS = (1, 2, 4)
 
 # ---- decompositions ----------------------------------------------------------------------------
 
+@functools.partial(jax.jit, static_argnums=0)
+def _window_logits(scheme, q, k, v, features):
+    """The scheme's logits of one window, [1, H, T, T] (before the causal mask)."""
+    t = q.shape[1]
+    positions = jnp.broadcast_to(jnp.arange(t), q.shape[:2])
+    return scheme.logits(q, k, v, features, positions).reshape(q.shape[0], -1, t, t)
+
+
 @functools.partial(jax.jit, static_argnums=(0, 5))
-def _fake_fit(scheme, q, k, v, features, query):
-    """Fake-distance fit of the query at slot `query` against every earlier key, per head."""
+def _fake_logits(scheme, q, k, v, features, query):
+    """The fake-distance logits of the query at slot `query` against every earlier key, [1, H,
+    distances, keys] (`lp.placed_fake_logits`: one full logit map per key, made one at a time)."""
     positions = jnp.broadcast_to(jnp.arange(q.shape[1]), q.shape[:2])
     fn = functools.partial(scheme.logits, features=features, positions=positions)
     w = lp.placed_fake_logits(fn, q, k, v, query, jnp.arange(query + 1))
-    w = w.reshape(w.shape[0], -1, *w.shape[-2:])  # [B, H, distances, keys]
-    return {"w": w, **lp.fake_distance_fit(w)}
+    return w.reshape(w.shape[0], -1, *w.shape[-2:])
 
 
 def _per_head(x, heads):
@@ -81,17 +90,45 @@ def _per_head(x, heads):
     return jnp.moveaxis(jnp.repeat(x, heads // x.shape[2], axis=2), 2, 1)
 
 
+def _by_head(fit, maps) -> dict:
+    """`fit` of each head's map alone (maps [1, H, n, m]), its results stacked over heads; of the
+    fitted maps ('fit') only head 0's is kept (the plots'), so a fit's temporaries are one head's."""
+    parts = [fit(maps[:, h:h + 1]) for h in range(maps.shape[1])]
+    return {key: parts[0][key] if key == "fit" or jnp.ndim(x) < 2 else jnp.concatenate([p[key] for p in parts], 1)
+            for key, x in parts[0].items()}
+
+
+def _window(x, w: int, windows: int):
+    """Row w of an array with a leading axis of the windows (features of another shape as they are)."""
+    return x[w:w + 1] if jnp.ndim(x) and x.shape[0] == windows else x
+
+
 def decompose(model, tokens, train_len: int) -> tuple[list[dict], dict]:
     """Per layer: the fits' scores per head (mean over windows) and their curves; plus the
-    arrays of window 0, head 0 for the map plots."""
+    arrays of window 0, head 0 for the map plots. Streamed: one layer's logits of one window
+    at a time, fitted head by head, so memory holds about `DECOMPOSITION_MAPS` maps of one
+    window's heads whatever the layers and windows."""
     layers, maps = [], []
     tokens = place_windows({"tokens": tokens}, model)["tokens"]
-    n = tokens.shape[1]
-    for i, layer in enumerate(attention_internals(model, tokens, rng=jax.random.key(0))):
+    windows, n = tokens.shape
+    for i, layer in enumerate(attention_internals(model, tokens, rng=jax.random.key(0), maps=False)):
         scheme = model.blocks[i].attn.scheme
         heads = layer["q"].shape[2]
-        three = lp.three_axis_fit(layer["logits"])
-        fake = _fake_fit(scheme, layer["q"], layer["k"], layer["v"], layer["features"], n - 1)
+        fits = []
+        for w in range(windows):
+            q, k, v, features = jax.tree.map(lambda x: _window(x, w, windows),
+                                              (layer["q"], layer["k"], layer["v"], layer["features"]))
+            logits = _window_logits(scheme, q, k, v, features)
+            three = _by_head(lp.three_axis_fit, logits)
+            fake_w = _fake_logits(scheme, q, k, v, features, n - 1)
+            fake = _by_head(lp.fake_distance_fit, fake_w)
+            if w == 0:
+                shown = (("logits", logits), ("three_axis", three["fit"]), ("fake", fake_w), ("fake_fit", fake["fit"]))
+                maps.append({key: to_host(x[0, 0]) for key, x in shown})
+            fits.append((three, fake))
+            del logits, fake_w
+        three, fake = ({key: jnp.concatenate([f[j][key] for f in fits]) if jnp.ndim(x) >= 2 else x
+                        for key, x in fits[0][j].items() if key != "fit"} for j in (0, 1))
         rec = {"three_axis_r": three["r"].mean(0), "three_axis_r2": three["r2"].mean(0),
                "three_axis_r_all": three["r"], "chance": three["chance"],
                "fake_r": fake["r"].mean(0), "fake_r2": fake["r2"].mean(0), "fake_r_all": fake["r"],
@@ -108,9 +145,6 @@ def decompose(model, tokens, train_len: int) -> tuple[list[dict], dict]:
             rec["pairs"] = {key: jnp.stack([st[key] for st in stats])  # [H, D/2]
                             for key in ("rotation", "kbar_share", "coherence", "deviation", "theta_delta")}
         layers.append(jax.tree.map(lambda x: to_host(x).tolist(), rec))
-        shown = (("logits", layer["logits"]), ("three_axis", three["fit"]), ("fake", fake["w"]),
-                 ("fake_fit", fake["fit"]))
-        maps.append({key: to_host(x[0, 0]) for key, x in shown})
     return layers, maps
 
 
@@ -248,10 +282,8 @@ def analyze_runs(runs, *, parts=PARTS, untrained=False, length=0, windows=4, gam
         rec = {"workdir": run.workdir, "step": run.step, "scheme": config.model.scheme, "train_len": train_len}
         if "decompositions" in parts:
             rec.update(length=length or train_len, windows=windows)
-            # Every layer's logits and weights, and the fits' temporaries (peak RSS on CPU, in maps:
-            # 17.8 with 2 layers, 22.4 with 4).
-            check_memory(config, "the logit decompositions", rec["length"], windows, decomposition_maps(config),
-                         "analyze.py --length or --windows")
+            check_memory(config, "the logit decompositions", rec["length"], 1, DECOMPOSITION_MAPS,
+                         "analyze.py --length")
             rec["layers"], maps[name] = decompose(model, held_out_windows(config, windows, rec["length"]),
                                                   train_len)
         if "perturbations" in parts:
@@ -271,30 +303,30 @@ def analyze_runs(runs, *, parts=PARTS, untrained=False, length=0, windows=4, gam
     return results, maps
 
 
-def decomposition_maps(config) -> int:
-    """The logit decompositions' peak in attention maps: every layer's logits and weights, and
-    the fits' temporaries (peak RSS on CPU: 17.8 maps with 2 layers, 22.4 with 4)."""
-    return 2 * config.model.num_layers + 15
+# The logit decompositions' peak in float32 attention maps of one window's heads [H, T, T],
+# whatever the layers and windows (`decompose` streams them): one window's logits and its fake-
+# distance logits, one head's fits. Peak RSS on CPU over the step, compiled (4 layers, 16 heads):
+# 4.9 maps at T 512 with 2 windows, 4.6 at 768 with 1, 7.2 at 768 with 2, 5.7 at 1,024 with 2 (before:
+# 2 per layer and window plus 15, e.g. 30.7 at 512 with 2 windows).
+DECOMPOSITION_MAPS = 8
 
 
-def plan(workdir: str, *, length: int = 0, windows: int = 4, **load) -> str:
+def plan(workdir: str, *, length: int = 0, **load) -> str:
     """analyze.py --dry_run: one line, from a run's config.json alone (nothing read), saying
     whether the logit decompositions fit in this host's available memory with the parameters
     (`load`: `lab.runs.load_run`'s options) and, where they do not, the longest length that does."""
     config, _, _, params = abstract_run(workdir, **load)
     length = length or config.seq_len
     weights = sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(params))
-    maps, have = maps_bytes(config, length, windows, decomposition_maps(config)), available_memory()
+    maps, have = maps_bytes(config, length, 1, DECOMPOSITION_MAPS), available_memory()
     gib = lambda b: f"{b / 2 ** 30:,.1f} GiB"  # noqa: E731
-    head = (f"{workdir}: the logit decompositions at length {length:,} with {windows} windows need about "
-            f"{gib(weights + maps)} ({gib(weights)} of parameters, {gib(maps)} of float32 attention maps) of the "
-            f"{gib(have)} available")
+    head = (f"{workdir}: the logit decompositions at length {length:,} need about {gib(weights + maps)} "
+            f"({gib(weights)} of parameters, {gib(maps)} of float32 attention maps, one window's at a time) of "
+            f"the {gib(have)} available")
     if weights + maps <= have:
         return f"{head}: they fit"
-    longest = [math.isqrt(max(0, have - weights) // maps_bytes(config, 1, w, decomposition_maps(config)))
-               for w in (windows, 1)]
-    return (f"{head}: they do not fit; the longest length that does is {longest[0]:,} with {windows} windows, "
-            f"{longest[1]:,} with 1 (analyze.py --length, --windows)")
+    longest = math.isqrt(max(0, have - weights) // maps_bytes(config, 1, 1, DECOMPOSITION_MAPS))
+    return f"{head}: they do not fit; the longest length that does is {longest:,} (analyze.py --length)"
 
 
 def flag_options(*, length, windows, gammas, l_max, perturb_windows, shift_multiplier, shift_windows) -> dict:

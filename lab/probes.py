@@ -57,7 +57,7 @@ def check_memory(config, what: str, length: int, windows: int, maps: int, lower:
     need, have = maps_bytes(config, length, windows, maps), available_memory()
     if need > have:
         raise ValueError(f"{what} at length {length}: about {need / 2**30:,.1f} GiB ({maps} float32 "
-                         f"attention maps of {windows} windows x {heads} heads x {length} x {length}), more "
+                         f"attention maps of {windows} window{'s' if windows > 1 else ''} x {heads} heads x {length} x {length}), more "
                          f"than the {have / 2**30:,.1f} GiB available; lower {lower}")
 
 
