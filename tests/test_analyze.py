@@ -141,3 +141,22 @@ def test_analyze_dry_run_says_what_the_decompositions_need_and_the_longest_lengt
     line = analysis.plan(str(tmp_path), length=4096)
     assert "\n" not in line and line.endswith(": they do not fit; the longest length that does is 1,000 (analyze.py "
                                                "--length)"), line
+
+
+def test_streamed_decompositions_equal_the_fits_of_whole_maps(tiny_run):
+    """decompose fits one layer, window and head at a time; its scores equal the fits of every
+    window's and head's maps at once (attention_internals' logits)."""
+    import jax
+    from lab.analysis import decompose
+    from lab.runs import held_out_windows, load_run
+    from models.lm import attention_internals
+    from positional.probes import logits as lp
+    config, _ = tiny_run
+    _, model, _ = load_run(config.workdir)
+    tokens = np.asarray(held_out_windows(config, 3, 32))
+    layers, maps = decompose(model, tokens, config.seq_len)
+    for layer, whole in zip(layers, attention_internals(model, tokens, rng=jax.random.key(0)), strict=True):
+        three = lp.three_axis_fit(whole["logits"])
+        np.testing.assert_allclose(layer["three_axis_r_all"], three["r"], atol=1e-4)
+        np.testing.assert_allclose(layer["three_axis_a"], three["a"].mean(0), atol=1e-3)
+    np.testing.assert_allclose(maps[0]["logits"], attention_internals(model, tokens)[0]["logits"][0, 0], atol=1e-5)
