@@ -99,6 +99,13 @@ def test_path_ring_train_step_equals_one_device():
     check_sharded(sharded_step(["path", "path_fox"], meshes, 8, impl="ring"))
 
 
+def test_path_auto_on_a_sequence_mesh_trains_as_one_device():
+    """path_fox with impl "auto" on sequence=4: PaTH's ring in a platform_dependent branch (its own
+    shard chosen per platform: the kernel's TPU branch traced, the chunked form run on CPU): loss,
+    gradients and parameters as on one device."""
+    check_sharded(sharded_step(["path_fox"], [{"sequence": 4}], 4, impl="auto"))
+
+
 def test_path_ring_refuses_a_length_the_ring_does_not_divide():
     """One line naming the length, the mesh axis and what to change; through the scheme too."""
     mesh = jax.sharding.AbstractMesh((4,), ("sequence",))
