@@ -56,9 +56,9 @@ def check_memory(config, what: str, length: int, windows: int, maps: int, lower:
     heads = config.model.num_heads
     need, have = maps_bytes(config, length, windows, maps), available_memory()
     if need > have:
-        raise ValueError(f"{what} at length {length}: about {need / 2**30:,.1f} GiB ({maps} float32 "
-                         f"attention maps of {windows} window{'s' if windows > 1 else ''} x {heads} heads x {length} x {length}), more "
-                         f"than the {have / 2**30:,.1f} GiB available; lower {lower}")
+        of = f"{windows} window{'s' if windows > 1 else ''} x {heads} heads x {length} x {length}"
+        raise ValueError(f"{what} at length {length}: about {need / 2**30:,.1f} GiB ({maps} float32 attention maps "
+                         f"of {of}), more than the {have / 2**30:,.1f} GiB available; lower {lower}")
 
 
 def probe_runs(runs, *, length: int, windows: int = 2, log=print) -> dict:
