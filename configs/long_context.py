@@ -14,9 +14,11 @@ CPU devices (XLA_FLAGS=--xla_force_host_platform_device_count=8, or 16 for tpu16
 after the slash, any registered scheme (default rope). The model: d_model 1024, 16 layers,
 16 heads of 64 (about 200M parameters), bf16 compute with fp32 parameters and optimizer
 state, each block rematerialised, attention "auto": ring attention in 1,024-token blocks on
-the sequence mesh (positional/ring.py; PaTH its own ring in 64-token chunks, positional/path/ring.py
-`ring_path_attention`; espr_rf, which brings its own attention: its chunked form, the keys and
-values gathered by the partitioner). Memory per device from the dry run is in benchmarks/RESULTS.md.
+the sequence mesh (positional/ring.py; PaTH its own ring in 64-token chunks,
+positional/path/ring.py `ring_path_attention`, each device's own shard by PaTH's kernel on TPU
+where it takes one: with --config.model.scheme_options.span=1024 for tpu16's 16K shards;
+espr_rf, which brings its own attention: its chunked form, the keys and values gathered by the
+partitioner). Memory per device from the dry run is in benchmarks/RESULTS.md.
 """
 
 from configs import SCHEME, default, parse_arg
