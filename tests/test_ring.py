@@ -9,7 +9,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from tiny_setup import check_sharded, cli, sharded_step
 
 from models.registry import REGISTRY, make_scheme
 from models.sharding import activation_rules
@@ -19,6 +18,7 @@ from positional.path.ring import ring_path_attention
 from positional.path.scheme import Path
 from positional.ring import ring_mesh
 from positional.scheme import Scheme
+from tiny_setup import check_sharded, cli, sharded_step
 
 
 def ring_check(meshes, script="tests/ring_check.py", *args):
