@@ -137,7 +137,9 @@ def ring_path_attention(q, k, v, w, beta, *, mesh, axis: str = "sequence", bias_
         return merged(o_own, lse_own, o_far, lse_far)
 
     def backward(q, k, v, w, beta, seg, features, o, lse, do):
-        (own, q0, keys, vf, whole), pieces_vjp = jax.vjp(pieces, q, k, v, w, beta)
+        # With the kernel the own shard's chunked pieces are not used: left out of the vjp.
+        used = (lambda *x: (None, *pieces(*x)[1:])) if kernel is not None else pieces
+        (own, q0, keys, vf, whole), pieces_vjp = jax.vjp(used, q, k, v, w, beta)
         a, spans_vjp = jax.vjp(spans, whole)
         dq0, d_keys, dv, (da, *d_bias) = ring.backward(q0, keys, vf, seg, (a, features), o, lse, do)
         if kernel is not None:
@@ -146,7 +148,7 @@ def ring_path_attention(q, k, v, w, beta, *, mesh, axis: str = "sequence", bias_
                                                 beta, diff)
             p = jnp.exp(lse_own - lse)  # the own shard's weight in each row
             *d_kernel, d_consts = own_vjp((do * p[..., None], p * jnp.sum(do * (o_own - o), -1)))
-            grads = pieces_vjp((jax.tree.map(jnp.zeros_like, own), dq0, d_keys, dv, spans_vjp(da)[0]))
+            grads = pieces_vjp((None, dq0, d_keys, dv, spans_vjp(da)[0]))
             grads = [x + y for x, y in zip(grads, d_kernel)]
         else:
             st, consts, rows = own_shard(seg, features, q.shape[2])
