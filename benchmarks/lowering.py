@@ -123,7 +123,7 @@ def lowered_train_step(config, platform: str, devices=None) -> tuple[str, list[t
     parameters' shapes, the jax Lowered to compile or None). Exported with jax.export over this
     host's devices, or, given `devices` (a TPU topology's), lowered by jit for them, compilable.
     Everything is abstract: nothing is allocated."""
-    step, args, mesh = abstract_train_step(config, vocab_size(config), devices)
+    step, args, mesh = abstract_train_step(config, vocab_size(config), devices, pipeline.batch_keys(config.data))
     with target(platform, mesh=mesh), captured_choices() as records:
         if devices is None:
             checks = [jax.export.DisabledSafetyCheck.custom_call(name) for name in UNSTABLE_CALLS]

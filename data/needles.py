@@ -166,7 +166,7 @@ def mix_row(tokenizer, fraction: float, tasks: tuple, answer_weight: float, row:
     `tasks` at a uniform depth, its haystack the row's own text (separators removed), one
     document (segment 1, positions 0..L-1) of the row's length L. The loss covers every token,
     the answer's with weight `answer_weight`; other than 1, every row (mixed or not) gets a
-    float32 'loss_weight', 1 on every token but the answer's. A row too short for the task's
+    float32 'loss_weight' (`data.batch`), 1 on every token but the answer's. A row too short for the task's
     needles stays as it is."""
     example = None
     if rng.random() < fraction:

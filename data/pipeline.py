@@ -27,7 +27,7 @@ import grain
 import ml_collections
 import numpy as np
 
-from data import DataError, local_text, needles, tasks, tokenizers
+from data import DataError, batch, local_text, needles, tasks, tokenizers
 
 # Sentencepiece trains on at most this many characters of the train split (taken in the
 # split's stored order): more costs minutes and changes little.
@@ -150,7 +150,8 @@ def train_loader(
     every epoch. Process `shard_index` of `num_shards` reads every num_shards-th document,
     and `batch_size` is per process. `get_state()` is JSON-serialisable; `set_state` on a
     fresh loader with the same arguments continues exactly where the state was taken.
-    A synthetic task (`data.tasks`) gives one padded example per row, with a 'loss_mask'.
+    A synthetic task (`data.tasks`) gives one padded example per row. The batch is a
+    `data.batch.Batch`; `batch_keys(config)` names its keys.
     """
     if tasks.is_task(config):
         return tasks.train_loader(config, seed=seed, batch_size=batch_size, seq_len=seq_len,
@@ -162,6 +163,14 @@ def train_loader(
         rows = rows.random_map(functools.partial(needles.mix_row, tokenizer(config), *mix),
                                seed=zlib.crc32(f"retrieval mix {seed} {shard_index}".encode()))
     return iter(rows.batch(batch_size, drop_remainder=True))
+
+
+def batch_keys(config: ml_collections.ConfigDict) -> tuple[str, ...]:
+    """The keys of the batches `train_loader(config)` yields (`data.batch`): the required ones, and
+    'loss_weight' for a synthetic task and for a retrieval mix whose answers weigh other than 1."""
+    mix = retrieval_mix(config)
+    weighted = tasks.is_task(config) or mix is not None and mix[2] != 1
+    return batch.REQUIRED + (("loss_weight",) if weighted else ())
 
 
 def retrieval_mix(config: ml_collections.ConfigDict) -> tuple[float, tuple[str, ...], float] | None:

@@ -50,6 +50,7 @@ import ml_collections
 import numpy as np
 
 from data import DataError
+from data.batch import Batch
 from data.tokenizers import EOS_ID, PAD_ID
 
 SPLITS = ("train", "validation", "test")
@@ -377,17 +378,17 @@ def tokenizer(task) -> SymbolTokenizer:
     return SymbolTokenizer(task.symbols)
 
 
-def row(example: Example, length: int) -> dict[str, np.ndarray]:
-    """One example padded to `length`: {'tokens', 'segment_ids', 'positions', 'loss_mask'},
-    int32[length] each; segment id 1 on the example and 0 (padding) after it, positions count
-    from 0, and loss_mask is the answer mask (0 on padding)."""
+def row(example: Example, length: int) -> Batch:
+    """One example padded to `length`, a row of a `data.batch.Batch`: segment id 1 on the example
+    and 0 (padding) after it, positions count from 0, and loss_weight is the answer mask (1 on
+    the answer's tokens, 0 elsewhere)."""
     n = len(example.tokens)
     if n > length:
         raise DataError(f"a task example has {n} tokens but rows hold {length}; raise seq_len to at "
                         f"least {n - 1}")
     pad = lambda x: np.pad(x, (0, length - n)).astype(np.int32)  # noqa: E731
     return {"tokens": pad(example.tokens), "segment_ids": pad(np.ones(n)),
-            "positions": pad(np.arange(n)), "loss_mask": pad(example.answer)}
+            "positions": pad(np.arange(n)), "loss_weight": pad(example.answer).astype(np.float32)}
 
 
 def train_loader(config: ml_collections.ConfigDict, *, seed: int, batch_size: int, seq_len: int,
@@ -410,7 +411,7 @@ def train_loader(config: ml_collections.ConfigDict, *, seed: int, batch_size: in
 
 def eval_batches(task, split: str, n: int, batch_size: int) -> Iterator[tuple[dict, np.ndarray]]:
     """The first `n` examples of `split` in batches of rows padded to the split's longest
-    example: ({'tokens', 'segment_ids', 'positions', 'loss_mask'}: int32[b, L], groups int[b])."""
+    example: (a `data.batch.Batch` [b, L] of `row`s, groups int[b])."""
     length = task.max_len(split)
     for start in range(0, n, batch_size):
         examples = [task.example(split, i) for i in range(start, min(n, start + batch_size))]

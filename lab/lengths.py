@@ -224,7 +224,7 @@ def _answer_stats(graphdef, state, batch, rng, impl):
     tokens = batch["tokens"]
     logits = model(tokens[:, :-1], positions=batch["positions"][:, :-1],
                    segment_ids=batch["segment_ids"][:, :-1], impl=impl, rng=rng)
-    targets, answer = tokens[:, 1:], batch["loss_mask"][:, 1:]
+    targets, answer = tokens[:, 1:], batch["loss_weight"][:, 1:]
     nll = -jnp.take_along_axis(jax.nn.log_softmax(logits), targets[..., None], axis=-1)[..., 0]
     correct = (jnp.argmax(logits, -1) == targets) & (answer > 0)
     return correct.sum(1), answer.sum(1), jnp.sum(nll * answer, 1)
@@ -242,7 +242,7 @@ def task_accuracy(model: DecoderLM, task, split: str, n_examples: int, *, batch_
         rng = jax.random.fold_in(jax.random.key(seed), i)
         pad = -len(groups) % distributed.row_multiple(model)  # padding rows: group -1, no answers
         batch = {k: np.concatenate([v, v[-1:].repeat(pad, 0)]) for k, v in batch.items()}
-        batch["loss_mask"][len(groups):] = 0
+        batch["loss_weight"][len(groups):] = 0
         out = _answer_stats(graphdef, state, distributed.place_rows(batch, model), rng, impl)
         stats.append(np.stack([*map(distributed.to_host, out), np.append(groups, [-1] * pad)], 1))
     table = np.concatenate(stats)

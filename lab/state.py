@@ -19,6 +19,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from data.batch import DTYPES, REQUIRED
 from lab import distributed
 from models import sharding
 from models.lm import DecoderLM, ModelConfig, token_nll
@@ -189,9 +190,8 @@ def make_loss(graphdef, rest, config):
         model = nnx.merge(graphdef, params, rest)
         nll, w = token_nll(model, batch["tokens"], segment_ids=batch["segment_ids"],
                            positions=batch["positions"], impl=config.model.attention_impl, rng=rng)
-        for key in ("loss_mask", "loss_weight"):  # a synthetic task scores only its answers;
-            if key in batch:                        # a retrieval mix may weight its answers up
-                w = w * batch[key][:, 1:]
+        if "loss_weight" in batch:  # a synthetic task scores only its answers; a retrieval mix
+            w = w * batch["loss_weight"][:, 1:]  # may weight its answers up (data.batch)
         return jnp.sum(nll * w) / jnp.maximum(jnp.sum(w), 1.0)
 
     return loss_fn
@@ -214,13 +214,14 @@ def make_train_step(graphdef, rest, tx, config, state_shardings, batch_sharding)
                    out_shardings=(state_shardings, None), donate_argnums=0)
 
 
-def abstract_train_step(config: ml_collections.ConfigDict, vocab_size: int, devices=None):
+def abstract_train_step(config: ml_collections.ConfigDict, vocab_size: int, devices=None, keys=REQUIRED):
     """(the jitted train step of `config`, its abstract arguments (state, batch), the mesh) over
-    `devices` (default: the job's), every array a ShapeDtypeStruct: nothing is allocated."""
+    `devices` (default: the job's), every array a ShapeDtypeStruct: nothing is allocated. The
+    batch has `keys` (`data.pipeline.batch_keys(config.data)`: those training feeds)."""
     check_config(config)
     mesh, batch_sharding = mesh_and_batch(config, devices)
     graphdef, rest, tx, _, state = init_state(config, vocab_size, mesh, abstract=True)
-    row = jax.ShapeDtypeStruct((config.batch_size, config.seq_len + 1), jnp.int32, sharding=batch_sharding)
-    batch = {"tokens": row, "segment_ids": row, "positions": row}
+    batch = {k: jax.ShapeDtypeStruct((config.batch_size, config.seq_len + 1), DTYPES[k], sharding=batch_sharding)
+             for k in keys}
     step = make_train_step(graphdef, rest, tx, config, jax.tree.map(lambda x: x.sharding, state), batch_sharding)
     return step, (state, batch), mesh

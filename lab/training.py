@@ -54,23 +54,25 @@ class TrainingError(Exception):
 
 def dry_run(config: ml_collections.ConfigDict) -> dict:
     """Compile the sharded train step of `config` on abstract inputs, allocating and running
-    nothing: the parameter count and XLA's memory analysis of the program each device runs."""
+    nothing: the parameter count, the batch it takes ({key: dtype}, the keys this config's loader
+    yields) and XLA's memory analysis of the program each device runs."""
     check_config(config)
     vocab = config.model.vocab_size or pipeline.tokenizer(config.data).vocab_size
-    step, (state, batch), mesh = abstract_train_step(config, vocab)
+    step, (state, batch), mesh = abstract_train_step(config, vocab, keys=pipeline.batch_keys(config.data))
     return {"devices": jax.device_count(), "mesh": dict(mesh.shape),
             "params": sum(math.prod(x.shape) for x in jax.tree.leaves(state["params"])),
+            "batch": {k: str(x.dtype) for k, x in batch.items()},
             **memory(step.lower(state, batch).compile())}
 
 
 def dry_run_report(r: dict) -> str:
-    gib = lambda b: f"{b / 2 ** 20:,.1f} MiB"  # noqa: E731
+    mib = lambda b: f"{b / 2 ** 20:,.1f} MiB"  # noqa: E731
     return "\n".join([
         f"dry run: {r['devices']} devices, mesh {r['mesh']}, {r['params']:,} parameters",
         "per device (XLA memory analysis of the compiled train step):",
-        f"  arguments {gib(r['argument_bytes'])}, outputs {gib(r['output_bytes'])} "
-        f"(aliased to arguments {gib(r['alias_bytes'])}), temporaries {gib(r['temp_bytes'])}",
-        f"  total {gib(r['total_bytes'])}"])
+        f"  arguments {mib(r['argument_bytes'])}, outputs {mib(r['output_bytes'])} "
+        f"(aliased to arguments {mib(r['alias_bytes'])}), temporaries {mib(r['temp_bytes'])}",
+        f"  total {mib(r['total_bytes'])}; batch {r['batch']}"])
 
 
 @contextlib.contextmanager

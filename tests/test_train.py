@@ -326,7 +326,7 @@ def test_weight_decay_takes_matrices_and_position_matrices_only_when_asked(posit
 def test_loss_weight_weights_tokens_as_data_retrieval_answer_weight_asks(tmp_path):
     """The training loss with a batch's 'loss_weight' (a retrieval mix with
     data.retrieval_answer_weight) is the weighted mean NLL: all-ones weights change nothing, and
-    one token weighted far above the rest gives that token's NLL alone (a 'loss_mask' on it)."""
+    one token weighted far above the rest gives that token's NLL alone (a weight of 1 on it, 0 elsewhere)."""
     from lab.state import init_state, make_mesh
     from lab.state import make_loss
     config = tiny_config(tmp_path)
@@ -338,10 +338,30 @@ def test_loss_weight_weights_tokens_as_data_retrieval_answer_weight_asks(tmp_pat
     plain = loss(state["params"], batch, None)
     ones = loss(state["params"], {**batch, "loss_weight": jnp.ones(tokens.shape)}, None)
     assert float(ones) == pytest.approx(float(plain), rel=1e-6)
-    alone = loss(state["params"], {**batch, "loss_mask": one}, None)
+    alone = loss(state["params"], {**batch, "loss_weight": one}, None)
     weighted = loss(state["params"], {**batch, "loss_weight": 1 + 1e7 * one}, None)
     assert float(weighted) == pytest.approx(float(alone), rel=1e-4)
     assert abs(float(alone) - float(plain)) > 1e-3  # the one token differs from the mean
+
+
+@pytest.mark.parametrize("data", ["text", "task", "mix", "weighted_mix"])
+def test_the_dry_run_compiles_the_batch_training_feeds(tmp_path, data):
+    """The dry run's train step takes the batch the config's loader yields (data.batch): the same
+    keys and dtypes for plain text, a synthetic task (answer weights), and a retrieval mix with
+    and without an answer weight."""
+    from data import pipeline, tasks
+    config = tiny_config(tmp_path)
+    if data == "task":
+        config.data.name = "diffuse_mqar"
+        config.data.task = tasks.default_options("diffuse_mqar")
+        config.seq_len = tasks.get_task(config.data).max_len("train")
+    elif data != "text":
+        config.seq_len = 320
+        config.data.update(retrieval_mix=1.0, retrieval_answer_weight=4.0 if data == "weighted_mix" else 1.0)
+    loader = pipeline.Streams(config.data, seed=0, batch_size=config.batch_size, seq_len=config.seq_len + 1)
+    fed = {k: str(v.dtype) for k, v in next(loader).items()}
+    assert dry_run(config)["batch"] == fed
+    assert ("loss_weight" in fed) == (data in ("task", "weighted_mix"))
 
 
 def test_progress_lines_name_the_run_and_the_time_left_and_a_finished_rerun_says_so(tiny_run, tmp_path, capsys):

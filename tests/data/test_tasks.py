@@ -182,8 +182,8 @@ def test_rows_pad_with_segment_zero_and_the_loader_resumes():
     for b in range(4):
         assert (first["segment_ids"][b] == (np.arange(48) < n[b])).all()
         assert (first["positions"][b, :n[b]] == np.arange(n[b])).all()
-        assert (first["tokens"][b, n[b]:] == 0).all() and first["loss_mask"][b].sum() == 3
-        assert (first["loss_mask"][b] <= first["segment_ids"][b]).all()
+        assert (first["tokens"][b, n[b]:] == 0).all() and first["loss_weight"][b].sum() == 3
+        assert (first["loss_weight"][b] <= first["segment_ids"][b]).all() and first["loss_weight"].dtype == np.float32
     state = loader.get_state()
     expected = [next(loader) for _ in range(3)]
     again = tasks.train_loader(config, seed=3, batch_size=4, seq_len=48)
@@ -207,7 +207,7 @@ def test_training_loss_is_the_answer_nll(tmp_path):
     logits = model(jnp.asarray(batch["tokens"][:, :-1]), positions=jnp.asarray(batch["positions"][:, :-1]),
                    segment_ids=jnp.asarray(batch["segment_ids"][:, :-1]))
     logp = np.asarray(jax.nn.log_softmax(logits))
-    rows, cols = np.nonzero(batch["loss_mask"][:, 1:])
+    rows, cols = np.nonzero(batch["loss_weight"][:, 1:])
     by_hand = -np.mean(logp[rows, cols, batch["tokens"][rows, cols + 1]])
     assert len(rows) == 3 * config.batch_size
     assert loss == pytest.approx(by_hand, rel=1e-4)
