@@ -10,7 +10,8 @@ Model, data order, step budget and seed are those of configs/accumulated.py, so 
 so2_learned_qkv runs are the same runs (`configs/path.py:rope` retrains them under runs/path/).
 The runs reported in docs/results/path.md trained with the flash-style chunked algorithm
 (impl "blockwise", 64-token chunks); configs now train PaTH with the materialised logits (impl
-"reference", one UT solve per 64 tokens), the same function computed faster at these lengths.
+"reference", one UT solve per 64 tokens), the same function computed faster at these lengths
+(benchmarks/RESULTS.md, section 'PaTH and FoX training-step throughput').
 """
 
 from configs import SCHEME, accumulated, parse_arg

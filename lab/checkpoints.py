@@ -113,8 +113,9 @@ def merged(a: dict, b: dict) -> dict:
 
 def release_freed_memory() -> None:
     """Give the memory the checkpoint reader's threads freed back to the OS (glibc keeps it in
-    per-thread arenas: 0.65 GiB after reading a 2.3 GiB model, which evaluation then adds to);
-    nothing where the C library is not glibc."""
+    per-thread arenas, which evaluation then adds to: benchmarks/RESULTS.md, section 'Host memory
+    of loading and evaluating a 1.24B-parameter import'); nothing where the C library is not
+    glibc."""
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):

@@ -107,9 +107,9 @@ def _options(entry: Entry) -> set:
 
 
 def table_row(name: str) -> str:
-    """The README scheme table's row of a registered name: | `name` | doc | options |, the
-    options being the scheme's dataclass fields less the fixed ones (and those of the parts it
-    composes), in declaration order."""
+    """The row of a registered name in the scheme table of docs/schemes.md: | `name` | doc |
+    options |, the options being the scheme's dataclass fields less the fixed ones (and those of
+    the parts it composes), in declaration order."""
     entry = get_entry(name)
     options = [f.name for e in parts(name) for f in dataclasses.fields(e.scheme_cls)
                if f.name not in ("num_heads", "head_dim", "biases", *_fixed(entry))]

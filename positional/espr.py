@@ -122,7 +122,8 @@ def _inverse_unit_skew(s: jax.Array) -> jax.Array:
     The symmetric part of I + S is I, and so is that of every Schur complement's (it becomes
     I + s s^T), so every pivot is >= 1 and no pivoting is needed. Plain XLA ops rather than a
     LAPACK call: on CPU the LAPACK solve runs on multi-threaded BLAS, whose threads fight the
-    XLA threads for the cores and cost tens of ms per call on a busy 2-core machine.
+    XLA threads for the cores and make each call far slower on a busy machine than the solve
+    itself (benchmarks/RESULTS.md, section 'ESPR / STRING').
     """
     n = s.shape[-1]
     eye = jnp.eye(n, dtype=s.dtype)

@@ -167,8 +167,9 @@ def rotate(x: jax.Array, angles: jax.Array, layout: str = "half", inverse: bool 
     (`_rotate_bwd`): the rotation's derivative in its angle is J y (J the quarter turn, y the
     output), so the angle cotangent reads the saved output, which attention keeps anyway.
     XLA's own transpose re-sliced x and the cotangent into pair-half temporaries. With
-    `_cos_sin`, this is 1.6-4.6x faster than the plain form on CPU and brought the learned-angle
-    Q/K/V schemes from 0.86 to 0.94 of RoPE's training speed (benchmarks/RESULTS.md).
+    `_cos_sin`, this is faster than the plain form on CPU and brought the learned-angle Q/K/V
+    schemes closer to RoPE's training speed (benchmarks/RESULTS.md, section 'The rotation's
+    cos/sin once per angle, and its written-out VJP').
     """
     return _rotate(x, angles, layout, x.shape, -1.0 if inverse else 1.0)
 

@@ -15,8 +15,9 @@ from jax.interpreters import batching, mlir
 # platform_dependent's platform names -> the backend names of the tile rules and defaults.
 PLATFORMS = {"cpu": "cpu", "cuda": "gpu", "tpu": "tpu"}
 # TPU: the VMEM a kernel's tiles use beside the buffers it keeps for a whole sequence. Measured
-# by the TPU compiler on a v4 (16 MiB): PaTH's backward at 8K used 3.5 MiB more than its
-# resident buffers, the Sessa solve at 32K 5.6 MiB more (benchmarks/RESULTS.md, the compile table).
+# by the TPU compiler on a v4 (16 MiB): PaTH's backward at 8K and the Sessa solve at 32K used
+# less than this beyond their resident buffers (benchmarks/RESULTS.md, section 'TPU compiled
+# through libtpu on this CPU host', the notes under its compile table).
 VMEM_HEADROOM = 8 * 2 ** 20
 # TPU: the most VMEM a kernel keeps for a whole sequence on any chip (with the scoped VMEM the
 # kernels ask for beside it, 96 MiB: within a v5e's or v6e's 128 MiB).

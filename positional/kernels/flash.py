@@ -49,8 +49,9 @@ from positional.logits import Bias, Score
 from positional.softmax import MASKED, check_shapes
 
 LOG2E = 1.4426950408889634
-# (block_q, block_k) when not given: on an H100 64 x 32 was the fastest forward + backward of the
-# TAPA tiles measured (benchmarks/RESULTS.md); TPU needs lane-sized (128) tiles.
+# (block_q, block_k) when not given: the GPU tiles are the fastest forward + backward of the TAPA
+# tiles measured (benchmarks/RESULTS.md, section 'TAPA: the fused Pallas kernel on an NVIDIA
+# H100'); TPU needs lane-sized (128) tiles.
 DEFAULT_TILES = {"gpu": (64, 32), "tpu": (128, 128), "interpret": (64, 64)}
 NT = (((1,), (1,)), ((), ()))  # a . b^T
 TN = (((0,), (0,)), ((), ()))  # a^T . b

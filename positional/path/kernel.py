@@ -44,10 +44,11 @@ on top of VMEM_LIMIT: 68 MiB at 8K, within a v5e's, v5p's or v6e's VMEM. Past RE
 on a v4's 16 MiB, about 1.8K tokens), lowering for TPU is refused (`refusal`; auto runs blockwise there). The GPU
 backward reads back, in the same program, chain rows and accumulators it wrote to global
 memory a step before; that relies on Triton giving each load the layout of the store it reads
-(the same shape and slicing). The GPU form has run on an H100 (benchmarks/RESULTS.md): it
-matches the reference (fp32 relative error 4e-7 to 2e-6, values and every gradient), but its
-backward, parallel over batch x heads only (groups=1), is slower than the plain-JAX chunked
-form there (positional.attention.FACTS["path_kernel_gpu"]), so `auto` does not pick it on GPU. The TPU form has run only in Pallas's TPU
+(the same shape and slicing). The GPU form has run on an H100 (benchmarks/RESULTS.md, section
+'PaTH on an NVIDIA H100: the Pallas kernel, the chunked form, fla and cuDNN'): it matches the
+reference in values and every gradient, but its backward, parallel over batch x heads only
+(groups=1), is slower than the plain-JAX chunked form there
+(positional.attention.FACTS["path_kernel_gpu"]), so `auto` does not pick it on GPU. The TPU form has run only in Pallas's TPU
 interpreter; both lower for cuda and tpu.
 
 Transport arithmetic and softmax statistics are fp32 whatever the input dtype, its products at
@@ -79,8 +80,8 @@ from positional.logits import Bias, at_positions
 from positional.path.transport import check_transport
 from positional.softmax import MASKED, check_shapes
 
-# GPU: of the chunks measured on an H100 (benchmarks/RESULTS.md), 64 exceeds the shared memory
-# (232 KiB) and 16 trains fastest (4x faster than 32 at 8K tokens).
+# GPU: of the chunks measured on an H100 (benchmarks/RESULTS.md, section 'PaTH on an NVIDIA
+# H100'), 64 exceeds the shared memory (227 KiB per block) and 16 trains fastest.
 DEFAULT_CHUNK = {"gpu": 16, "tpu": 128, "interpret": 64}
 # TPU backward: the scoped VMEM asked for on top of its resident accumulators and chain (whose
 # most is positional.kernels.RESIDENT_MAX, and the chip's own limit: `resident_limit`).

@@ -56,7 +56,8 @@ class Path(Scheme):
     has_score = needs_features = default_key = True
     probes = ("householder",)
     # The reference form materialises the logits with one UT solve per 64 tokens (the fastest at
-    # training lengths); from eval.blockwise_from on, the chunked algorithm runs 64-token chunks.
+    # training lengths: benchmarks/RESULTS.md, section 'PaTH and FoX training-step throughput');
+    # from eval.blockwise_from on, the chunked algorithm runs 64-token chunks.
     config_defaults = {"block_size": 64}
 
     def __post_init__(self):
