@@ -18,6 +18,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     scheme = parse_arg(__file__, arg, FIELDS)["scheme"]
     c = ml_collections.ConfigDict()
     c.seed = 0
+    c.arm = ""  # the experiment arm this run is (lab/sweep.py sets it; reports group seeds by it)
     c.dry_run = False  # compile the sharded train step and print per-device memory; train nothing
     c.workdir = ""  # '' means runs/<config name>-<scheme>
 

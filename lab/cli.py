@@ -147,13 +147,19 @@ def quiet() -> None:
 OPEN_FIELDS = ("model.scheme_options.", "model.mixer_options.", "eval_options.")
 
 
+def config_file(file: str):
+    """The config file `file` (configs/X.py) loaded as a module: its get_config, FIELDS, VARIANTS."""
+    spec = importlib.util.spec_from_file_location("_config_file", file)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def check_overrides(config_path: str, override_paths) -> None:
     """Raise if an override names a field the config file does not have (a typo, say), except
     under the open option dicts (the scheme checks its own options, an evaluator its own)."""
     file, _, arg = config_path.partition(":")
-    spec = importlib.util.spec_from_file_location("_config_file", file)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = config_file(file)
     base = module.get_config(arg) if arg else module.get_config()
     for path in override_paths:
         if path.startswith(OPEN_FIELDS):

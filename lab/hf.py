@@ -370,13 +370,28 @@ def import_checkpoint(source: str, workdir: str, *, seq_len: int = 0, param_dtyp
     _, _, _, _, abstract = init_state(config, config.model.vocab_size, mesh, abstract=True)
     params = place_params(tensors, abstract["params"], source, config.model.tie_embeddings)
     step = jax.device_put(jnp.zeros((), jnp.int32), NamedSharding(mesh, P()))
+    _write_run(workdir, config, {"params": params, "step": step}, source, files)
+    notes = caveats(hf)
+    if tokenizer is None:
+        notes.append(f"{source} has no tokenizer (tokenizer.json, tokenizer.model or *.tiktoken): the run reads text "
+                     "as byte-level tokens, which the model was not trained on")
+        if config.model.vocab_size < 258:
+            notes.append(f"its vocabulary ({config.model.vocab_size}) does not cover the byte-level tokens (258): "
+                         "eval.py cannot score held-out text with it")
+    return {"workdir": workdir, "config": config, "model_type": hf["model_type"], "tokenizer": tokenizer,
+            "params": sum(math.prod(x.shape) for x in jax.tree.leaves(params)), "caveats": notes}
+
+
+def _write_run(workdir: str, config, state: dict, source: str, files: list[str]) -> None:
+    """Write the imported run (its checkpoint of `state`, the tokenizer `files`, config.json) into
+    a temporary sibling of `workdir`, renamed into place once complete (removed on failure)."""
     os.makedirs(os.path.dirname(workdir), exist_ok=True)
     remove_stale_imports(workdir)
     partial = os.path.join(os.path.dirname(workdir), f"{IMPORTING.format(name=os.path.basename(workdir))}{os.getpid()}")
     try:
         os.makedirs(partial)
         manager = checkpoint_manager(os.path.join(partial, "checkpoints"))
-        save(manager, {"params": params, "step": step}, {},
+        save(manager, state, {},
              {"step": 0, "loss": float("nan"), "identity": identity(config), "imported_from": os.path.abspath(source)})
         manager.wait_until_finished()
         manager.close()
@@ -392,15 +407,6 @@ def import_checkpoint(source: str, workdir: str, *, seq_len: int = 0, param_dtyp
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
-    notes = caveats(hf)
-    if tokenizer is None:
-        notes.append(f"{source} has no tokenizer (tokenizer.json, tokenizer.model or *.tiktoken): the run reads text "
-                     "as byte-level tokens, which the model was not trained on")
-        if config.model.vocab_size < 258:
-            notes.append(f"its vocabulary ({config.model.vocab_size}) does not cover the byte-level tokens (258): "
-                         "eval.py cannot score held-out text with it")
-    return {"workdir": workdir, "config": config, "model_type": hf["model_type"], "tokenizer": tokenizer,
-            "params": sum(math.prod(x.shape) for x in jax.tree.leaves(params)), "caveats": notes}
 
 
 def train_flags(config) -> list[str]:

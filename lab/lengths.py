@@ -300,31 +300,46 @@ def evaluate_runs(runs, *, multipliers=None, max_multiplier=None, tokens=None, s
     results = {"lengths": lengths, "tokens": n_scored, "tokens_asked": tokens, "stride": stride,
                **({"documents": len(spans)} if spans else {}), "runs": {}}
     for name, run in runs:
-        workdir, config, model, step = run.workdir, run.config, run.model, run.step
-        if tasks.is_task(config.data):
-            r = task_accuracy_at(config, model, n_examples=config.eval.get("task_examples", 0))
-            log(f"{name:>16s}  {config.data.name} accuracy {r['accuracy']:.4f}  ({r['seconds']:.1f}s)")
-            results["runs"][name] = {"workdir": workdir, "step": step, "scheme": config.model.scheme,
-                                     "mixer": config.model.get("mixer", "attention"),
-                                     "model": _model_name(config), "task": config.data.name,
-                                     "train_len": config.seq_len, "task_results": r}
-            continue
-        rows = []
-        for length in lengths:
-            impl = eval_impl(config.model.attention_impl, length, ev.blockwise_from)
-            # Past blockwise_from, fewer rows per call keep activation memory about constant.
-            n_rows = max(1, min(ev.batch_size, ev.batch_size * ev.blockwise_from // length))
-            r = perplexity(model, held_out, length, n_scored, stride=stride, batch_size=n_rows, impl=impl,
-                           spans=spans, per_document=bool(spans and documents))
-            rows.append(r)
-            log(f"{name:>16s}  L={length:>6d}  ppl={r['ppl']:9.3f}  ({r['seconds']:.1f}s, {impl})")
-        train_ppl = next((r["ppl"] for r in rows if r["length"] == config.seq_len), None)
-        for r in rows:
-            r["ratio"] = r["ppl"] / train_ppl if train_ppl else None
-        results["runs"][name] = {"workdir": workdir, "step": step, "scheme": config.model.scheme,
-                                 "model": _model_name(config), "train_len": config.seq_len,
-                                 "results": rows}
+        results["runs"][name] = (_task_run(name, run, log) if tasks.is_task(run.config.data) else
+                                 _lengths_run(name, run, ev, lengths, held_out, n_scored, stride, spans, documents, log))
     return results
+
+
+def _task_run(name, run, log) -> dict:
+    """`evaluate_runs`' entry for a run trained on a synthetic task: its test-split accuracy."""
+    config = run.config
+    r = task_accuracy_at(config, run.model, n_examples=config.eval.get("task_examples", 0))
+    log(f"{name:>16s}  {config.data.name} accuracy {r['accuracy']:.4f}  ({r['seconds']:.1f}s)")
+    return {**_identity(run), "mixer": config.model.get("mixer", "attention"), "model": _model_name(config),
+            "task": config.data.name, "train_len": config.seq_len, "task_results": r}
+
+
+def _lengths_run(name, run, ev, lengths, held_out, n_scored, stride, spans, documents, log) -> dict:
+    """`evaluate_runs`' entry for a language-model run: its perplexity at every length, and each
+    one's ratio to that at its training length (batch size and blockwise_from: `ev`, the first
+    run's eval settings, shared by every run)."""
+    config = run.config
+    rows = []
+    for length in lengths:
+        impl = eval_impl(config.model.attention_impl, length, ev.blockwise_from)
+        # Past blockwise_from, fewer rows per call keep activation memory about constant.
+        n_rows = max(1, min(ev.batch_size, ev.batch_size * ev.blockwise_from // length))
+        r = perplexity(run.model, held_out, length, n_scored, stride=stride, batch_size=n_rows, impl=impl,
+                       spans=spans, per_document=bool(spans and documents))
+        rows.append(r)
+        log(f"{name:>16s}  L={length:>6d}  ppl={r['ppl']:9.3f}  ({r['seconds']:.1f}s, {impl})")
+    train_ppl = next((r["ppl"] for r in rows if r["length"] == config.seq_len), None)
+    for r in rows:
+        r["ratio"] = r["ppl"] / train_ppl if train_ppl else None
+    return {**_identity(run), "model": _model_name(config), "train_len": config.seq_len, "results": rows}
+
+
+def _identity(run) -> dict:
+    """What a report says of the run an entry is: workdir, step, scheme, and the experiment arm
+    and seed of its config (lab/sweep.py; arm '' where none was set), by which docs/results/seeds.py
+    groups seeds."""
+    return {"workdir": run.workdir, "step": run.step, "scheme": run.config.model.scheme,
+            "arm": run.config.get("arm", ""), "seed": run.config.seed}
 
 
 def _documents(config, longest: int, tokens: int, documents: int = 0):

@@ -126,6 +126,8 @@ def with_scheme(run: Run, scheme: str, options: dict | None = None) -> Run:
     A scheme whose model has other parameters than the run's is refused, one line."""
     config = ml_collections.ConfigDict(run.config.to_dict())
     config.model.scheme = scheme
+    if config.get("arm"):  # not the arm it was trained as: reports must not pool it with that arm's seeds
+        config.arm = f"{config.arm} under {scheme}"
     config.model.scheme_options = {**config.model.get("scheme_options", {}), **(options or {})}
     cfg = model_config(config, run.model.cfg.vocab_size)
     graphdef, wanted = nnx.split(nnx.eval_shape(lambda: DecoderLM(cfg, rngs=nnx.Rngs(0))))

@@ -154,7 +154,15 @@ def _remove_if_unused(workdir: str) -> None:
 
 
 def _train(config, workdir, evaluators) -> dict:
-    primary, multi = jax.process_index() == 0, jax.process_count() > 1
+    manager, aside = _open_checkpoints(config, workdir)
+    trainer = _Trainer(config, workdir, evaluators, manager)
+    trainer.start(aside)
+    return trainer.loop()
+
+
+def _open_checkpoints(config, workdir):
+    """(the run's checkpoint manager, the folder unreadable saves go to), after checking that the
+    workdir's checkpoints are this model's training run and setting aside unfinished saves."""
     ckpt_dir, aside = (files.join(workdir, name) for name in ("checkpoints", "checkpoints.unreadable"))
     manager = checkpoint_manager(ckpt_dir, config.train.keep_checkpoints, asynchronous=config.train.async_checkpoints)
     if imported := newest_meta(manager).get("imported_from"):
@@ -167,167 +175,210 @@ def _train(config, workdir, evaluators) -> dict:
         raise TrainingError(
             f"{workdir} holds the checkpoints of a different model ({change}); nothing was changed. Give this "
             f"run another --config.workdir, or start it from that run's parameters with --config.init_from={workdir}")
-    if primary:
+    if jax.process_index() == 0:
         with _writing(f"{aside} (where unfinished saves are set aside)"):
             set_aside_partial_saves(ckpt_dir, aside)
     distributed.barrier("partial saves set aside")
-    mesh, batch_sharding = mesh_and_batch(config)  # before data: a mesh that does not fit fails at once
-    tokenizer = pipeline.tokenizer(config.data)
-    # The state's shapes first: a resumed run reads its checkpoint into them, one started from
-    # init_from its parameters; only a fresh run initialises (so memory holds one state, not two).
-    graphdef, rest, tx, schedule, abstract = init_state(config, tokenizer.vocab_size, mesh, abstract=True)
-    state_shardings = jax.tree.map(lambda x: x.sharding, abstract)
-    train_step = make_train_step(graphdef, rest, tx, config, state_shardings, batch_sharding)
-    loss_after = jax.jit(make_loss(graphdef, rest, config))  # of the parameters a checkpoint keeps
+    return manager, aside
 
-    loader = pipeline.Streams(config.data, seed=config.seed, batch_size=config.batch_size,
-                              seq_len=config.seq_len + 1, streams=config.data.streams,
-                              rows=distributed.local_rows(batch_sharding, config.batch_size))
-    found = restore_latest(manager, abstract, aside=aside if primary else None)
-    distributed.barrier("restored")
-    if found is not None:
-        step0, restored = found
-        state = restored["state"]
-        loader.set_state(restored["loader"])
-        if step0 >= config.train.steps:
-            print(f"already finished: step {step0} of {config.train.steps} in {workdir}; its losses are in "
-                  f"{files.join(workdir, 'metrics.jsonl')} (raise --config.train.steps to train on)")
+
+class _Trainer:
+    """A run while it trains, in named steps: `start` (restore, initialise from another run, or
+    initialise), `loop` (signals and the run's outputs around `steps`), `steps` (one train step
+    after another), `read` (a step's metrics: the guard, then `log`), `checkpoint` (the guard on
+    the parameters a checkpoint keeps, then save)."""
+
+    def __init__(self, config, workdir, evaluators, manager):
+        self.config, self.workdir, self.evaluators, self.manager = config, workdir, evaluators, manager
+        self.primary, self.multi = jax.process_index() == 0, jax.process_count() > 1
+        self.mesh, self.batch_sharding = mesh_and_batch(config)  # before data: a mesh that does not fit fails at once
+        self.vocab = pipeline.tokenizer(config.data).vocab_size
+        # The state's shapes first: a resumed run reads its checkpoint into them, one started from
+        # init_from its parameters; only a fresh run initialises (so memory holds one state, not two).
+        self.graphdef, self.rest, self.tx, self.schedule, self.abstract = init_state(
+            config, self.vocab, self.mesh, abstract=True)
+        self.train_step = make_train_step(self.graphdef, self.rest, self.tx, config, self.shardings(),
+                                          self.batch_sharding)
+        self.loss_after = jax.jit(make_loss(self.graphdef, self.rest, config))  # of the parameters a checkpoint keeps
+        self.loader = pipeline.Streams(config.data, seed=config.seed, batch_size=config.batch_size,
+                                       seq_len=config.seq_len + 1, streams=config.data.streams,
+                                       rows=distributed.local_rows(self.batch_sharding, config.batch_size))
+        self.metrics_path = files.join(workdir, "metrics.jsonl")
+        self.history, self.best = [], None  # every step's loss; the lowest running median of them
+
+    def shardings(self):
+        return jax.tree.map(lambda x: x.sharding, self.abstract)
+
+    def start(self, aside: str) -> None:
+        """The state to train from (self.state, self.step0) and the run's files for this start."""
+        config, workdir = self.config, self.workdir
+        found = restore_latest(self.manager, self.abstract, aside=aside if self.primary else None)
+        distributed.barrier("restored")
+        if found is not None:
+            self.step0, restored = found
+            self.state = restored["state"]
+            self.loader.set_state(restored["loader"])
+            if self.step0 >= config.train.steps:
+                print(f"already finished: step {self.step0} of {config.train.steps} in {workdir}; its losses are "
+                      f"in {self.metrics_path} (raise --config.train.steps to train on)")
+            else:
+                print(f"resumed from step {self.step0} in {workdir}")
+        elif config.init_from:
+            self.step0, self.state = 0, self.init_from()
         else:
-            print(f"resumed from step {step0} in {workdir}")
-    elif config.init_from:
-        step0 = 0
-        src_step, params = load_params(config.init_from, abstract["params"])
+            self.step0, self.state = 0, init_state(config, self.vocab, self.mesh)[4]
+        self.saves = _Saves(self.manager)
+        if self.primary:
+            with _writing(self.metrics_path):
+                cut_metrics(self.metrics_path, self.step0)
+            with _writing(files.join(workdir, "config.json")):
+                files.write_text(files.join(workdir, "config.json"), config.to_json_best_effort(indent=2))
+
+    def init_from(self) -> dict:
+        """The train state of config.init_from's parameters, its optimizer state built sharded."""
+        config, shardings = self.config, self.shardings()
+        src_step, params = load_params(config.init_from, self.abstract["params"])
         # The optimizer state of fresh (fp32) parameters, built sharded; the step placed likewise.
-        opt_state = jax.jit(lambda p: tx.init(jax.tree.map(lambda x: x.astype(jnp.float32), p)),
-                            out_shardings=state_shardings["opt_state"])(params)
+        opt_state = jax.jit(lambda p: self.tx.init(jax.tree.map(lambda x: x.astype(jnp.float32), p)),
+                            out_shardings=shardings["opt_state"])(params)
         state = {"params": params, "opt_state": opt_state,
-                 "step": jax.device_put(jnp.zeros((), jnp.int32), state_shardings["step"])}
+                 "step": jax.device_put(jnp.zeros((), jnp.int32), shardings["step"])}
         print(f"initialised parameters from {config.init_from} (step {src_step})")
         if config.train.steps == 0:  # zero-shot: the loaded parameters under this run's config
-            save(manager, state, loader_state(loader), {"step": 0, "loss": float("nan"), "identity": identity(config)})
-    else:
-        step0 = 0
-        state = init_state(config, tokenizer.vocab_size, mesh)[4]
-    metrics_path = files.join(workdir, "metrics.jsonl")
-    saves = _Saves(manager)
-    if primary:
-        with _writing(metrics_path):
-            cut_metrics(metrics_path, step0)
-        with _writing(files.join(workdir, "config.json")):
-            files.write_text(files.join(workdir, "config.json"), config.to_json_best_effort(indent=2))
+            save(self.manager, state, loader_state(self.loader),
+                 {"step": 0, "loss": float("nan"), "identity": identity(config)})
+        return state
 
-    # A signal stops the run at the next step boundary with a checkpoint. Several processes
-    # agree on that step through JAX's preemption sync, which hears SIGTERM: SIGINT is relayed to it.
-    stop = _Stop(relay=multi)
-    previous = {s: signal.signal(s, stop) for s in ((signal.SIGINT,) if multi else (signal.SIGTERM, signal.SIGINT))}
-    writer = SummaryWriter(files.join(workdir, "tensorboard")) if primary else None
-    steps = config.train.steps
-    tokens_per_step = config.batch_size * config.seq_len
-    progress = _progress(step0, steps, files.path(workdir).name)
-    t_log, n_log, history, best = time.perf_counter(), 0, [], None
+    def loop(self) -> dict:
+        """Train from step0 to train.steps or a signal; the summary `train` returns."""
+        # A signal stops the run at the next step boundary with a checkpoint. Several processes
+        # agree on that step through JAX's preemption sync, which hears SIGTERM: SIGINT is relayed to it.
+        self.stop = stop = _Stop(relay=self.multi)
+        previous = {s: signal.signal(s, stop)
+                    for s in ((signal.SIGINT,) if self.multi else (signal.SIGTERM, signal.SIGINT))}
+        self.writer = SummaryWriter(files.join(self.workdir, "tensorboard")) if self.primary else None
+        self.progress = _progress(self.step0, self.config.train.steps, files.path(self.workdir).name)
+        self.t_log, self.n_log = time.perf_counter(), 0  # the time of the last log line; steps since
+        background = _BackgroundOutput(files.join(self.workdir, "errors.log"))  # after tqdm took the terminal
+        ended = False
+        try:
+            self.steps()
+            self.saves.confirm()  # the last asynchronous save
+            ended = True
+        except _WriteFailed as e:
+            raise TrainingError(_write_failure(e, self.manager.directory, self.state, self.loader)
+                                + background.where()) from e
+        finally:
+            for s, h in previous.items():
+                signal.signal(s, h)
+            self.progress.close()
+            # After a failure, closing (which flushes to the same full disk) must not hide its line,
+            # and what it reports goes to the log.
+            background.everything = not ended
+            with contextlib.suppress(Exception) if not ended else contextlib.nullcontext():
+                if self.writer:
+                    self.writer.close()
+                self.manager.close()
+            background.close(keep_filter=not ended)
+        step = int(self.state["step"])
+        return {"workdir": self.workdir, "step": step, "losses": self.history,
+                "interrupted": stop.signal if step < self.config.train.steps else None}
 
-    def finish(step, metrics, params=None):
-        """Read step `step`'s metrics (the host waits here, for this step only), guard, log;
-        `params` after the step are given where validation is due."""
-        nonlocal t_log, n_log, best
-        loss = float(metrics["loss"])
-        what = blow_up(loss, bool(metrics["params_finite"]), history, config.train.explode_factor)
-        if what:
-            raise TrainingError(f"{what} at step {step}. " + _diverged(saves, workdir, primary))
-        history.append(loss)
-        median = statistics.median(history[-EXPLODE_WINDOW:])
-        best = median if best is None else min(best, median)
-        n_log += 1
-        progress(step, loss)
-        if step % config.train.log_every == 0 or step == steps or params is not None:
-            elapsed = time.perf_counter() - t_log
-            record = {"step": step, "loss": loss, "grad_norm": float(metrics["grad_norm"]),
-                      "lr": float(schedule(step - 1)), "tokens_per_s": n_log * tokens_per_step / elapsed,
-                      "time": time.time()}
-            if params is not None:
-                model = nnx.merge(graphdef, params, rest)
-                record.update(_validation(config, model))
-                # Every process evaluates (the parameters may be sharded over all of them); one writes.
-                record.update(in_training(evaluators, Run(workdir, config, model, step),
-                                          files.join(workdir, "evals", str(step)),
-                                          write=jax.process_index() == 0))
-            if primary:
-                with _writing(metrics_path):
-                    files.append_lines(metrics_path, [json.dumps(record) + "\n"])
-                with _writing(f"the TensorBoard events in {files.join(workdir, 'tensorboard')}"):
-                    _tensorboard(writer, record)
-                progress.tokens_per_s = record["tokens_per_s"]
-                progress.log(record)
-            t_log, n_log = time.perf_counter(), 0
-
-    pending = None  # (step, metrics) of the step dispatched last, metrics not read yet
-    background = _BackgroundOutput(files.join(workdir, "errors.log"))  # after tqdm took the terminal
-    ended = False
-    try:
-        for step in range(step0 + 1, steps + 1):
-            batch = {k: jax.make_array_from_process_local_data(batch_sharding, np.asarray(v))
-                     for k, v in next(loader).items()}
-            state, metrics = train_step(state, batch)  # donates the previous state
+    def steps(self) -> None:
+        """One train step after another. Each step's metrics are read when the next one has been
+        dispatched, or at once where a checkpoint or validation needs the step's state."""
+        config, stop = self.config, self.stop
+        pending = None  # (step, metrics) of the step dispatched last, metrics not read yet
+        for step in range(self.step0 + 1, config.train.steps + 1):
+            batch = {k: jax.make_array_from_process_local_data(self.batch_sharding, np.asarray(v))
+                     for k, v in next(self.loader).items()}
+            self.state, metrics = self.train_step(self.state, batch)  # donates the previous state
             if pending is not None:
-                finish(*pending)
+                self.read(*pending)
             pending = (step, metrics)
-            if multi and manager.reached_preemption(step):
+            if self.multi and self.manager.reached_preemption(step):
                 stop.signal = stop.heard or "SIGTERM"
-            checkpoint = step % config.train.checkpoint_every == 0 or step == steps or stop.signal
+            checkpoint = step % config.train.checkpoint_every == 0 or step == config.train.steps or stop.signal
             validate = config.train.eval_every and step % config.train.eval_every == 0
             if checkpoint or validate:  # both need this step's state, so wait for it now
-                finish(step, metrics, state["params"] if validate else None)
+                self.read(step, metrics, self.state["params"] if validate else None)
                 pending = None
             if checkpoint:
-                # The step's loss is that of the parameters before its update; those the
-                # checkpoint keeps are after it, so they are scored too (on the same batch).
-                rng = jax.random.fold_in(jax.random.key(config.seed), step)
-                after = float(loss_after(state["params"], batch, rng))
-                what = blow_up(after, True, history, config.train.explode_factor)
-                if what:
-                    raise TrainingError(f"{what} with the parameters of step {step} (on its batch). "
-                                        + _diverged(saves, workdir, primary))
-                # Good: the step's loss, its parameters' loss and the recent median all in line.
-                level = max(after, history[-1], statistics.median(history[-RECENT:]))
-                good = in_line(level, best, config.train.explode_factor)
-                saves.confirm()
-                last_good = saves.good
-                newer = [s for s in manager.all_steps() if last_good is None or s > last_good]
-                # An out-of-line state is kept unless it would push the newest good one out of
-                # train.keep_checkpoints (a stop or the last step is always kept).
-                evicts = bool(config.train.keep_checkpoints) and len(newer) + 1 >= config.train.keep_checkpoints
-                if good or stop.signal or step == steps or last_good is None or not evicts:
-                    if not good:
-                        print(f"warning: step {step}'s loss {level:.4g} is out of line with the run (over "
-                              f"{IN_LINE:g} x its lowest running median, {best:.4g}); saved, but step {last_good} "
-                              f"stays the last good checkpoint", file=sys.stderr)
-                    saves.save(state, loader, {"step": step, "loss": history[-1], "identity": identity(config)}, good)
-                else:
-                    print(f"warning: step {step} not saved: its loss {level:.4g} is out of line with the run "
-                          f"(over {IN_LINE:g} x its lowest running median, {best:.4g}), and keeping it would "
-                          f"delete step {last_good}, the last good checkpoint (train.keep_checkpoints="
-                          f"{config.train.keep_checkpoints})", file=sys.stderr)
+                self.checkpoint(step, batch)
             if stop.signal:
                 break
-        saves.confirm()  # the last asynchronous save
-        ended = True
-    except _WriteFailed as e:
-        raise TrainingError(_write_failure(e, manager.directory, state, loader) + background.where()) from e
-    finally:
-        for s, h in previous.items():
-            signal.signal(s, h)
-        progress.close()
-        # After a failure, closing (which flushes to the same full disk) must not hide its line,
-        # and what it reports goes to the log.
-        background.everything = not ended
-        with contextlib.suppress(Exception) if not ended else contextlib.nullcontext():
-            if writer:
-                writer.close()
-            manager.close()
-        background.close(keep_filter=not ended)
-    step = int(state["step"])
-    return {"workdir": workdir, "step": step, "losses": history,
-            "interrupted": stop.signal if step < steps else None}
+
+    def read(self, step: int, metrics: dict, params=None) -> None:
+        """Read step `step`'s metrics (the host waits here, for this step only), guard, log;
+        `params` after the step are given where validation is due."""
+        loss = float(metrics["loss"])
+        what = blow_up(loss, bool(metrics["params_finite"]), self.history, self.config.train.explode_factor)
+        if what:
+            raise TrainingError(f"{what} at step {step}. " + _diverged(self.saves, self.workdir, self.primary))
+        self.history.append(loss)
+        median = statistics.median(self.history[-EXPLODE_WINDOW:])
+        self.best = median if self.best is None else min(self.best, median)
+        self.n_log += 1
+        self.progress(step, loss)
+        if step % self.config.train.log_every == 0 or step == self.config.train.steps or params is not None:
+            self.log(step, loss, metrics, params)
+
+    def log(self, step: int, loss: float, metrics: dict, params=None) -> None:
+        """One line of metrics.jsonl and TensorBoard: the step's, and with `params` the validation
+        loss and the evaluators' results on them."""
+        config = self.config
+        elapsed = time.perf_counter() - self.t_log
+        record = {"step": step, "loss": loss, "grad_norm": float(metrics["grad_norm"]),
+                  "lr": float(self.schedule(step - 1)),
+                  "tokens_per_s": self.n_log * config.batch_size * config.seq_len / elapsed, "time": time.time()}
+        if params is not None:
+            model = nnx.merge(self.graphdef, params, self.rest)
+            record.update(_validation(config, model))
+            # Every process evaluates (the parameters may be sharded over all of them); one writes.
+            record.update(in_training(self.evaluators, Run(self.workdir, config, model, step),
+                                      files.join(self.workdir, "evals", str(step)), write=self.primary))
+        if self.primary:
+            with _writing(self.metrics_path):
+                files.append_lines(self.metrics_path, [json.dumps(record) + "\n"])
+            with _writing(f"the TensorBoard events in {files.join(self.workdir, 'tensorboard')}"):
+                _tensorboard(self.writer, record)
+            self.progress.tokens_per_s = record["tokens_per_s"]
+            self.progress.log(record)
+        self.t_log, self.n_log = time.perf_counter(), 0
+
+    def checkpoint(self, step: int, batch: dict) -> None:
+        """Save step `step`'s state, unless its parameters diverged (TrainingError) or keeping an
+        out-of-line state would push the last good checkpoint out of train.keep_checkpoints."""
+        config, history, best = self.config, self.history, self.best
+        # The step's loss is that of the parameters before its update; those the
+        # checkpoint keeps are after it, so they are scored too (on the same batch).
+        rng = jax.random.fold_in(jax.random.key(config.seed), step)
+        after = float(self.loss_after(self.state["params"], batch, rng))
+        what = blow_up(after, True, history, config.train.explode_factor)
+        if what:
+            raise TrainingError(f"{what} with the parameters of step {step} (on its batch). "
+                                + _diverged(self.saves, self.workdir, self.primary))
+        # Good: the step's loss, its parameters' loss and the recent median all in line.
+        level = max(after, history[-1], statistics.median(history[-RECENT:]))
+        good = in_line(level, best, config.train.explode_factor)
+        self.saves.confirm()
+        last_good = self.saves.good
+        newer = [s for s in self.manager.all_steps() if last_good is None or s > last_good]
+        # An out-of-line state is kept unless it would push the newest good one out of
+        # train.keep_checkpoints (a stop or the last step is always kept).
+        evicts = bool(config.train.keep_checkpoints) and len(newer) + 1 >= config.train.keep_checkpoints
+        if good or self.stop.signal or step == config.train.steps or last_good is None or not evicts:
+            if not good:
+                print(f"warning: step {step}'s loss {level:.4g} is out of line with the run (over "
+                      f"{IN_LINE:g} x its lowest running median, {best:.4g}); saved, but step {last_good} "
+                      f"stays the last good checkpoint", file=sys.stderr)
+            self.saves.save(self.state, self.loader, {"step": step, "loss": history[-1], "identity": identity(config)},
+                            good)
+        else:
+            print(f"warning: step {step} not saved: its loss {level:.4g} is out of line with the run "
+                  f"(over {IN_LINE:g} x its lowest running median, {best:.4g}), and keeping it would "
+                  f"delete step {last_good}, the last good checkpoint (train.keep_checkpoints="
+                  f"{config.train.keep_checkpoints})", file=sys.stderr)
 
 
 class _WriteFailed(Exception):

@@ -1,6 +1,7 @@
 """Mean +- sample standard deviation over seeds, the runs grouped by name without their seed
 suffix (`<name>_s<seed>` or `<name>/seed<seed>`; a name without one is seed 0, the configs'
-default seed). A source is an eval.py report (results.json: perplexity per length, or for a
+default seed), or by the arm and seed a run's config names (`arm`, `seed`: lab/sweep.py sets them,
+eval.py's report carries them). A source is an eval.py report (results.json: perplexity per length, or for a
 synthetic task accuracy over all examples and per group, lag), a retrieval report as
 retrieval_merge.py writes it (exact match per length, mean over depths; one arm per run and
 task), a run's metrics.jsonl (a learning curve: its in-training `lengths` evaluations by step,
@@ -42,7 +43,7 @@ def arms(results: dict) -> tuple[list, str, str, dict]:
             arm: dict(zip(rec["seeds"], rec["values"])) for arm, rec in results["arms"].items()}
     out, columns, measure = {}, results["lengths"], "perplexity per byte"
     for name, run in results["runs"].items():
-        arm, seed = arm_and_seed(name)
+        arm, seed = (run["arm"], run["seed"]) if run.get("arm") else arm_and_seed(name)
         if "tasks" in run:  # a retrieval report
             measure = "exact match"
             for task, scores in run["tasks"].items():
