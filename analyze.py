@@ -1,12 +1,15 @@
-"""Why a scheme extrapolates: the "analysis" evaluator (lab/analysis.py) with its own flags.
+"""Why a scheme extrapolates: the "analysis" evaluator (lab/analysis.py), an alias of
+`eval.py --config.evals=analysis` with flags of its own.
 
     python analyze.py --workdirs=runs/accumulated/rope,runs/accumulated/alibi --untrained \\
         --out=runs/analysis
 
 Logit decompositions on --windows held-out windows of --length tokens, perplexity changes
 under perturbations, and the feature shift past the training length; writes analysis.json,
-analysis.md and plots under --out. `eval.py --evals=analysis` runs the same with the defaults,
-and `--evals=decompositions`, `perturbations` or `feature_shift` one of its parts.
+analysis.md and plots under --out. Its flags are shorthands of the evaluator's options, which
+eval.py and a training config spell --config.eval_options.analysis.<option> (this script takes
+that spelling too, and --config.model.scheme / scheme_options); `eval.py --config.evals=analysis`
+runs the same, and `decompositions`, `perturbations` or `feature_shift` one of its parts.
 
 Several processes (--coordinator, --num_processes, --process_id on every host, as eval.py;
 none under a cluster launcher JAX detects): each computes its share of the windows and
@@ -19,7 +22,7 @@ import jax
 from absl import app, flags
 
 from lab import analysis, cli
-from lab.evaluators import evaluate
+from lab.evaluators import checked_options, evaluate
 
 flags.DEFINE_list("workdirs", [], "training run directories to analyse")
 flags.DEFINE_string("out", "runs/analysis", "where analysis.json / .md and the plots go")
@@ -37,6 +40,7 @@ flags.DEFINE_integer("shift_windows", 8, "windows for the feature shift")
 cli.define_distributed_flags()
 cli.define_scheme_flags()
 cli.define_loading_flags()
+CONFIG = cli.define_eval_config_flag()
 FLAGS = flags.FLAGS
 
 
@@ -49,12 +53,13 @@ def main(argv):
             print(cli.run_cli(lambda: analysis.plan(workdir, length=FLAGS.length, **cli.loading())))
         return
     cli.run_cli(cli.start_processes)  # before anything touches a device
-    options = cli.run_cli(lambda: analysis.flag_options(
+    config = cli.run_cli(lambda: cli.eval_config(CONFIG))
+    options = cli.run_cli(lambda: checked_options("analysis", {**analysis.flag_options(
         length=FLAGS.length, windows=FLAGS.windows, gammas=FLAGS.gammas, l_max=FLAGS.l_max,
         perturb_windows=FLAGS.perturb_windows, shift_multiplier=FLAGS.shift_multiplier,
-        shift_windows=FLAGS.shift_windows))
-    runs = cli.run_cli(lambda: cli.scheme_runs(FLAGS.workdirs, FLAGS.scheme, FLAGS.scheme_options, cli.loading()))
-    markdown = cli.run_cli(lambda: evaluate("analysis", runs, FLAGS.out, untrained=FLAGS.untrained, **options))
+        shift_windows=FLAGS.shift_windows), "untrained": FLAGS.untrained, **config.eval_options.analysis}))
+    runs = cli.run_cli(lambda: cli.eval_runs(FLAGS.workdirs, config))
+    markdown = cli.run_cli(lambda: evaluate("analysis", runs, FLAGS.out, **options))
     if jax.process_index() == 0:  # of several processes, process 0 wrote the report
         print(markdown)
         print(f"wrote {FLAGS.out}/analysis.json, analysis.md and the plots")

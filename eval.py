@@ -1,16 +1,21 @@
 """The shared eval loop: named evaluators (lab/evaluators.py) over one or several trained runs.
 
-    python eval.py --workdirs=runs/rope,runs/alibi --out=runs/compare --max_multiplier=16
-    python eval.py --workdirs=runs/rope --evals=lengths,transport --probe_length=1024
-    python eval.py --workdirs=runs/rope --evals=retrieval --retrieval_tasks=passkey,multikey
-    python eval.py --workdirs=runs/rope --scheme=rope_lm_infinite --out=runs/rope_lm_infinite
+    python eval.py --workdirs=runs/rope,runs/alibi --out=runs/compare --config.eval_options.lengths.max_multiplier=16
+    python eval.py --workdirs=runs/rope --config.evals=lengths,transport --config.eval_options.transport.length=1024
+    python eval.py --workdirs=runs/rope --config.evals=retrieval --config.eval_options.retrieval.tasks=passkey,multikey
+    python eval.py --workdirs=runs/rope --config.model.scheme=rope_lm_infinite --out=runs/rope_lm_infinite
 
---evals picks the evaluators (default: lengths, i.e. perplexity by length, or task accuracy for
-runs trained on a synthetic task); each writes its JSON, markdown and plots into --out.
---scheme evaluates the runs zero-shot under another scheme with their own parameters
-(--scheme_options its options; LM-Infinite's window defaults to the run's training length). For
-compatibility, --probe_length alone runs `transport`, and with --near_far `near_far`. Training
-runs the same evaluators on its live model when its `config.evals` names them.
+Evaluators, their options and a zero-shot scheme are spelled as in a training config (the same
+fields, `lab.cli.define_eval_config_flag`): --config.evals picks the evaluators (default:
+lengths, i.e. perplexity by length, or task accuracy for runs trained on a synthetic task), each
+writing its JSON, markdown and plots into --out; --config.eval_options.<evaluator>.<option> sets
+an option (the evaluator's keyword arguments, checked by name and type); --config.model.scheme
+evaluates the runs zero-shot under another scheme with their own parameters
+(--config.model.scheme_options.<option> its options; LM-Infinite's window defaults to the run's
+training length). Shorthands, kept for the commands of the results pages: --evals, --scheme,
+--scheme_options, and the evaluators' flags below (each names the option it sets); --probe_length
+alone runs `transport`, and with --near_far `near_far`. Training runs the same evaluators on its
+live model when its `config.evals` names them.
 """
 
 from __future__ import annotations
@@ -19,7 +24,8 @@ import jax
 from absl import app, flags
 
 from lab import cli
-from lab.evaluators import EVALUATORS, evaluate, get_evaluator
+from lab.evaluators import EVALUATORS, evaluate, get_evaluator, options_of
+from lab.evaluators import checked_options as checked_options_of
 from lab.lengths import checked, plan, plan_report
 from lab.probes import near_far_ranges
 from lab.retrieval import DEPTHS, TASKS, checked_options as retrieval_options
@@ -56,43 +62,78 @@ cli.define_loading_flags()
 FLAGS = flags.FLAGS
 
 
-def _probe_length() -> dict:
-    return {"length": checked("--probe_length", FLAGS.probe_length, 1,
-                              meaning="the window length that the transport and near_far evaluators need")}
+CONFIG = cli.define_eval_config_flag()
+
+PROBE_LENGTH = "the window length that the transport and near_far evaluators need"
 
 
-def _ranges() -> dict:
-    return near_far_ranges("--near_far", FLAGS.near_far, FLAGS.probe_length)
+def _probe_length(v) -> int:
+    return checked("--probe_length", v, 1, meaning=PROBE_LENGTH)
 
 
-OPTIONS = {  # evaluator -> its options from the flags
-    "lengths": lambda: {"max_multiplier": FLAGS.max_multiplier or None, "tokens": FLAGS.tokens or None,
-                        "stride": None if FLAGS.stride == -1 else FLAGS.stride,
-                        "within_documents": None if FLAGS.within_documents is None else FLAGS.within_documents == "true",
-                        "documents": FLAGS.documents or None},
-    "transport": _probe_length,
-    "near_far": lambda: {**_probe_length(), **_ranges()},
-    "analysis": dict,
-    "retrieval": lambda: retrieval_options(FLAGS.retrieval_tasks or None, FLAGS.retrieval_lengths or None,
-                                           FLAGS.retrieval_depths or DEPTHS, FLAGS.retrieval_examples,
-                                           FLAGS.retrieval_seed,
-                                           None if FLAGS.decode_max_length == -1 else FLAGS.decode_max_length),
+def _near_far(which: str):
+    return lambda v: near_far_ranges("--near_far", v, FLAGS.probe_length)[which]
+
+
+# Shorthand flags: evaluator -> (option, flag, the option's value from the flag's), used where given.
+SHORTHANDS = {
+    "lengths": (("max_multiplier", "max_multiplier", lambda v: v or None), ("tokens", "tokens", lambda v: v or None),
+                ("stride", "stride", lambda v: None if v == -1 else v),
+                ("within_documents", "within_documents", lambda v: None if v is None else v == "true"),
+                ("documents", "documents", lambda v: v or None)),
+    "transport": (("length", "probe_length", _probe_length),),
+    "near_far": (("length", "probe_length", _probe_length), ("near", "near_far", _near_far("near")),
+                 ("far", "near_far", _near_far("far"))),
+    "retrieval": (("tasks", "retrieval_tasks", list), ("lengths", "retrieval_lengths", list),
+                  ("depths", "retrieval_depths", list), ("examples", "retrieval_examples", int),
+                  ("seed", "retrieval_seed", int),
+                  ("decode_max_length", "decode_max_length", lambda v: None if v == -1 else v)),
+}
+
+
+def _length(name: str, o: dict) -> dict:
+    return {**o, "length": checked(f"eval_options.{name}.length", o["length"], 1, meaning=PROBE_LENGTH)}
+
+
+def _ranges(o: dict) -> dict:
+    """near and far, each (lo, hi) or 'lo:hi', as (lo, hi) within the probe length."""
+    texts = [":".join(map(str, r)) if isinstance(r, (tuple, list)) else str(r) for r in (o["near"], o["far"])]
+    return {**o, **near_far_ranges("eval_options.near_far.near,far", texts, o["length"])}
+
+
+def _retrieval(options: dict) -> dict:
+    o = {**options_of("retrieval"), **options}
+    return retrieval_options(o["tasks"], o["lengths"], o["depths"], o["examples"], o["seed"], o["decode_max_length"])
+
+
+VALUES = {  # evaluator -> its options with their values checked (beyond their types), one line each
+    "transport": lambda o: _length("transport", o),
+    "near_far": lambda o: _ranges(_length("near_far", o)),
+    "retrieval": _retrieval,
 }
 
 
 def chosen() -> list[str]:
-    if FLAGS.evals:
-        return FLAGS.evals
+    if names := [n.strip() for n in CONFIG.value.evals.split(",") if n.strip()] or FLAGS.evals:
+        return names
     if FLAGS.near_far:
         return ["near_far"]
     return ["transport"] if FLAGS.probe_length else ["lengths"]
 
 
 def checked_options() -> dict:
-    """{evaluator: its options from the flags}, every name and flag checked before any evaluator runs."""
+    """{evaluator: its options}, from --config.eval_options and the shorthand flags given (the
+    former win), every name, type and value checked before any evaluator runs."""
+    config = cli.eval_config(CONFIG)
     for name in chosen():
-        get_evaluator(name, "evaluator in --evals")
-    return {name: OPTIONS.get(name, dict)() for name in chosen()}
+        get_evaluator(name, f"evaluator in {'--config.evals' if config.evals else '--evals'}")
+    found = {}
+    for name in chosen():
+        given = {option: convert(FLAGS[flag].value) for option, flag, convert in SHORTHANDS.get(name, ())
+                 if FLAGS[flag].present}
+        options = checked_options_of(name, {**given, **config.eval_options[name]})
+        found[name] = VALUES.get(name, dict)(options)
+    return found
 
 
 def main(argv):
@@ -100,13 +141,14 @@ def main(argv):
     cli.quiet()
     cli.run_cli(lambda: cli.require_workdirs(FLAGS.workdirs))
     if FLAGS.dry_run:  # from the runs' config.json alone: nothing read, nothing run
+        options = cli.run_cli(checked_options).get("lengths", {})
         for workdir in FLAGS.workdirs:
-            print(plan_report(cli.run_cli(lambda: plan(workdir, FLAGS.max_multiplier or None, **cli.loading(),
+            print(plan_report(cli.run_cli(lambda: plan(workdir, options.get("max_multiplier"), **cli.loading(),
                                                        topology=FLAGS.topology))))
         return
     cli.run_cli(cli.start_processes)  # several processes: each scores its windows, process 0 writes
     options = cli.run_cli(checked_options)
-    runs = cli.run_cli(lambda: cli.scheme_runs(FLAGS.workdirs, FLAGS.scheme, FLAGS.scheme_options, cli.loading()))
+    runs = cli.run_cli(lambda: cli.eval_runs(FLAGS.workdirs, cli.eval_config(CONFIG)))
     for name, option in options.items():
         markdown = cli.run_cli(lambda: evaluate(name, runs, FLAGS.out, **option))
         if jax.process_index() == 0:  # of several processes, process 0 wrote the reports

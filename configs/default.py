@@ -12,6 +12,10 @@ from models.registry import config_defaults
 
 
 FIELDS = (("scheme", "rope", SCHEME),)
+# The evaluators' names (lab/evaluators.py's EVALUATORS, which configs cannot import; a test holds
+# the two equal): each has a group of options in `eval_options`.
+EVALUATORS = ("lengths", "transport", "near_far", "decompositions", "perturbations", "feature_shift", "analysis",
+              "retrieval")
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
@@ -94,5 +98,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         task_examples=0,  # synthetic tasks: examples scored (0: all of the task's eval_examples)
     ))
     c.evals = ""  # evaluators (lab/evaluators.py) run in training every train.eval_every steps: "lengths,transport"
-    c.eval_options = ml_collections.ConfigDict({})  # theirs: --config.eval_options.transport="{'length': 512}"
+    # Their options, one group per evaluator: --config.eval_options.transport.length=512 (the
+    # evaluator's keyword arguments, lab/evaluators.py; eval.py spells them the same).
+    c.eval_options = ml_collections.ConfigDict({name: {} for name in EVALUATORS})
     return c

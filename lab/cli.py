@@ -18,6 +18,7 @@ from ml_collections import config_flags
 from data import DataError
 from lab import distributed
 from lab.distributed import StartupError
+from lab.evaluators import EVALUATORS
 from lab.runs import Pending, with_scheme
 from lab.training import TrainingError
 
@@ -26,10 +27,25 @@ def define_config_flag(default: str = "configs/default.py"):
     """The `--config file.py[:arg]` flag. New attributes are accepted so that scheme options need
     no placeholder in the config files (--config.model.scheme_options.base=5e5);
     `check_overrides` rejects any other new field."""
-    return config_flags.DEFINE_config_file(
+    return _defined(lambda: config_flags.DEFINE_config_file(
         "config", default, "the experiment config: a file and its argument (configs/default.py:alibi); any field "
         "is overridden with --config.<field>=<value> (--config.train.steps=500, --config.workdir=runs/x)",
-        lock_config=False, accept_new_attributes=True)
+        lock_config=False, accept_new_attributes=True))
+
+
+def _defined(define):
+    """`define()`, a config flag's DEFINE. ml_collections applies the command line's --config.a.b
+    overrides there already, so an override under a group the config lacks fails here: one line
+    and exit 1, as `parse_flags` does."""
+    try:
+        return define()
+    except KeyError as e:
+        _unknown_field(e)
+
+
+def _unknown_field(e: KeyError):
+    print(f"error: unknown config field {str(e.args[0]).replace(chr(10), '; ')}", file=sys.stderr)
+    sys.exit(1)
 
 
 HELP = ("--help", "-h", "-?", "--helpshort", "--helpfull")
@@ -60,8 +76,7 @@ def parse_flags(argv):
               f"configs/, e.g. --config configs/default.py:rope)", file=sys.stderr)
         sys.exit(1)
     except KeyError as e:  # ml_collections: an override under a group the config lacks (--config.modle.x)
-        print(f"error: unknown config field {str(e.args[0]).replace(chr(10), '; ')}", file=sys.stderr)
-        sys.exit(1)
+        _unknown_field(e)
 
 
 def checked_config(flag_holder) -> ml_collections.ConfigDict:
@@ -90,6 +105,33 @@ def define_scheme_flags() -> None:
                       "(the run's own scheme options are kept unless named)")
 
 
+def define_eval_config_flag():
+    """--config of eval.py and analyze.py: the evaluators, their options and a zero-shot scheme,
+    spelled as in a training config (the same fields): --config.evals=lengths,transport
+    --config.eval_options.transport.length=512 --config.model.scheme=rope_lm_infinite
+    --config.model.scheme_options.window=128. Values read as Python literals, else as words.
+    `eval_config` gives it checked."""
+    base = ml_collections.ConfigDict({"evals": "", "eval_options": {name: {} for name in EVALUATORS},
+                                      "model": {"scheme": "", "scheme_options": {}}})
+    return _defined(lambda: config_flags.DEFINE_config_dict(
+        "config", base, "evaluators and their options, as in a training config: --config.evals=NAME,NAME, "
+        "--config.eval_options.NAME.OPTION=VALUE; --config.model.scheme / scheme_options.OPTION: a zero-shot "
+        "scheme", lock_config=False, accept_new_attributes=True))
+
+
+EVAL_FIELDS = ("evals", "model.scheme", "model.scheme_options.", "eval_options.")
+
+
+def eval_config(flag_holder) -> ml_collections.ConfigDict:
+    """The --config of `define_eval_config_flag`; ValueError, one line, for a field it does not have."""
+    for path in config_flags.get_override_values(flags.FLAGS[flag_holder.name]):
+        if not (path in EVAL_FIELDS or path.startswith(EVAL_FIELDS[2:]) and path.count(".") >= 2):
+            raise ValueError(f"--config.{path}: not a field here; valid: --config.evals, "
+                             "--config.eval_options.<evaluator>.<option>, --config.model.scheme, "
+                             "--config.model.scheme_options.<option>")
+    return flag_holder.value
+
+
 def define_loading_flags() -> None:
     """How eval.py and analyze.py load a run's parameters (`lab.runs.load_run`)."""
     flags.DEFINE_enum("param_dtype", "", ["", "float32", "bfloat16"], "the parameters in this dtype as they are "
@@ -107,11 +149,23 @@ def loading() -> dict:
     return dict(param_dtype=f.param_dtype or None, fsdp=f.fsdp, tensor=f.tensor, dtype=f.dtype or None)
 
 
-def scheme_runs(workdirs, scheme: str, option_texts, load: dict | None = None) -> list:
-    """The runs the evaluators take (from --workdirs, --scheme, --scheme_options): each a
-    `lab.runs.Pending` with the options `load` (`loading()`), or with a scheme each run loaded
-    and rebuilt under it (`lab.runs.with_scheme`; all of them in memory at once), its options
-    given as name=value texts."""
+def scheme_runs(workdirs, scheme: str, options, load: dict | None = None) -> list:
+    """The runs the evaluators take (from --workdirs, and --config.model.scheme / scheme_options
+    or --scheme / --scheme_options): each a `lab.runs.Pending` with the options `load`
+    (`loading()`), or with a scheme each run loaded and rebuilt under it (`lab.runs.with_scheme`;
+    all of them in memory at once), its options a dict or name=value texts."""
+    options = dict(options) if isinstance(options, (dict, ml_collections.ConfigDict)) else parsed_options(options)
+    if not scheme:
+        if options:
+            raise ValueError("--scheme_options sets options of --scheme; pass --scheme=<registered scheme> too "
+                             "(or --config.model.scheme=<registered scheme>)")
+        return [Pending(w, **(load or {})) for w in workdirs]
+    return [with_scheme(Pending(w, **(load or {})).load(), scheme, options) for w in workdirs]
+
+
+def parsed_options(option_texts) -> dict:
+    """{name: value} of --scheme_options' name=value texts, each value a Python literal or a word,
+    as ml_collections reads --config.model.scheme_options.<name>=<value>."""
     options = {}
     for text in option_texts:
         name, _, value = text.partition("=")
@@ -121,11 +175,16 @@ def scheme_runs(workdirs, scheme: str, option_texts, load: dict | None = None) -
             options[name] = ast.literal_eval(value)
         except (ValueError, SyntaxError):  # a word: a string option (scaling=yarn)
             options[name] = value
-    if not scheme:
-        if options:
-            raise ValueError("--scheme_options sets options of --scheme; pass --scheme=<registered scheme> too")
-        return [Pending(w, **(load or {})) for w in workdirs]
-    return [with_scheme(Pending(w, **(load or {})).load(), scheme, options) for w in workdirs]
+    return options
+
+
+def eval_runs(workdirs, config) -> list:
+    """`scheme_runs` of eval.py and analyze.py: the zero-shot scheme of --config.model.scheme (else
+    --scheme), its options from --scheme_options updated by --config.model.scheme_options, and
+    the loading flags."""
+    f = flags.FLAGS
+    return scheme_runs(workdirs, config.model.scheme or f.scheme,
+                       {**parsed_options(f.scheme_options), **config.model.scheme_options}, loading())
 
 
 def start_processes() -> None:

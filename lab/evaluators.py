@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 from typing import Any, Callable
 
 import jax
@@ -70,6 +71,52 @@ def get_evaluator(name: str, field: str = "evaluator") -> Evaluator:
     return EVALUATORS[name]
 
 
+NOT_OPTIONS = ("runs", "log", "parts")  # run()'s arguments that are not the user's options
+REQUIRED = object()  # the default of an option an evaluator cannot do without
+
+
+def options_of(name: str) -> dict:
+    """{option: its default} of evaluator `name`: its run()'s keyword arguments (REQUIRED where
+    it has no default)."""
+    return {p.name: REQUIRED if p.default is p.empty else p.default
+            for p in inspect.signature(get_evaluator(name).run).parameters.values() if p.name not in NOT_OPTIONS}
+
+
+def checked_options(name: str, options, field: str = "eval_options") -> dict:
+    """The options of evaluator `name` as a dict, after checking them against its run()'s
+    keyword arguments: an unknown or missing one, or a value of another type than its default's,
+    is a ValueError, one line naming `<field>.<name>.<option>`. (What a value may be beyond its
+    type, the evaluator checks.)"""
+    known, options = options_of(name), dict(options or {})
+    for key, value in options.items():
+        if key not in known:
+            raise ValueError(f"{field}.{name}.{key} is not an option of evaluator {name}; valid: "
+                             f"{', '.join(known) or 'none'}")
+        if not _fits(value, known[key]):
+            raise ValueError(f"{field}.{name}.{key}={value!r} is not {KINDS[type(known[key])]}, as its default "
+                             f"{known[key]!r} is")
+    missing = [key for key, default in known.items() if default is REQUIRED and key not in options]
+    if missing:
+        raise ValueError(f"evaluator {name} needs {', '.join(f'{field}.{name}.{key}' for key in missing)}")
+    return {key: tuple(v) if isinstance(v, list) else v for key, v in options.items()}
+
+
+KINDS = {bool: "a boolean", int: "an integer", float: "a number", tuple: "a tuple", str: "a string"}
+
+
+def _fits(value, default) -> bool:
+    """Whether `value` has the type of an option's `default` (None, REQUIRED: any type)."""
+    if default is None or default is REQUIRED:
+        return True
+    if isinstance(default, bool) or isinstance(value, bool):
+        return isinstance(value, bool) and isinstance(default, bool)
+    if isinstance(default, float):
+        return isinstance(value, (int, float))
+    if isinstance(default, tuple):
+        return isinstance(value, (tuple, list))
+    return isinstance(value, type(default))
+
+
 def evaluate(name: str, runs, out: str, **options) -> str:
     """Run the named evaluator on `runs` and write its report under `out`; the markdown. Of
     several processes, every one computes and process 0 writes (the others return '')."""
@@ -91,7 +138,7 @@ def configured(config) -> dict[str, dict]:
         get_evaluator(name, "evaluator in config.eval_options")
     if names and not config.train.eval_every:
         raise ValueError(f"config.evals={','.join(names)} runs every train.eval_every steps; set it > 0")
-    return {name: dict(options.get(name, {})) for name in names}
+    return {name: checked_options(name, options.get(name, {}), "config.eval_options") for name in names}
 
 
 def in_training(evaluators: dict[str, dict], run, out: str, write: bool = True) -> dict:

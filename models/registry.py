@@ -40,6 +40,11 @@ class Entry:
     doc: str = ""
     compose: tuple = ()  # score-bias schemes always added, as if written "name+bias"
     compose_fixed: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)  # their fixed options
+    # Whether the scheme's default features (none given) are its features module's at
+    # initialisation on a zero input (the conformance suite checks every scheme that says so);
+    # False where the defaults are drawn from the call's key instead (PaTH's directions, KERPLE's r1 and
+    # r2, each drawn as the module draws them).
+    features_at_init: bool = True
 
 
 REGISTRY: dict[str, Entry] = {}
@@ -186,7 +191,7 @@ register("espr", Entry(Espr, features=EsprFeatures,
                            "post-rotation"))
 register("espr_rf", Entry(EsprRF, features=EsprFeatures,
                           doc="`espr` with positive-random-feature (linear-time) attention"))
-register("path", Entry(Path, features=HouseholderVectors,
+register("path", Entry(Path, features=HouseholderVectors, features_at_init=False,
                        doc="PaTH: each key carried forward by the Householder steps I - beta_t w_t w_t^T of the "
                            "tokens after it (w from a rank-`rank` projection + short causal convolution, beta = "
                            "2 sigmoid in (0, 2)); impl `reference` materialises the logits with one UT solve per "
@@ -199,11 +204,11 @@ register("path", Entry(Path, features=HouseholderVectors,
 register("fox", Entry(Fox, features=ForgetGate,
                       doc="Forgetting Transformer gate: sum of log forget gates between key and query added to "
                           "the logits; a bias like ALiBi, so `scheme+fox` works for any scheme"))
-register("path_fox", Entry(Path, features=HouseholderVectors, compose=("fox",),
+register("path_fox", Entry(Path, features=HouseholderVectors, compose=("fox",), features_at_init=False,
                            compose_fixed={"fox": {"logit_scale": True}},
                            doc="`path` with FoX gates on the PaTH authors' scale: (q^T P k + F_i - F_j) / sqrt(D) "
                                "(`path+fox`: FoX's, q^T P k / sqrt(D) + F_i - F_j)"))
-register("kerple_log", Entry(KerpleLog, features=KerpleParameters,
+register("kerple_log", Entry(KerpleLog, features=KerpleParameters, features_at_init=False,
                              doc="KERPLE-log: learned bias -r1 log(1 + r2 distance), r1, r2 > 0 per head"))
 register("p_rope", Entry(PRope, doc="p-RoPE: RoPE whose lowest-frequency pairs do not rotate (the highest "
                                    "`fraction` p of frequencies kept; 1 is RoPE, 0 NoPE)"))

@@ -23,11 +23,9 @@ from __future__ import annotations
 import json
 import math
 import os
-import sys
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from lab.stats import paired, verdict
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -68,6 +66,10 @@ CLAIMS = [
      "sessa_lm_seeds.json", "sessa", "transformer", "ppl", 128, None, "positive"),
     ("sessa.md", "sessa-lm-nofb", "LM: removing Sessa's feedback helps (the paper's claim; the page: same shape)",
      "sessa_lm_seeds.json", "sessa_nofb", "sessa", "ppl", 128, None, "negative"),
+    ("sweep.md", "sweep-alibi-rope-16x", "demo-fast model, 400 steps: ALiBi degrades less than RoPE at 16x",
+     "sweep_demo_fast.json", "alibi/fast", "rope/fast", "ratio", 2048, 128, "negative"),
+    ("sweep.md", "sweep-fox-alibi-train", "demo-fast model, 400 steps: FoX lower perplexity than ALiBi at the training "
+     "length", "sweep_demo_fast.json", "fox/fast", "alibi/fast", "ppl", 128, None, "negative"),
 ]
 
 
