@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import gpu_check  # beside this file
+from benchmarks import gpu_check
 from models.registry import make_scheme
 from positional import vendor
 from positional.fox import forget_bias

@@ -38,7 +38,7 @@ import jax
 from absl import app, flags
 from ml_collections import config_flags
 
-import lowering  # beside this file
+from benchmarks import lowering
 from configs.default import get_config
 from lab import cli
 from lab.lowering import memory, tpu_hbm_per_device, tpu_topology

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from absl import app, flags
 from flax import nnx
 
-import train_throughput  # beside this file
+from benchmarks import train_throughput
 from models.registry import get_entry, make_scheme
 from models.lm import ModelConfig
 from positional import espr

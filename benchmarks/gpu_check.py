@@ -48,7 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from attention import fwd_bwd, timed  # beside this file
+from benchmarks.attention import fwd_bwd, timed
 from configs.default import get_config
 from lab.state import init_state, make_train_step, mesh_and_batch
 from models.registry import make_scheme

@@ -25,7 +25,6 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from lab.hf import PUBLISHED
 
 flags.DEFINE_string("model", "Llama-3.2-1B", f"of {', '.join(PUBLISHED)}")

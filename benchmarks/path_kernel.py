@@ -27,9 +27,7 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
-from pathlib import Path
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # PyTorch shares the device
 
@@ -38,9 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from attention import timed  # beside this file
-
+from benchmarks.attention import timed
 from positional.fox import forget_bias
 from positional.path.chunked import chunked_attention
 from positional.path.kernel import TRANSPORT, path_attention

@@ -21,9 +21,9 @@ from pathlib import Path
 
 from absl import app, flags
 
+from benchmarks.sequence_parallel import child, on_devices
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from sequence_parallel import child, on_devices  # noqa: E402
 IMPLS = ("blockwise", "ring")
 
 # Process-wide only when run as a script (why: benchmarks/train_throughput.py).

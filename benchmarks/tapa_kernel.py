@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from absl import app, flags
 
-from attention import timed  # beside this file
+from benchmarks.attention import timed
 from positional.attention import blockwise_attention, reference_attention
 from positional.tapa import tapa_attention, tapa_score_fn
 

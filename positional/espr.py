@@ -450,7 +450,7 @@ class EsprRF(Espr):
         scale = (2 * self.planes) ** -0.25
         return (self.carry(q, features, positions) * scale, self.carry(k, features, positions) * scale, v)
 
-    def attention(self, q, k, v, features, *, positions=None, segment_ids=None, q_offset=0, impl="reference",
+    def transformed_attention(self, q, k, v, features, *, positions=None, segment_ids=None, q_offset=0, impl="reference",
                   block_size=512):
         if impl == "blockwise":
             return rf_blockwise(q, k, v, features["w"], segment_ids=segment_ids, chunk_size=block_size)

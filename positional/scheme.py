@@ -48,8 +48,8 @@ whose transport of a key changes as the sequence grows (PaTH) or that need state
 `attend` too. `impls` lists the attention implementations a scheme runs on. Impls "ring"
 (positional/ring.py: the sequence split over the devices of a mesh), "pallas" (the fused
 kernel, positional/kernels/flash.py, with the scheme's Bias and Score in its tiles), "cudnn",
-"splash" and "auto" (positional/attention.py) are the generic `attention`'s (GENERIC_ONLY),
-so a scheme that overrides `attention` loses them unless its `impls` lists them.
+"splash" and "auto" (positional/attention.py) are the generic `transformed_attention`'s
+(GENERIC_ONLY), so a scheme that overrides it loses them unless its `impls` lists them.
 
 Shapes: q [B, T, H, D]; k, v [B, T, K, D]; positions, segment_ids [B, T] int32 (multi-axis
 schemes, ESPR, also take positions [B, T, d_c]).
@@ -68,7 +68,7 @@ from positional.logits import Bias, Score, sum_of
 from positional.softmax import MASKED, BiasFn, attention_logits, causal_softmax
 
 Features = dict | None
-# Implementations of the generic `Scheme.attention` alone.
+# Implementations of the generic `Scheme.transformed_attention` alone.
 GENERIC_ONLY = ("auto", "ring", "pallas", "cudnn", "splash")
 
 # Probe families: "angles", SO(2) step angles (features 'psi' and 'theta'); "householder", PaTH's
@@ -104,11 +104,14 @@ class Scheme:
         if unknown:
             raise TypeError(f"{cls.__name__}.probes names unknown probe families {sorted(unknown)}; "
                             f"valid: {', '.join(PROBE_FAMILIES)}")
+        if "attention" in vars(cls):  # the method's name before it was renamed
+            raise TypeError(f"{cls.__name__} defines `attention`, which is called `transformed_attention` now "
+                            "(attention on q, k, v after `transform`): rename the method")
         # "ring" (the sequence split over devices), the fused kernels and "auto" run the generic
-        # attention below; a scheme that brings its own `attention` (PaTH, ESPR random features)
-        # has them only if it says so (its "auto" is then its own "ring" on a sequence mesh where
-        # its `impls` list one, else its reference or blockwise, by length).
-        if "attention" in vars(cls) and "impls" not in vars(cls):
+        # attention below; a scheme that brings its own `transformed_attention` (PaTH, ESPR random
+        # features) has them only if it says so (its "auto" is then its own "ring" on a sequence
+        # mesh where its `impls` list one, else its reference or blockwise, by length).
+        if "transformed_attention" in vars(cls) and "impls" not in vars(cls):
             cls.impls = tuple(i for i in cls.impls if i not in GENERIC_ONLY)
 
     def __post_init__(self):
@@ -193,7 +196,7 @@ class Scheme:
                              f"valid: {', '.join(self.impls)}")
         features = self.features_or_default(features, q, k, positions=positions, key=key, segment_ids=segment_ids)
         q, k, v = self.transform(q, k, v, features, positions)
-        out = self.attention(q, k, v, features, positions=positions, segment_ids=segment_ids, impl=impl,
+        out = self.transformed_attention(q, k, v, features, positions=positions, segment_ids=segment_ids, impl=impl,
                              block_size=block_size)
         return self.transform_out(out, features, positions)
 
@@ -243,7 +246,7 @@ class Scheme:
         out = jnp.einsum("bkgts,bskd->btkgd", w, values.astype(jnp.float32)).reshape(b, t, h, -1)
         return self.transform_out(out.astype(q.dtype), features, positions)
 
-    def attention(self, q, k, v, features, *, positions=None, segment_ids=None, q_offset=0, impl="reference",
+    def transformed_attention(self, q, k, v, features, *, positions=None, segment_ids=None, q_offset=0, impl="reference",
                   block_size=512) -> jax.Array:
         """Attention on transformed q, k, v with this scheme's score and bias; positions [B, S] of
         the key slots (the bias reads them; None: the slot indices)."""
@@ -298,7 +301,7 @@ class Scheme:
         ck = jax.lax.dynamic_update_slice_in_dim(cache["k"], k.astype(cache["k"].dtype), index, axis=1)
         cv = jax.lax.dynamic_update_slice_in_dim(cache["v"], v.astype(cache["v"].dtype), index, axis=1)
         cache, attn_features, key_positions = self.remember(cache, features, positions)
-        out = self.attention(q, ck, cv, attn_features, positions=key_positions, q_offset=index)
+        out = self.transformed_attention(q, ck, cv, attn_features, positions=key_positions, q_offset=index)
         out = self.transform_out(out, features, positions)
         return out, {**cache, "k": ck, "v": cv, "index": index + n}
 

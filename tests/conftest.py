@@ -9,7 +9,7 @@ os.environ.setdefault("POSITIONAL_DATA_DIR", tempfile.mkdtemp(prefix="positional
 
 import pytest
 
-from tiny_setup import tiny_config
+from helpers.tiny_setup import tiny_config
 
 
 @pytest.fixture(scope="session")

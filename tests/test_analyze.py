@@ -10,7 +10,7 @@ import pytest
 
 from lab import probes
 from lab.analysis import analyze_runs, flag_options, shift_buckets, write_analysis
-from tiny_setup import cli
+from helpers.tiny_setup import cli
 
 
 def test_shift_buckets():

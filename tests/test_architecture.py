@@ -1,7 +1,7 @@
 """The project's large structure, checked on the source (no imports executed).
 
 Dependencies run one way, bottom up: positional <- models <- data <- configs <- lab <- the
-entry points (train.py, eval.py, analyze.py, demo.py, import_checkpoint.py) <- benchmarks. A module imports only
+entry points (train.py, eval.py, analyze.py, demo.py, import_checkpoint.py, sweep.py) <- benchmarks. A module imports only
 from its own layer or those below; the module graph has no cycle; no module imports a project
 module inside a function (the way a cycle hides); no module reads another's private names.
 """
@@ -13,7 +13,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAYERS = ("positional", "models", "data", "configs", "lab", "entry", "benchmarks")
-ENTRY_POINTS = ("train", "eval", "analyze", "demo", "import_checkpoint")
+ENTRY_POINTS = ("train", "eval", "analyze", "demo", "import_checkpoint", "sweep")
 
 
 def project_modules() -> dict[str, str]:
@@ -155,9 +155,9 @@ def test_kernels_import_no_scheme_file():
                 f"{module} imports {sorted(targets - allowed)}: kernels take what they need as arguments")
 
 
-# Test modules share helpers through tests/tiny_setup.py (and draws.py, exported.py), never by
-# importing one another. The one exception runs the conformance suite's checks on a scheme the
-# suite leaves out (LM-Infinite's windowed form).
+# Tests share helpers only through tests/helpers (set-up, input draws, lowering, the scripts run
+# in subprocesses), never by importing one another. The one exception runs the conformance
+# suite's checks on a scheme the suite leaves out (LM-Infinite's windowed form).
 TESTS_IMPORTING_TESTS = {"test_lm_infinite": {"test_conformance"}}
 
 
@@ -171,7 +171,49 @@ def test_tests_do_not_import_tests():
             tests = {name for name in names if name.startswith("test_")}
             if tests:
                 found[file[:-3]] = tests
-    assert found == TESTS_IMPORTING_TESTS, "move what tests share into tests/tiny_setup.py"
+    assert found == TESTS_IMPORTING_TESTS, "tests share helpers only through tests/helpers: move what they share there"
+
+
+def project_files():
+    """Every Python file of the project: library packages, entry points, benchmarks, tests,
+    docs/results scripts (not virtual environments or hidden folders)."""
+    for folder, dirs, files in os.walk(ROOT):
+        dirs[:] = sorted(d for d in dirs if not d.startswith((".", "__pycache__")))
+        for file in sorted(files):
+            if file.endswith(".py"):
+                yield os.path.join(folder, file)
+
+
+def is_sys_path(node) -> bool:
+    return (isinstance(node, ast.Attribute) and node.attr == "path"
+            and isinstance(node.value, ast.Name) and node.value.id == "sys")
+
+
+def sys_path_patches(path: str) -> list[int]:
+    """Lines that change sys.path: a call of one of its methods (sys.path.insert, .append, ...),
+    an assignment to it or to an item of it, pytest's monkeypatch.syspath_prepend."""
+    lines = []
+    for node in ast.walk(ast.parse(open(path).read())):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and (
+                is_sys_path(node.func.value) or node.func.attr == "syspath_prepend"):
+            lines.append(node.lineno)
+        targets = (node.targets if isinstance(node, ast.Assign)
+                   else [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else [])
+        for target in targets:
+            for part in ast.walk(target):
+                if is_sys_path(part):
+                    lines.append(node.lineno)
+    return sorted(set(lines))
+
+
+def test_nothing_patches_sys_path():
+    """Imports resolve the same way in every process: the project root is on the path through the
+    install (`make`: an editable install, a plain path entry), a script's own folder through Python."""
+    found = [f"{os.path.relpath(path, ROOT)}:{line}" for path in project_files() for line in sys_path_patches(path)]
+    assert not found, (
+        f"{', '.join(found)}: sys.path patched. Import project modules by their package name instead "
+        "(from benchmarks.attention import timed; from helpers.tiny_setup import cli in tests, whose folder "
+        "pytest puts on the path; a script's siblings by name, its own folder being on the path)")
 
 
 def test_the_checks_can_fail(tmp_path, monkeypatch):
@@ -185,3 +227,7 @@ def test_the_checks_can_fail(tmp_path, monkeypatch):
         test_import_graph_has_no_cycle()
     with pytest.raises(AssertionError, match="inside a function"):
         test_imports_run_one_way_at_top_level_with_public_names("models.b_planted")
+    c = tmp_path / "c.py"
+    c.write_text("import sys\nsys.path.insert(0, '.')\nsys.path += ['a']\nsys.path[0] = 'b'\n"
+                 "def f(monkeypatch):\n    monkeypatch.syspath_prepend('c')\nprint(sys.path)\n")
+    assert sys_path_patches(str(c)) == [2, 3, 4, 6]

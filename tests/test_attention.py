@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from draws import normal
+from helpers.draws import normal
 from positional.attention import attention, blockwise_attention, reference_attention
 
 
@@ -122,8 +122,8 @@ def test_bad_inputs():
 
 
 def test_flat_draws_equal_shaped_draws():
-    """The test inputs of tests/draws.py (drawn flat, then reshaped) are jax.random's own draws."""
-    import draws
+    """The test inputs of tests/helpers/draws.py (drawn flat, then reshaped) are jax.random's own draws."""
+    from helpers import draws
     key = jax.random.key(0)
     np.testing.assert_array_equal(draws.normal(key, (2, 3, 4), jnp.bfloat16),
                                   jax.random.normal(key, (2, 3, 4), jnp.bfloat16))

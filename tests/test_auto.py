@@ -8,9 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from draws import normal
+from helpers.draws import normal
 from lab.lowering import target
-from exported import MOSAIC, TRITON, lowered, simplified
+from helpers.exported import MOSAIC, TRITON, lowered, simplified
 from models.registry import make_scheme
 from positional import attention as dispatch
 from positional.attention import REFERENCE_MAX, attention, choose

@@ -8,10 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from tiny_setup import load_benchmark
+from helpers.tiny_setup import load_benchmark
 
 ROOT = Path(__file__).resolve().parents[1]
-BENCHMARKS = ROOT / "benchmarks"
 
 
 load = load_benchmark
@@ -199,7 +198,6 @@ def test_gpu_check_runs_end_to_end_at_toy_sizes(tmp_path, capsys, monkeypatch):
     """`make gpu-check`'s script with --tiny on this CPU: every item runs or says why in one line
     (cuDNN: no GPU here), every Pallas path passes its check interpreted, and the json holds it."""
     path = tmp_path / "gpu_check.json"
-    monkeypatch.syspath_prepend(str(BENCHMARKS))  # it imports benchmarks/attention.py, beside it
     result = run("gpu_check", ["--tiny", "--budget_s", "100000", "--json", str(path)])
     rows = {r["item"]: r for r in result["rows"]}
     assert json.loads(path.read_text())["rows"] == json.loads(json.dumps(result["rows"]))
@@ -224,7 +222,6 @@ def test_gpu_check_runs_end_to_end_at_toy_sizes(tmp_path, capsys, monkeypatch):
 def test_gpu_check_skips_what_does_not_fit(monkeypatch):
     """Items run in the plan's order while their estimate, scaled by how the finished ones
     compared with theirs, fits in the budget left; the others are named as skipped."""
-    monkeypatch.syspath_prepend(str(BENCHMARKS))
     gpu_check = load("gpu_check")
     clock = iter(range(0, 1000, 10))  # every reading of the clock is 10 s later
     monkeypatch.setattr(gpu_check.time, "perf_counter", lambda: next(clock))
@@ -240,7 +237,6 @@ def test_gpu_check_skips_what_does_not_fit(monkeypatch):
 def test_gpu_check_cut_off_keeps_its_rows(monkeypatch, tmp_path):
     """A run killed inside an item (the device call's limit) leaves the json with every finished
     row and the item it was in."""
-    monkeypatch.syspath_prepend(str(BENCHMARKS))
     gpu_check = load("gpu_check")
 
     def killed():

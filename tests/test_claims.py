@@ -11,7 +11,7 @@ import pytest
 from scipy import stats as scipy_stats
 
 from lab.stats import bootstrap, log_ppl, paired, verdict
-from tiny_setup import ROOT
+from helpers.tiny_setup import ROOT
 
 
 RESULTS = os.path.join(ROOT, "docs", "results")

@@ -53,8 +53,7 @@ def test_a_train_step_compiles_for_several_chips(scheme, site):
 def test_a_step_over_the_chips_memory_fails_in_one_line(monkeypatch):
     """The total the TPU compiler plans is checked against the chip's HBM (here a pretend 0-GiB chip)."""
     monkeypatch.setitem(lowering.TPU_HBM_GIB, "v5e", 0)
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    import compile_tpu
+    from benchmarks import compile_tpu
     from configs.default import get_config
     config = get_config("rope")
     config.update_from_flattened_dict({"seq_len": 256, "batch_size": 2, "model.d_model": 64,
@@ -76,8 +75,7 @@ def test_bad_topology_or_no_libtpu_is_one_line(monkeypatch):
 def test_a_sweep_goes_on_from_its_file_and_redo_replaces_rows(monkeypatch, tmp_path):
     """The table's sweep skips the rows its json has (rerun to go on); with redo it compiles the
     asked ones again, each replacing its old row, the others kept (compiling stood in for here)."""
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    import compile_tpu
+    from benchmarks import compile_tpu
     compiled = []
 
     def compile_check(config, topology):

@@ -6,7 +6,7 @@ import importlib
 import pytest
 
 from configs import SCHEME, accumulated, default, demo, long_context, parse_arg, sessa, tapa
-from tiny_setup import cli
+from helpers.tiny_setup import cli
 
 
 @pytest.mark.parametrize("family,scheme", [("espr", "rope"), ("path", "rope"), ("path", "so2_learned_qkv")])

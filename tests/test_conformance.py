@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from draws import normal
+from helpers.draws import normal
 from models import lm
 from models.layers import Attention, ModelConfig
 from models.lm import DecoderLM
@@ -284,9 +284,10 @@ def test_notebook_call_needs_no_model(scheme):
         np.testing.assert_allclose(s.attend(q, k, v, positions=pos), out, atol=1e-6)
 
 
-# The schemes whose features module at its initialisation, on a zero input, gives exactly the
-# default features (PaTH's directions come from its random projections instead: test_path).
-AT_INIT = ["so2_random_qk", "so2_learned_qkv", "so2_hidden_qk", "espr", "espr_rf", "fox", "rope+fox"]
+# Every registered scheme with a features module whose entry says that module at its
+# initialisation, on a zero input, gives exactly the default features (those whose defaults are
+# drawn from a key say so: PaTH, KERPLE), and a composition.
+AT_INIT = [name for name, entry in REGISTRY.items() if entry.features and entry.features_at_init] + ["rope+fox"]
 
 
 @pytest.mark.parametrize("scheme", AT_INIT)

@@ -15,7 +15,7 @@ import types
 import numpy as np
 import pytest
 
-from tiny_setup import ROOT, overrides, tiny_config
+from helpers.tiny_setup import ROOT, overrides, tiny_config
 
 DEVICES = 4  # in all, over the processes of a job
 STEPS = 40
@@ -39,7 +39,7 @@ def launch(workdir, processes: int, *extra, port=None, only=None, script="train.
     devices = devices or {}
     env = lambda i: {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices.get(i, DEVICES // processes)}"}  # noqa: E731
     only = only if only is not None else {i: [] for i in range(processes)}
-    entry = [script, "train"] if script == "tests/faulty.py" else [script]
+    entry = [script, "train"] if script == "tests/helpers/faulty.py" else [script]
     return [subprocess.Popen([sys.executable, *entry, "--config", "configs/default.py", *flags, *own,
                               *([f"--config.distributed.process_id={i}"] if processes > 1 else [])],
                              cwd=ROOT, env=env(i), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -108,7 +108,7 @@ def test_a_fault_on_one_process_ends_the_job_fast_with_one_line_each_and_a_rerun
     rerun of both resumes and logs the losses of one uninterrupted process."""
     fails = {1: ["--fault=read:12"]} if fault == "exception" else {1: []}
     procs = launch(tmp_path, 2, "--config.distributed.heartbeat_s=5", only={0: [], **fails},
-                   script="tests/faulty.py")
+                   script="tests/helpers/faulty.py")
     deadline = time.time() + 240
     while time.time() < deadline and (not (tmp_path / "metrics.jsonl").exists() or len(logged(tmp_path)) < 6):
         time.sleep(0.2)
@@ -180,7 +180,7 @@ def test_asynchronous_saves_change_nothing(tiny_run, tmp_path):
     tests/test_runs_safety.py's fault test: the previous checkpoint stays loadable.)"""
     from lab.checkpoints import load_params
     from lab.training import train
-    from tiny_setup import abstract_params
+    from helpers.tiny_setup import abstract_params
     import jax
     config, summary = tiny_run
     assert config.train.async_checkpoints

@@ -20,7 +20,7 @@ from lab.lengths import eval_impl, eval_lengths, evaluate_runs, perplexity, scor
 from lab.probes import near_far_ranges
 from lab.runs import Run, load_run, run_name
 from models.lm import DecoderLM, ModelConfig, token_nll
-from tiny_setup import ROOT, cli
+from helpers.tiny_setup import ROOT, cli
 
 
 @pytest.mark.parametrize("n_tokens,length,stride", [(100, 10, 0), (95, 10, 0), (100, 10, 3), (100, 10, 7),

@@ -8,7 +8,7 @@ import pytest
 
 from lab.evaluators import EVALUATORS, evaluate
 from lab.training import train
-from tiny_setup import tiny_config
+from helpers.tiny_setup import tiny_config
 
 OPTIONS = dict(windows=2, gammas=(0.0, 0.5), l_maxes=(3,), perturb_windows=2, shift_multiplier=2, shift_windows=4)
 

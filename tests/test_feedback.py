@@ -14,8 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from draws import normal
-from exported import MOSAIC, TRITON, compiled_for_tpu, lowered
+from helpers.draws import normal
+from helpers.exported import MOSAIC, TRITON, compiled_for_tpu, lowered
 from positional import feedback as fb
 from positional.kernels.feedback_solve import check_blocks, feedback_solve_pallas
 

@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from draws import normal
-from exported import MOSAIC, TRITON, compiled_for_tpu, lowered
+from helpers.draws import normal
+from helpers.exported import MOSAIC, TRITON, compiled_for_tpu, lowered
 from models.registry import REGISTRY, Entry, make_scheme
 from positional import kernels
 from positional.kernels.flash import fused_attention

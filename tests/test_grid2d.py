@@ -11,7 +11,7 @@ from flax import nnx
 
 from data.grid2d import grid_batch
 from models.features import EsprFeatures
-from tiny_setup import load_benchmark as load
+from helpers.tiny_setup import load_benchmark as load
 
 bench = load("grid2d")  # benchmarks/grid2d.py
 

@@ -33,7 +33,7 @@ from lab.runs import held_out_stream, load_run
 from lab.training import TrainingError, train
 from models.lm import generate
 from positional.rope import dynamic_frequencies, rope_frequencies
-from tiny_setup import ROOT, cli
+from helpers.tiny_setup import ROOT, cli
 
 FIXTURES = os.path.join(ROOT, "tests", "data", "hf")
 NAMES = ("llama", "llama_linear", "llama_dynamic", "llama_yarn", "mistral", "qwen2", "llama_bf16")
@@ -262,7 +262,7 @@ def test_damaged_or_misplaced_files_are_named_in_one_line(tmp_path):
 def slow_import(tmp_path):
     """import_checkpoint.py of the llama fixture into tmp_path/run, its save held 60 s; returns
     the process once its unfinished folder is there, and that folder."""
-    proc = subprocess.Popen([sys.executable, "tests/faulty.py", "import_checkpoint", "--fault=slow_save:60",
+    proc = subprocess.Popen([sys.executable, "tests/helpers/faulty.py", "import_checkpoint", "--fault=slow_save:60",
                              f"--source={os.path.join(FIXTURES, 'llama')}", f"--workdir={tmp_path / 'run'}"],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     partial = tmp_path / f".run.importing-{proc.pid}"

@@ -13,14 +13,14 @@ import pytest
 from flax import nnx
 
 import test_conformance as conformance
-from draws import normal
+from helpers.draws import normal
 from lab.analysis import window_outputs
 from lab.cli import scheme_runs
 from lab.runs import Run, held_out_windows, load_run, with_scheme
 from models.lm import attention_internals
 from models.registry import REGISTRY, Entry, make_scheme
 from positional.lm_infinite import LMInfinite
-from tiny_setup import cli
+from helpers.tiny_setup import cli
 
 SMALL = "rope_lm_infinite_w4"  # window 4, 2 starting tokens: the suite's 12 tokens cross both
 B, T, H, K, D = 2, 13, 4, 2, 8

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from draws import normal, uniform
+from helpers.draws import normal, uniform
 
 from positional.alibi import alibi_slopes
 from positional.attention import attention, reference_attention
@@ -276,7 +276,7 @@ def test_bf16_tiles_stay_within_a_stated_bound():
 def test_bf16_tiles_lower_to_bf16_dots_for_cuda():
     """The two-level form's forward and backward exported for a GPU: the tiles' dots take bf16
     operands (tensor cores) and accumulate in fp32; with fp32 tiles none does."""
-    from exported import lowered
+    from helpers.exported import lowered
     q, k, v, w, beta = inputs(t=64, d=16)
 
     def text(tiles):
@@ -344,7 +344,7 @@ def test_scheme_solve_chunk_reaches_the_reference_logits():
     from models.registry import make_scheme
     q, k, v, w, beta = inputs(t=11)
     scheme = make_scheme("path", num_heads=4, head_dim=8, solve_chunk=3)
-    attend = jax.jit(lambda q, k, v, w, beta: scheme.attention(q, k, v, {"w": w, "beta": beta}))
+    attend = jax.jit(lambda q, k, v, w, beta: scheme.transformed_attention(q, k, v, {"w": w, "beta": beta}))
     out = attend(q, k, v, w, beta)
     np.testing.assert_allclose(out, product_attention(q, k, v, w, beta), atol=2e-5)
     with pytest.raises(ValueError, match="solve_chunk"):
@@ -361,10 +361,10 @@ def test_scheme_span_runs_two_levels_with_the_same_result():
     features = {"w": w, "beta": beta}
     one_block_a_step = make_scheme("path", num_heads=4, head_dim=8, span=8, outer_group=1)
     for impl, scheme_ in (("blockwise", scheme), ("pallas", scheme), ("blockwise", one_block_a_step)):
-        out = jax.jit(lambda q, k, v, f: scheme_.attention(q, k, v, f, impl=impl, block_size=2))(q, k, v, features)
+        out = jax.jit(lambda q, k, v, f: scheme_.transformed_attention(q, k, v, f, impl=impl, block_size=2))(q, k, v, features)
         np.testing.assert_allclose(out, product_attention(q, k, v, w, beta), atol=2e-5, err_msg=impl)
     with pytest.raises(ValueError, match=r"span=8 must be a multiple of chunk=3"):
-        scheme.attention(q, k, v, features, impl="blockwise", block_size=3)
+        scheme.transformed_attention(q, k, v, features, impl="blockwise", block_size=3)
     with pytest.raises(ValueError, match="span"):
         make_scheme("path", num_heads=4, head_dim=8, span=-1)
     with pytest.raises(ValueError, match=r"^PaTH option outer_group=0 must be >= 1$"):
@@ -414,7 +414,7 @@ def test_path_fox_scales_the_gate_with_the_dots_and_path_plus_fox_does_not(name,
     scheme = make_scheme(name, num_heads=4, head_dim=8, conv=0)
     features = {"w": w, "beta": beta, "log_forget": log_f}
     for impl in ("reference", "blockwise"):
-        out = scheme.attention(q, k, v, features, positions=jnp.arange(t), impl=impl, block_size=4)
+        out = scheme.transformed_attention(q, k, v, features, positions=jnp.arange(t), impl=impl, block_size=4)
         np.testing.assert_allclose(out, want, atol=2e-5, err_msg=impl)
     step = jax.jit(scheme.decode_step)
     cache, outs = scheme.init_cache(2, t, 2), []

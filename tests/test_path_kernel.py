@@ -12,8 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from draws import normal, uniform
-from exported import MOSAIC, TRITON, compiled_for_tpu, lowered, simplified
+from helpers.draws import normal, uniform
+from helpers.exported import MOSAIC, TRITON, compiled_for_tpu, lowered, simplified
 
 from models.registry import make_scheme
 from positional.fox import forget_bias

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from draws import normal
+from helpers.draws import normal
 from models.sharding import MESH_AXES
 from positional import ring, softmax
 from positional.ring import ring_attention
@@ -154,8 +154,8 @@ def test_rounded_is_the_cast_and_survives_gpu_excess_precision():
     """`softmax.rounded` (the weights as P.V takes them, so the row sums normalise exactly those)
     equals fp32 -> bf16 -> fp32 on every value, ties to even included, and fp32 -> fp16 -> fp32 in
     fp16's normal range; and it still rounds where the compiler drops such round trips, as XLA on
-    GPU does (tests/exported.py's emulation), where the round trip itself would be the identity."""
-    from exported import excess_precision
+    GPU does (tests/helpers/exported.py's emulation), where the round trip itself would be the identity."""
+    from helpers.exported import excess_precision
     rng = np.random.default_rng(0)
     ties = [1 + 2 ** -8, 1 + 3 * 2 ** -8, 1 + 2 ** -9, 1 + 3 * 2 ** -9, 0.0, -2.5e-30]
     x = jnp.asarray(np.concatenate([rng.uniform(0, 1, 4096), rng.standard_normal(4096) * 1e3, ties]), jnp.float32)

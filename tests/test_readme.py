@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from tiny_setup import ROOT, cli
+from helpers.tiny_setup import ROOT, cli
 
 
 SCHEMES = ("rope", "alibi", "nope", "so2_learned_qkv")

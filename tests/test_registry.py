@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 from configs.default import get_config
-from draws import normal
+from helpers.draws import normal
 from models.layers import Attention, ModelConfig
 from models.registry import REGISTRY, get_entry, make_scheme, table_row
 from positional.alibi import Alibi
@@ -20,7 +20,7 @@ from positional.scheme import PROBE_FAMILIES, Scheme
 
 H, D, T = 4, 8, 6
 # Hooks a bias-only scheme leaves to the base class: it changes the logits by its bias alone.
-BASE_HOOKS = ("transform", "transform_out", "score_fn", "attention", "attend", "weights", "init_cache",
+BASE_HOOKS = ("transform", "transform_out", "score_fn", "transformed_attention", "attend", "weights", "init_cache",
               "decode_step")
 
 
@@ -111,18 +111,26 @@ def test_config_defaults_come_from_the_scheme_class():
 
 
 def readme_table_rows() -> list[str]:
-    """The rows of README.md's scheme table (under '## Schemes'), as written."""
-    with open(os.path.join(os.path.dirname(__file__), "..", "README.md")) as f:
-        section = f.read().split("\n## Schemes\n")[1].split("\n## ")[0]
+    """The rows of the scheme table in docs/schemes.md (linked from the README), as written."""
+    with open(os.path.join(os.path.dirname(__file__), "..", "docs", "schemes.md")) as f:
+        section = f.read()
     rows = [line for line in section.splitlines() if line.startswith("| `")]
-    assert rows, "README.md's scheme table has no rows"
+    assert rows, "docs/schemes.md's scheme table has no rows"
     return rows
 
 
 def test_readme_scheme_table_is_the_registry_rendered():
     for row in readme_table_rows():
         name = row.split("`")[1]
-        assert name in REGISTRY, f"README.md's scheme table names {name!r}, which is not registered"
-        assert row == table_row(name), f"README row of {name!r} differs from models.registry.table_row"
+        assert name in REGISTRY, f"docs/schemes.md's scheme table names {name!r}, which is not registered"
+        assert row == table_row(name), f"docs/schemes.md row of {name!r} differs from models.registry.table_row"
     missing = set(REGISTRY) - {row.split("`")[1] for row in readme_table_rows()}
-    assert not missing, f"registered schemes missing from README.md's table: {sorted(missing)} (see table_row)"
+    assert not missing, f"registered schemes missing from docs/schemes.md's table: {sorted(missing)} (see table_row)"
+
+
+def test_a_scheme_defining_the_old_method_name_is_told_the_new_one():
+    """`Scheme.attention` (attention on transformed q, k, v) is `transformed_attention`: a scheme
+    written against the old name fails where it is defined instead of being silently bypassed."""
+    from positional.scheme import Scheme
+    with pytest.raises(TypeError, match="defines `attention`, which is called `transformed_attention` now"):
+        type("Old", (Scheme,), {"attention": lambda self, *a, **k: None})

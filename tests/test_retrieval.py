@@ -21,7 +21,7 @@ from data.tokenizers import ByteTokenizer, PretrainedTokenizer, SentencePieceTok
 from lab import retrieval
 from lab.lengths import eval_impl
 from lab.runs import load_run
-from tiny_setup import cli
+from helpers.tiny_setup import cli
 
 TOKENIZER = ByteTokenizer()
 # A haystack with no digits, no capitals and no question marks: no sentence of it reads like a needle.

@@ -1,7 +1,7 @@
 """Ring attention (positional/ring.py, and PaTH's own, positional/path/
 `ring_path_attention`): against the reference on meshes of simulated devices (in subprocesses:
-tests/ring_check.py, tests/path_ring_check.py, tests/sharded_step.py --impl ring), its fallback
-to blockwise attention off a sequence mesh, and which schemes run on it."""
+tests/helpers/ring_check.py, tests/helpers/path_ring_check.py, tests/helpers/sharded_step.py
+--impl ring), its fallback to blockwise attention off a sequence mesh, and which schemes run on it."""
 
 import json
 
@@ -18,10 +18,10 @@ from positional.path.ring import ring_path_attention
 from positional.path.scheme import Path
 from positional.ring import ring_mesh
 from positional.scheme import Scheme
-from tiny_setup import check_sharded, cli, sharded_step
+from helpers.tiny_setup import check_sharded, cli, sharded_step
 
 
-def ring_check(meshes, script="tests/ring_check.py", *args):
+def ring_check(meshes, script="tests/helpers/ring_check.py", *args):
     run = cli(script, json.dumps(meshes), *args, env={"XLA_FLAGS": "--xla_force_host_platform_device_count=8"})
     assert run.returncode == 0, run.stderr[-3000:]
     return json.loads(run.stdout.strip().splitlines()[-1])
@@ -78,13 +78,13 @@ def test_path_ring_equals_reference_on_4_devices():
     form and by PaTH's kernel (interpreted; in two levels with span, "/span"), whose bias must
     read global positions ("slots")."""
     sizes = {"sequence": 4}
-    check_path_ring(ring_check([sizes], "tests/path_ring_check.py", "fox,fox/kernel,slots/span"), sizes)
+    check_path_ring(ring_check([sizes], "tests/helpers/path_ring_check.py", "fox,fox/kernel,slots/span"), sizes)
 
 
 @pytest.mark.slow
 def test_path_ring_equals_reference_on_8_devices_and_with_batch_or_heads_split():
     meshes = [{"sequence": 8}, {"data": 2, "sequence": 4}, {"tensor": 2, "sequence": 4}]
-    result = ring_check(meshes, "tests/path_ring_check.py", "plain,fox,alibi,slots,plain/kernel,slots/kernel,fox/span")
+    result = ring_check(meshes, "tests/helpers/path_ring_check.py", "plain,fox,alibi,slots,plain/kernel,slots/kernel,fox/span")
     for sizes in meshes:
         key = json.dumps(sizes, sort_keys=True)
         check_path_ring({c: d for c, d in result.items() if c.startswith(key + " ")}, sizes)
@@ -152,7 +152,7 @@ def test_ring_off_a_sequence_mesh_is_blockwise():
 def test_ring_is_for_schemes_with_the_generic_attention_and_path():
     for name in sorted(REGISTRY):
         scheme = make_scheme(name, num_heads=2, head_dim=8)
-        generic = type(scheme).attention is Scheme.attention
+        generic = type(scheme).transformed_attention is Scheme.transformed_attention
         assert ("ring" in scheme.impls) == (generic or isinstance(scheme, Path)), name
     x = jnp.zeros((1, 8, 2, 8))
     with pytest.raises(ValueError, match="has no attention impl 'ring'.*valid: reference, blockwise$"):

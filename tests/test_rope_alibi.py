@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from draws import normal
+from helpers.draws import normal
 from models.registry import make_scheme
 from positional.alibi import alibi_slopes
 from positional.attention import reference_attention

@@ -19,7 +19,7 @@ import pytest
 from lab import training
 from lab.checkpoints import load_params
 from lab.training import TrainingError, dry_run, train, workdir_lock
-from tiny_setup import ROOT, abstract_params, cli, overrides, tiny_config
+from helpers.tiny_setup import ROOT, abstract_params, cli, overrides, tiny_config
 
 
 def tree_bytes(root):

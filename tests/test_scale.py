@@ -9,7 +9,7 @@ from flax import nnx
 
 from models.lm import DecoderLM, ModelConfig, token_nll
 from models.registry import REGISTRY
-from tiny_setup import check_sharded, cli, sharded_step, tiny_config
+from helpers.tiny_setup import check_sharded, cli, sharded_step, tiny_config
 from lab.training import dry_run
 
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from draws import normal
+from helpers.draws import normal
 from models import lm, sessa
 from models.lm import DecoderLM, ModelConfig
 

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from draws import normal, uniform
+from helpers.draws import normal, uniform
 from models.registry import make_scheme
 from positional import so2
 from positional.rope import rope_frequencies

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from draws import normal
+from helpers.draws import normal
 from models.registry import make_scheme
 from positional.kernels.flash import check_blocks
 from positional.rope import rope_frequencies, rotate

@@ -18,7 +18,7 @@ import pytest
 
 from lab.checkpoints import checkpoint_manager, load_params
 from lab.training import TrainingError, blow_up, dry_run, train, workdir_lock
-from tiny_setup import ROOT, abstract_params, cli, overrides, tiny_config
+from helpers.tiny_setup import ROOT, abstract_params, cli, overrides, tiny_config
 
 
 def losses_of(workdir):

@@ -14,9 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from draws import normal
+from helpers.draws import normal
 from lab.lowering import target
-from exported import MOSAIC, excess_precision, lowered
+from helpers.exported import MOSAIC, excess_precision, lowered
 from positional import vendor
 from models.registry import make_scheme
 from positional.fox import forget_bias

@@ -84,7 +84,7 @@ class Path(Scheme):
         w = jax.random.normal(self.draw_key(key), k.shape, jnp.float32)
         return {"w": w * jax.lax.rsqrt(jnp.sum(w * w, -1, keepdims=True)), "beta": jnp.ones(k.shape[:3], jnp.float32)}
 
-    def attention(self, q, k, v, features, *, positions=None, segment_ids=None, q_offset=0, impl="reference",
+    def transformed_attention(self, q, k, v, features, *, positions=None, segment_ids=None, q_offset=0, impl="reference",
                   block_size=512, platform=None):
         w, beta = features["w"], features["beta"]
         check_transport(k, w, beta)
@@ -126,7 +126,7 @@ class Path(Scheme):
                     return chosen, why, lambda q, k, v: per_device(functools.partial(kernel, platform=platform),
                                                                    q, k, v, w, beta, bias_fn=bias,
                                                                    segment_ids=segment_ids)
-                return chosen, why, lambda q, k, v: self.attention(
+                return chosen, why, lambda q, k, v: self.transformed_attention(
                     q, k, v, features, positions=positions, segment_ids=segment_ids, impl=chosen,
                     block_size=block_size, platform=platform)
             return per_platform_choice(pick, q, k, v, label=type(self).__name__)
@@ -138,7 +138,7 @@ class Path(Scheme):
                                      span=span, outer_group=self.outer_group, tiles=self.tiles)
         if impl == "pallas":  # the Pallas interpreter on CPU, with block_size-token chunks
             return kernel(q, k, v, w, beta, bias, segment_ids)
-        return super().attention(q, k, v, features, positions=positions, segment_ids=segment_ids)
+        return super().transformed_attention(q, k, v, features, positions=positions, segment_ids=segment_ids)
 
     def init_cache(self, batch, max_len, num_kv_heads, dtype=jnp.float32):
         # Keys are carried by every new token, so they stay fp32 whatever the model dtype.

@@ -16,7 +16,7 @@ from flax import nnx
 from data import DataError, tasks
 from lab.lengths import task_accuracy
 from models.lm import DecoderLM, ModelConfig
-from tiny_setup import cli, tiny_config
+from helpers.tiny_setup import cli, tiny_config
 
 SOUP = tasks.SymbolSoup()
 MQAR = tasks.DiffuseMQAR(pairs=4, queries=3, lag_min=4, lag_max=10, eval_lags=(4, 10, 20, 40))

@@ -1,5 +1,5 @@
 """An entry point with one fault injected, for the fault tests (tests/test_distributed.py,
-tests/test_hf_import.py): `python tests/faulty.py ENTRY --fault=KIND:N [ENTRY's flags]`, ENTRY
+tests/test_hf_import.py): `python tests/helpers/faulty.py ENTRY --fault=KIND:N [ENTRY's flags]`, ENTRY
 train or import_checkpoint.
   read:N       (train) this process's N-th batch read fails with an OSError, as a data read
                failing on one host would
@@ -7,17 +7,15 @@ train or import_checkpoint.
                unfinished folder exists, so that a signal can land there"""
 
 import importlib
-import os
 import sys
 import time
 
 from absl import app, flags
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-ENTRY = importlib.import_module(sys.argv.pop(1))
+from data import pipeline
+from lab import cli, hf
 
-from data import pipeline  # noqa: E402 - after the path
-from lab import cli, hf  # noqa: E402
+ENTRY = importlib.import_module(sys.argv.pop(1))
 
 FAULT = flags.DEFINE_string("fault", "", "KIND:N, see the module's doc")
 

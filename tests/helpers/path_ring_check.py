@@ -2,7 +2,7 @@
 reference on meshes of simulated devices (run by tests/test_ring.py in a process of its own,
 since the device count is fixed when JAX starts).
 
-    XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/path_ring_check.py \
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/helpers/path_ring_check.py \
         '[{"sequence": 4}, {"sequence": 8}]' plain,fox,alibi
 
 The reference is the materialised PaTH logits (`dense_score_fn`: one UT solve over the whole
@@ -24,11 +24,8 @@ products may be).
 
 import json
 import math
-import os
 import re
 import sys
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax
 import jax.numpy as jnp

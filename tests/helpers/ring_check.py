@@ -1,7 +1,7 @@
 """Ring attention against the reference on meshes of simulated devices (run by tests/test_ring.py
 in a process of its own, since the device count is fixed when JAX starts).
 
-    XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/ring_check.py \
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/helpers/ring_check.py \
         '[{"sequence": 4}, {"data": 2, "sequence": 4}]'
 
 For each mesh and case (GQA, packed documents crossing shard boundaries, an ALiBi-style bias,
@@ -13,10 +13,7 @@ and key/value heads one device holds inside the ring.
 
 import json
 import math
-import os
 import sys
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax
 import jax.numpy as jnp

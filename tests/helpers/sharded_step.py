@@ -1,7 +1,7 @@
 """One train step of a tiny model on several meshes against one device (run by
 tests/test_scale.py in a process with simulated devices).
 
-    XLA_FLAGS=--xla_force_host_platform_device_count=16 python tests/sharded_step.py \
+    XLA_FLAGS=--xla_force_host_platform_device_count=16 python tests/helpers/sharded_step.py \
         rope,path_fox,mixer:sessa '[{"data": 2, "sequence": 4}]' [--impl ring]
 
 Prints JSON: per scheme and mesh, against the one-device run, the difference of the loss, the
@@ -12,11 +12,6 @@ scheme's config); impl "ring" is ring attention on the meshes, blockwise on the 
 
 import json
 import math
-import os
-import sys
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import jax
 from absl import app, flags
@@ -26,7 +21,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from lab.state import init_state
 from lab.state import make_loss, make_train_step
 from models.sharding import MESH_AXES, activation_rules
-from tiny_setup import tiny_config
+from tiny_setup import tiny_config  # beside this script, whose folder Python puts on the path
 
 VOCAB, ROWS, LENGTH = 64, 8, 32
 

@@ -8,7 +8,7 @@ import os
 import subprocess
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def tiny_config(workdir, scheme="rope", **train):
@@ -52,10 +52,10 @@ def abstract_params(config):
 
 
 def sharded_step(schemes, meshes, devices, impl=None):
-    """tests/sharded_step.py on `devices` simulated CPU devices: per scheme and mesh, how far a
+    """tests/helpers/sharded_step.py on `devices` simulated CPU devices: per scheme and mesh, how far a
     sharded train step is from the one-device one."""
     impl = ["--impl", impl] if impl else []
-    run = cli("tests/sharded_step.py", ",".join(schemes), json.dumps(meshes), *impl,
+    run = cli("tests/helpers/sharded_step.py", ",".join(schemes), json.dumps(meshes), *impl,
               env={"XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"})
     assert run.returncode == 0, run.stderr[-3000:]
     return json.loads(run.stdout.strip().splitlines()[-1])
@@ -71,7 +71,8 @@ def check_sharded(result):
 
 
 def load_benchmark(name: str):
-    """benchmarks/<name>.py as a module (benchmarks/ holds scripts, not a package)."""
+    """benchmarks/<name>.py imported afresh, under its own name: a new module, so its flags (a FlagValues
+    of its own when not __main__) start unparsed for each test."""
     spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "benchmarks", f"{name}.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -1,0 +1,1 @@
+"""Benchmark scripts: each runs as `python benchmarks/<name>.py` and may import its siblings (benchmarks.<name>)."""
