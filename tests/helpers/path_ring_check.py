@@ -23,7 +23,6 @@ products may be).
 """
 
 import json
-import math
 import re
 import sys
 
@@ -31,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models.sharding import MESH_AXES
+from tiny_setup import sub_mesh
 from positional.attention import reference_attention
 from positional.fox import forget_bias
 from positional.logits import Bias
@@ -92,10 +91,7 @@ def main(meshes, cases):
     args = inputs()
     out = {}
     for sizes in meshes:
-        sizes = {a: sizes.get(a, 1) for a in MESH_AXES}
-        devices = jax.devices()[:math.prod(sizes.values())]
-        mesh = jax.make_mesh(tuple(sizes.values()), MESH_AXES, devices=devices,
-                             axis_types=(jax.sharding.AxisType.Auto,) * len(sizes))
+        mesh, mesh_name = sub_mesh(sizes)
         for case in cases:
             kw = dict(case=case, segment_ids=packed)
             ((_, want), want_grads), _ = loss_and_grads(reference, args, **kw)
@@ -106,7 +102,7 @@ def main(meshes, cases):
                 if name != "log_forget" or not case.startswith("plain"):
                     result[name] = rel(a, b)
             result["gathered"] = sorted(set(re.findall(r"= f32\[([\d,]*)\][^ ]* all-gather\(", hlo)))
-            out[f"{json.dumps({a: s for a, s in sizes.items() if s > 1}, sort_keys=True)} {case}"] = result
+            out[f"{mesh_name} {case}"] = result
     print(json.dumps(out))
 
 

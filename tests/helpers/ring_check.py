@@ -12,14 +12,13 @@ and key/value heads one device holds inside the ring.
 """
 
 import json
-import math
 import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models.sharding import MESH_AXES
+from tiny_setup import sub_mesh
 from positional.attention import reference_attention
 from positional.ring import ring_attention
 
@@ -79,10 +78,7 @@ def main(meshes):
     packed = jnp.asarray(np.repeat([[1] * 5 + [2] * 14 + [3] * 13], B, axis=0), jnp.int32)
     out = {}
     for sizes in meshes:
-        sizes = {a: sizes.get(a, 1) for a in MESH_AXES}
-        devices = jax.devices()[:math.prod(sizes.values())]
-        mesh = jax.make_mesh(tuple(sizes.values()), MESH_AXES, devices=devices,
-                             axis_types=(jax.sharding.AxisType.Auto,) * len(sizes))
+        mesh, mesh_name = sub_mesh(sizes)
         ring = lambda *a, **kw: ring_attention(*a, mesh=mesh, block_size=4, **kw)  # noqa: E731
         for name, (bias, is_packed, dtype) in CASES.items():
             q, k, v, param = inputs(dtype)
@@ -99,7 +95,7 @@ def main(meshes):
                     result[what] = rel(a, b)
             if not bias:
                 result["held"] = SEEN[-1]  # the last trace: the ring's
-            out[f"{json.dumps({a: s for a, s in sizes.items() if s > 1}, sort_keys=True)} {name}"] = result
+            out[f"{mesh_name} {name}"] = result
     print(json.dumps(out))
 
 

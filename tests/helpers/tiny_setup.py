@@ -77,3 +77,17 @@ def load_benchmark(name: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def sub_mesh(sizes: dict):
+    """(a mesh of every axis of models.sharding.MESH_AXES, those `sizes` leaves out of size 1, on
+    the first devices it needs; its name in a check's report: the axes over 1 as sorted JSON)."""
+    import jax
+    from models.sharding import MESH_AXES
+    full = {a: sizes.get(a, 1) for a in MESH_AXES}
+    n = 1
+    for size in full.values():
+        n *= size
+    mesh = jax.make_mesh(tuple(full.values()), MESH_AXES, devices=jax.devices()[:n],
+                         axis_types=(jax.sharding.AxisType.Auto,) * len(full))
+    return mesh, json.dumps({a: s for a, s in full.items() if s > 1}, sort_keys=True)
