@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 MIN_VENV := .venv-min
 MIN_STAMP := $(MIN_VENV)/.installed
 # The TPU compiler (libtpu) of the installed JAX, for compiling for TPU topologies on this host
-# (benchmarks/compile_tpu.py, tests/test_compile_tpu.py). It goes in <venv>/libtpu, outside the
+# (benchmarks/compile_tpu.py, tests/project/test_compile_tpu.py). It goes in <venv>/libtpu, outside the
 # import path: JAX would otherwise try to start a TPU at every run on a host without one.
 # `pip install -e '.[tpu]'` installs it on the path instead (a TPU host).
 LIBTPU = $(1)/bin/python -m pip install --quiet --no-deps --target $(1)/libtpu \
@@ -21,13 +21,15 @@ export JAX_COMPILATION_CACHE_DIR ?= $(HOME)/.cache/positional/jax
 export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS ?= 0
 # What `make test-min` runs on the oldest releases: kernels, dispatch, vendor calls, lowering and
 # compiling for the accelerators, precision, the conformance suite, packaging.
-MIN_TESTS := tests/test_flash.py tests/test_path_kernel.py tests/test_feedback.py tests/test_vendor.py \
-	tests/test_auto.py tests/test_precision.py tests/test_path.py tests/test_compile_tpu.py \
-	tests/test_conformance.py tests/test_attention.py tests/test_packaging.py tests/test_benchmarks.py
-# `make test-quick` leaves out the modules that train, evaluate or run several processes.
-QUICK_SKIP := test_train test_runs_safety test_distributed test_eval test_retrieval test_hf_import test_analyze \
-	test_scale test_ring test_evaluators test_seeds test_perturb test_logit_probes test_lm_infinite test_grid2d \
-	test_compile_tpu test_readme
+MIN_TESTS := $(addprefix tests/positional/,test_flash.py test_path_kernel.py test_feedback.py test_vendor.py \
+	test_auto.py test_precision.py test_path.py test_conformance.py test_attention.py) \
+	$(addprefix tests/project/,test_compile_tpu.py test_packaging.py test_benchmarks.py)
+# `make test-quick` leaves out the modules that train, evaluate or run several processes (paths
+# under tests/, without .py).
+QUICK_SKIP := lab/test_train lab/test_runs_safety lab/test_distributed lab/test_eval lab/test_retrieval \
+	lab/test_hf_import lab/test_analyze lab/test_evaluators lab/test_sweep lab/test_options models/test_scale positional/test_ring \
+	positional/test_perturb positional/test_logit_probes positional/test_lm_infinite data/test_grid2d \
+	project/test_seeds project/test_compile_tpu project/test_readme
 # ... and, in the modules it runs, the compiles through libtpu and the GPU check's run at toy sizes.
 QUICK_DESELECT := -k "not compile_for_tpu and not compiles_for_tpu and not gpu_check_runs_end_to_end"
 
@@ -76,6 +78,7 @@ test: lint
 	$(PY) -m pytest -q -n 2
 
 test-quick: lint
+	$(foreach m,$(QUICK_SKIP),$(if $(wildcard tests/$(m).py),,$(error QUICK_SKIP: no file tests/$(m).py)))
 	@echo "test-quick leaves out: $(QUICK_SKIP), and the TPU compiles and the GPU check elsewhere (make test runs them)"
 	$(PY) -m pytest -q -n 2 $(foreach m,$(QUICK_SKIP),--ignore=tests/$(m).py) $(QUICK_DESELECT)
 

@@ -9,7 +9,7 @@ Prints markdown tables (every run, then mean +- std over seeds); --json writes t
         --methods axial_2d_rope,string_2d,espr_relaxed_2d --seeds 0,1,2 --json out.json
 
 With commuting generators the scores depend on position differences only, so a translated
-grid gives the same logits (tests/test_grid2d.py); the relaxed model's need not.
+grid gives the same logits (tests/data/test_grid2d.py); the relaxed model's need not.
 
 The task's targets weigh cells (padding counts 0) and its positions are 2-D, which the
 project's training loop (lab/training.py) does not take; hence this small loop of its own.

@@ -40,7 +40,7 @@ VOCAB = 258
 BASELINE = "rope"
 
 # Run as a script, the flags are the process's own (app.run parses them, --help lists them).
-# Imported (tests/test_benchmarks.py, benchmarks/espr.py), a module keeps its flags to itself,
+# Imported (tests/project/test_benchmarks.py, benchmarks/espr.py), a module keeps its flags to itself,
 # so that benchmarks sharing flag names, or one module loaded twice, never collide: the other
 # benchmarks do the same.
 FLAGS = flags.FLAGS if __name__ == "__main__" else flags.FlagValues()

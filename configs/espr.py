@@ -5,7 +5,7 @@
         --max_multiplier=64
 
 Every variant has the same model, data order, step budget, seed and evaluation as
-configs/accumulated.py (tests/test_configs.py checks it), so its `rope` run serves as the
+configs/accumulated.py (tests/project/test_configs.py checks it), so its `rope` run serves as the
 baseline here too; sized to a few minutes on a 2-core CPU. The 2-D grid comparison (1-D
 RoPE over the flattened order, axial 2-D RoPE, STRING and relaxed ESPR with d_c = 2, under
 position shifts) is `python benchmarks/grid2d.py` (see docs/results/espr.md).

@@ -279,7 +279,7 @@ def analyze_runs(runs, *, parts=PARTS, untrained=False, length=0, windows=4, gam
             log(f"skipping {name}: mixer {config.model.mixer!r} has no attention to analyse")
             continue
         train_len = config.seq_len
-        rec = {"workdir": run.workdir, "step": run.step, "scheme": config.model.scheme, "train_len": train_len}
+        rec = {**run.identity(), "train_len": train_len}
         if "decompositions" in parts:
             rec.update(length=length or train_len, windows=windows)
             check_memory(config, "the logit decompositions", rec["length"], 1, DECOMPOSITION_MAPS,

@@ -310,7 +310,7 @@ def _task_run(name, run, log) -> dict:
     config = run.config
     r = task_accuracy_at(config, run.model, n_examples=config.eval.get("task_examples", 0))
     log(f"{name:>16s}  {config.data.name} accuracy {r['accuracy']:.4f}  ({r['seconds']:.1f}s)")
-    return {**_identity(run), "mixer": config.model.get("mixer", "attention"), "model": _model_name(config),
+    return {**run.identity(), "mixer": config.model.get("mixer", "attention"), "model": _model_name(config),
             "task": config.data.name, "train_len": config.seq_len, "task_results": r}
 
 
@@ -331,15 +331,8 @@ def _lengths_run(name, run, ev, lengths, held_out, n_scored, stride, spans, docu
     train_ppl = next((r["ppl"] for r in rows if r["length"] == config.seq_len), None)
     for r in rows:
         r["ratio"] = r["ppl"] / train_ppl if train_ppl else None
-    return {**_identity(run), "model": _model_name(config), "train_len": config.seq_len, "results": rows}
+    return {**run.identity(), "model": _model_name(config), "train_len": config.seq_len, "results": rows}
 
-
-def _identity(run) -> dict:
-    """What a report says of the run an entry is: workdir, step, scheme, and the experiment arm
-    and seed of its config (lab/sweep.py; arm '' where none was set), by which docs/results/seeds.py
-    groups seeds."""
-    return {"workdir": run.workdir, "step": run.step, "scheme": run.config.model.scheme,
-            "arm": run.config.get("arm", ""), "seed": run.config.seed}
 
 
 def _documents(config, longest: int, tokens: int, documents: int = 0):

@@ -71,7 +71,7 @@ def probe_runs(runs, *, length: int, windows: int = 2, log=print) -> dict:
     """
     results = {"length": length, "windows": windows, "runs": {}}
     for name, run in named_runs(runs):
-        workdir, config, model, step = run.workdir, run.config, run.model, run.step
+        config, model = run.config, run.model
         # Every layer's logits and weights, and the probes' temporaries (peak RSS on CPU, in maps:
         # 6.0 with 2 layers, 9.9 with 4).
         check_memory(config, "the transport probes", length, windows, 2 * config.model.num_layers + 2,
@@ -101,8 +101,7 @@ def probe_runs(runs, *, length: int, windows: int = 2, log=print) -> dict:
                 rec.update(spectral_gap=to_host(gap).tolist(),
                            route_decay={n: float(to_host(d.max())) for n, d in zip(lengths, decay)})
             layers.append(rec)
-        results["runs"][name] = {"workdir": workdir, "step": step, "scheme": config.model.scheme,
-                                 "train_len": config.seq_len, "layers": layers}
+        results["runs"][name] = {**run.identity(), "train_len": config.seq_len, "layers": layers}
         log(f"probed {name}")
     return results
 
@@ -183,7 +182,7 @@ def near_far_runs(runs, *, length: int, near, far, pairs: int = 10000, windows: 
     `far`, pooled over layers, heads and held-out windows of `length` tokens."""
     results = {"length": length, "near": list(near), "far": list(far), "runs": {}}
     for name, run in named_runs(runs):
-        workdir, config, model, step = run.workdir, run.config, run.model, run.step
+        config, model = run.config, run.model
         # Every layer's logits and weights, then their stack and its log (peak RSS on CPU, in maps:
         # 6.1 with 2 layers, 12.6 with 4).
         check_memory(config, "the near_far probe", length, windows, 3 * config.model.num_layers + 1,
@@ -193,8 +192,7 @@ def near_far_runs(runs, *, length: int, near, far, pairs: int = 10000, windows: 
                                                                                rng=jax.random.key(0))])
         diffs = to_host(near_far_differences(jnp.log(weights), near, far, pairs, jax.random.key(1)))
         diffs = diffs[np.isfinite(diffs)]  # a weight that underflowed to 0 has no finite log
-        results["runs"][name] = {"workdir": workdir, "step": step, "scheme": config.model.scheme,
-                                 "mean": float(diffs.mean()), "std": float(diffs.std()),
+        results["runs"][name] = {**run.identity(), "mean": float(diffs.mean()), "std": float(diffs.std()),
                                  "n": int(diffs.size), "diffs": diffs.tolist()}
         log(f"{name}: mean {diffs.mean():.3f} std {diffs.std():.3f} over {diffs.size} pairs")
     return results

@@ -211,8 +211,7 @@ def retrieval_runs(runs, *, tasks=None, lengths=None, depths=DEPTHS, examples: i
             results["lengths"] = eval_lengths(config.seq_len, ev.multipliers)
         tokenizer = run_tokenizer(config.data)
         text = haystack_text(config, tokenizer, max(results["lengths"]))
-        record = {"workdir": run.workdir, "step": run.step, "scheme": config.model.scheme,
-                  "mixer": config.model.get("mixer", "attention"), "train_len": config.seq_len,
+        record = {**run.identity(), "mixer": config.model.get("mixer", "attention"), "train_len": config.seq_len,
                   "decode_max_length": results["decode_max_length"], "prefill_chunk": ev.blockwise_from,
                   "tasks": {}}
         for task in tasks:

@@ -15,7 +15,7 @@ active U coordinates, z = R2(theta(r)) W q with the read-in W = U_a^T P U_a U_a^
 one matmul and one elementwise cos/sin. The null part of q and k never reaches the score.
 Values are not rotated.
 
-Special cases (tests/test_espr.py): RoPE is d_c = 1, beta_u = omega_u, d_null = 0, P = I and
+Special cases (tests/positional/test_espr.py): RoPE is d_c = 1, beta_u = omega_u, d_null = 0, P = I and
 U the pair layout's permutation; axial 2-D/3-D RoPE is beta_u = omega_u e_axis(u); RoPE-Mixed
 is a free beta with U = I.
 
@@ -428,7 +428,7 @@ class EsprRF(Espr):
     """ESPR transport with positive-random-feature attention (linear time); features add 'w'.
 
     Not relative for a fixed draw w: shifting every position rotates q^, k^ and hence what w
-    sees; scores are shift-invariant only in distribution over w (tests/test_espr.py).
+    sees; scores are shift-invariant only in distribution over w (tests/positional/test_espr.py).
     """
     num_features: int = 128  # n_rf
     draw_seed: int = -1  # >= 0 fixes the draw; otherwise a fresh draw per forward pass (key)

@@ -227,7 +227,7 @@ class Rope(Scheme):
     sum_j a_ij R((p_i - p_j) theta) v_j. This is the paper's convention, where q and k are
     rotated by R(-Theta) and values by R(+Theta) with Theta = -p theta: the value route is the
     inverse of the score's rotation (they differ only in the sign of the sine terms), and
-    `rope_qkv` equals SO(2) transport with position-only steps exactly (tests/test_so2.py).
+    `rope_qkv` equals SO(2) transport with position-only steps exactly (tests/positional/test_so2.py).
     """
     base: float = 10000.0
     scaling: str = "none"

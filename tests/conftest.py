@@ -1,4 +1,5 @@
-"""Shared test set-up: a private data dir and tiny configs for the training / eval tests."""
+"""Shared test set-up: a private data dir and tiny configs for the training / eval tests, for every
+folder below (a test file sits in the folder of the package it mainly tests: tests/README.md)."""
 
 import os
 import tempfile

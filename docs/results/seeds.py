@@ -61,14 +61,18 @@ def arms(results: dict) -> tuple[list, str, str, dict]:
 
 def curve(path: str) -> tuple[list, str, str, dict]:
     """`arms` of one run's in-training `lengths` evaluations (its metrics.jsonl): task accuracy, or
-    perplexity at the longest length, by step; the arm and seed from the run's directory."""
+    perplexity at the longest length, by step; the arm and seed from the run's config.json beside
+    it (where it names an arm: lab/sweep.py), else from the run's directory."""
     records = [json.loads(line) for line in open(path)]
     key = "lengths/accuracy" if any("lengths/accuracy" in r for r in records) else "lengths/ppl_longest"
     by_step = {r["step"]: r[key] for r in records if key in r}
     if not by_step:
         raise SystemExit(f"{path}: no in-training lengths evaluation; train with --config.evals=lengths "
                          "and train.eval_every")
-    arm, seed = arm_and_seed("/".join(os.path.normpath(path).split(os.sep)[-3:-1]))
+    config = os.path.join(os.path.dirname(path), "config.json")
+    saved = json.load(open(config)) if os.path.exists(config) else {}
+    arm, seed = ((saved["arm"], saved["seed"]) if saved.get("arm") else
+                 arm_and_seed("/".join(os.path.normpath(path).split(os.sep)[-3:-1])))
     measure = "accuracy" if key == "lengths/accuracy" else "perplexity per byte at the longest length"
     return list(by_step), measure, STEP, {arm: {seed: list(by_step.values())}}
 

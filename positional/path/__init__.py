@@ -1,6 +1,6 @@
 """PaTH: attention along an accumulated product of data-dependent Householder transforms, all
 in this folder: the reference beside the fast forms, each tested against it
-(tests/test_path.py, tests/test_path_kernel.py, tests/test_ring.py).
+(tests/positional/test_path.py, tests/positional/test_path_kernel.py, tests/positional/test_ring.py).
 
 Each token t emits a unit vector w_t and a gain beta_t in (0, 2): H_t = I - beta_t w_t w_t^T
 (orthogonal when beta_t = 2, the identity when beta_t = 0). The logit of query i on key j is

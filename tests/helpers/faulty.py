@@ -1,5 +1,5 @@
-"""An entry point with one fault injected, for the fault tests (tests/test_distributed.py,
-tests/test_hf_import.py): `python tests/helpers/faulty.py ENTRY --fault=KIND:N [ENTRY's flags]`, ENTRY
+"""An entry point with one fault injected, for the fault tests (tests/lab/test_distributed.py,
+tests/lab/test_hf_import.py): `python tests/helpers/faulty.py ENTRY --fault=KIND:N [ENTRY's flags]`, ENTRY
 train or import_checkpoint.
   read:N       (train) this process's N-th batch read fails with an OSError, as a data read
                failing on one host would

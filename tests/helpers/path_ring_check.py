@@ -1,5 +1,5 @@
 """PaTH over a sequence mesh (positional/path/ring.py `ring_path_attention`) against the
-reference on meshes of simulated devices (run by tests/test_ring.py in a process of its own,
+reference on meshes of simulated devices (run by tests/positional/test_ring.py in a process of its own,
 since the device count is fixed when JAX starts).
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/helpers/path_ring_check.py \

@@ -1,4 +1,4 @@
-"""Ring attention against the reference on meshes of simulated devices (run by tests/test_ring.py
+"""Ring attention against the reference on meshes of simulated devices (run by tests/positional/test_ring.py
 in a process of its own, since the device count is fixed when JAX starts).
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/helpers/ring_check.py \

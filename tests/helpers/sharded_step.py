@@ -1,5 +1,5 @@
 """One train step of a tiny model on several meshes against one device (run by
-tests/test_scale.py in a process with simulated devices).
+tests/models/test_scale.py in a process with simulated devices).
 
     XLA_FLAGS=--xla_force_host_platform_device_count=16 python tests/helpers/sharded_step.py \
         rope,path_fox,mixer:sessa '[{"data": 2, "sequence": 4}]' [--impl ring]

@@ -1,6 +1,6 @@
 """Helpers shared by the tests: a tiny config and its abstract parameters, a subprocess runner,
 the sharded-step check, and a benchmark script loaded as a module. (Test modules import these,
-never each other: tests/test_architecture.py.)"""
+never each other: tests/project/test_architecture.py.)"""
 
 import importlib.util
 import json

@@ -1,4 +1,4 @@
-"""Write the Hugging Face parity fixtures of tests/test_hf_import.py (needs torch and transformers,
+"""Write the Hugging Face parity fixtures of tests/lab/test_hf_import.py (needs torch and transformers,
 which the project does not: `pip install .[fixtures]` in a separate environment).
 
     python tests/data/hf/make_fixtures.py    # rewrites tests/data/hf/<name>/

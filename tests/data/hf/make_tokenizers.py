@@ -1,4 +1,4 @@
-"""Write the tokenizer fixtures of tests/data/test_data_tokenizers.py and tests/test_hf_import.py (needs the
+"""Write the tokenizer fixtures of tests/data/test_data_tokenizers.py and tests/lab/test_hf_import.py (needs the
 tokenizers and sentencepiece packages: `pip install -e .[tokenizers]`):
 
     python tests/data/hf/make_tokenizers.py    # rewrites tests/data/hf/tokenizers/<name>/

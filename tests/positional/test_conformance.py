@@ -77,8 +77,8 @@ def forward(scheme, dtype="float32"):
 
     apply.graphdef, apply.decode, apply.value_and_grads = graphdef, decode, value_and_grads
     scheme_ = nnx.merge(graphdef, params).scheme
-    # Off a mesh "ring" is blockwise (tests/test_ring.py runs it on one); "auto" on CPU is one of
-    # the others; cuDNN and splash cannot run here (tests/test_vendor.py runs their semantics).
+    # Off a mesh "ring" is blockwise (tests/positional/test_ring.py runs it on one); "auto" on CPU is one of
+    # the others; cuDNN and splash cannot run here (tests/positional/test_vendor.py runs their semantics).
     apply.impls = tuple(i for i in scheme_.impls if i not in ("ring", "auto", "cudnn", "splash"))
     apply.relative = scheme_.relative
     # Plain softmax after the scheme's transform: cuDNN's call can take it (run here by XLA).

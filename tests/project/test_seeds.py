@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "docs" / "results" / "seeds.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "docs" / "results" / "seeds.py"
 
 
 def load():
@@ -126,3 +126,13 @@ def test_seeds_reads_learning_curves_from_metrics(tmp_path, capsys):
     (tmp_path / "plain" / "metrics.jsonl").write_text(json.dumps({"step": 50, "loss": 3.0}) + "\n")
     with pytest.raises(SystemExit, match="no in-training lengths evaluation; train with --config.evals=lengths"):
         seeds.main(str(tmp_path / "plain" / "metrics.jsonl"), str(tmp_path / "x.json"))
+
+
+def test_a_learning_curve_takes_arm_and_seed_from_the_runs_config(tmp_path):
+    """Where the run's config.json beside its metrics names an arm (lab/sweep.py), the arm and
+    seed are read from there, not from the folder names."""
+    run = tmp_path / "sweep" / "whatever"
+    run.mkdir(parents=True)
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 10, "lengths/ppl_longest": 7.5}) + "\n")
+    (run / "config.json").write_text(json.dumps({"arm": "rope/fast", "seed": 3}))
+    assert load().curve(str(run / "metrics.jsonl"))[3] == {"rope/fast": {3: [7.5]}}

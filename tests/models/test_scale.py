@@ -68,7 +68,7 @@ def test_dry_run_on_8_devices_shards_the_state(tmp_path):
 def test_sequence_and_tensor_parallel_steps_equal_one_device():
     """Gradients and train steps of packed rows (two documents each) on all four axes at once
     equal the one-device ones: the partitioner keeps every cross-shard carry (PaTH's transport,
-    FoX's gate sums; rope's sharded step is tests/test_train.py's). Every scheme on three meshes:
+    FoX's gate sums; rope's sharded step is tests/lab/test_train.py's). Every scheme on three meshes:
     the slow test below."""
     all_four = {"data": 2, "fsdp": 2, "tensor": 2, "sequence": 2}
     check_sharded(sharded_step(["path_fox"], [all_four], 16))

@@ -112,7 +112,7 @@ def test_config_defaults_come_from_the_scheme_class():
 
 def readme_table_rows() -> list[str]:
     """The rows of the scheme table in docs/schemes.md (linked from the README), as written."""
-    with open(os.path.join(os.path.dirname(__file__), "..", "docs", "schemes.md")) as f:
+    with open(os.path.join(os.path.dirname(__file__), "..", "..", "docs", "schemes.md")) as f:
         section = f.read()
     rows = [line for line in section.splitlines() if line.startswith("| `")]
     assert rows, "docs/schemes.md's scheme table has no rows"

@@ -11,6 +11,7 @@ import pytest
 from helpers.draws import normal
 from lab.lowering import target
 from helpers.exported import MOSAIC, TRITON, lowered, simplified
+from helpers.tiny_setup import ROOT
 from models.registry import make_scheme
 from positional import attention as dispatch
 from positional.attention import REFERENCE_MAX, attention, choose
@@ -183,6 +184,6 @@ def test_per_device_equals_one_device():
     import sys
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
     run = subprocess.run([sys.executable, "-c", PER_DEVICE_CHECK], capture_output=True, text=True, env=env,
-                         timeout=300, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+                         timeout=300, cwd=ROOT)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "max relative error" in run.stdout

@@ -21,7 +21,7 @@ from data.tokenizers import ByteTokenizer, PretrainedTokenizer, SentencePieceTok
 from lab import retrieval
 from lab.lengths import eval_impl
 from lab.runs import load_run
-from helpers.tiny_setup import cli
+from helpers.tiny_setup import ROOT, cli
 
 TOKENIZER = ByteTokenizer()
 # A haystack with no digits, no capitals and no question marks: no sentence of it reads like a needle.
@@ -143,7 +143,7 @@ def test_byte_examples_are_pinned():
 
 # ---- the text the ids spell, with every kind of tokenizer -------------------------------------------
 
-HF = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "hf", "tokenizers")
+HF = os.path.join(ROOT, "tests", "data", "hf", "tokenizers")
 # Llama 3's pre-tokenizer pattern, which the tiktoken fixture is read with (meta-llama/llama3, llama/tokenizer.py).
 LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
                   r"\s*[\r\n]+|\s+(?!\S)|\s+")

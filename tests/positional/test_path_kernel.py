@@ -225,7 +225,7 @@ def test_lowers_for_gpu_and_tpu(platform, call, monkeypatch):
 def test_auto_on_gpu_and_tpu_has_no_t_by_t_tensor(name, platform, call, kernels):
     """impl="auto" at the scheme, exported for an accelerator: on TPU the kernel, forward and
     backward; on GPU the chunked form (the kernel is slower there); no T x T tensor either way
-    (on this CPU auto stays the reference: tests/test_auto.py)."""
+    (on this CPU auto stays the reference: tests/positional/test_auto.py)."""
     scheme = make_scheme(name, num_heads=4, head_dim=64)
     x = jax.ShapeDtypeStruct((1, 2048, 4, 64), jnp.bfloat16)
     pos = jnp.broadcast_to(jnp.arange(2048), (1, 2048))

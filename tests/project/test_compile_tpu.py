@@ -12,7 +12,7 @@ import pytest
 from lab import lowering
 from lab.lowering import tpu_topology
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TINY = ["--config.seq_len=256", "--config.batch_size=2", "--config.model.d_model=64",
         "--config.model.num_layers=1", "--config.model.dtype=bfloat16"]
 

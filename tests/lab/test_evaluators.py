@@ -21,7 +21,7 @@ def test_the_parts_of_analysis_alone(tiny_run, tmp_path):
     whole = json.load(open(tmp_path / "analysis" / "analysis.json"))["runs"]["rope"]
     assert set(analysis.summary(outcome)) == {"three_axis_r", "fake_r", "clean_ppl", "delta_ppl_max",
                                               "kl_farthest", "log_ppl_farthest"}
-    common = {"workdir", "step", "scheme", "train_len", "seconds"}
+    common = {"workdir", "step", "scheme", "arm", "seed", "train_len", "seconds"}  # Run.identity()
     files = {"decompositions": ("maps_rope.png", "curves_rope.png"), "perturbations": ("perturbation.png",),
              "feature_shift": ("feature_shift.png", "pca_rope.png")}  # pca: Figure 6, for rope runs
     fields = {"decompositions": {"length", "windows", "layers"}, "perturbations": {"perturbation"},

@@ -10,7 +10,7 @@ import pytest
 
 from helpers.tiny_setup import load_benchmark
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 load = load_benchmark
@@ -67,7 +67,7 @@ def test_logit_fits_runs(capsys):
     assert "| 48 |" in capsys.readouterr().out
 
 
-@pytest.mark.slow  # the sequence axis itself: tests/test_scale.py, tests/test_ring.py
+@pytest.mark.slow  # the sequence axis itself: tests/models/test_scale.py, tests/positional/test_ring.py
 def test_sequence_parallel_runs(capsys):
     rows = run("sequence_parallel", ["--seq-len", "512", "--devices", "1,2", "--steps", "1"])
     assert [r["devices"] for r in rows] == [1, 2] and rows[1]["mesh"]["sequence"] == 2

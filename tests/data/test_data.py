@@ -1,7 +1,7 @@
 """Bad data input gives one clear line: binary source files, failed preparations, empty corpora.
 
-(The general data tests are in tests/data/; these build their own small directories, since
-each needs files of a particular kind.)
+(The other tests here use the shared corpora of conftest.py; these build their own small
+directories, since each needs files of a particular kind.)
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LAYERS = ("positional", "models", "data", "configs", "lab", "entry", "benchmarks")
 ENTRY_POINTS = ("train", "eval", "analyze", "demo", "import_checkpoint", "sweep")
 
@@ -157,20 +157,24 @@ def test_kernels_import_no_scheme_file():
 
 # Tests share helpers only through tests/helpers (set-up, input draws, lowering, the scripts run
 # in subprocesses), never by importing one another. The one exception runs the conformance
-# suite's checks on a scheme the suite leaves out (LM-Infinite's windowed form).
-TESTS_IMPORTING_TESTS = {"test_lm_infinite": {"test_conformance"}}
+# suite's checks on a scheme the suite leaves out (LM-Infinite's windowed form); it imports a
+# module beside it, the one folder pytest puts on the path for it.
+TESTS_IMPORTING_TESTS = {"positional/test_lm_infinite": {"test_conformance"}}
 
 
 def test_tests_do_not_import_tests():
     found = {}
-    for file in sorted(os.listdir(os.path.join(ROOT, "tests"))):
-        if file.startswith("test_") and file.endswith(".py"):
-            tree = ast.parse(open(os.path.join(ROOT, "tests", file)).read())
+    for folder, dirs, files in os.walk(os.path.join(ROOT, "tests")):
+        dirs[:] = sorted(d for d in dirs if not d.startswith((".", "__pycache__")))
+        for file in sorted(f for f in files if f.startswith("test_") and f.endswith(".py")):
+            tree = ast.parse(open(os.path.join(folder, file)).read())
             names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
             names |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
             tests = {name for name in names if name.startswith("test_")}
             if tests:
-                found[file[:-3]] = tests
+                found[os.path.relpath(os.path.join(folder, file[:-3]), os.path.join(ROOT, "tests")).replace(os.sep, "/")] = tests
+                assert all(os.path.exists(os.path.join(folder, f"{name}.py")) for name in tests), (
+                    f"{file} imports {sorted(tests)} from another folder: it resolves only when pytest collected that first")
     assert found == TESTS_IMPORTING_TESTS, "tests share helpers only through tests/helpers: move what they share there"
 
 

@@ -4,7 +4,7 @@ gradients; every matmul of the lowered forward and backward takes bf16 operands;
 compute exactly what they did before (plain fp32 einsums).
 
 The ring runs here on a mesh of this process's one device (its shard_map, forward merge and
-hand-written backward, three blocks per shard); tests/test_ring.py runs it on 8 simulated
+hand-written backward, three blocks per shard); tests/positional/test_ring.py runs it on 8 simulated
 devices against the reference."""
 
 import functools

@@ -177,7 +177,7 @@ def test_an_unreachable_coordinator_fails_in_bounded_time_with_one_line(tmp_path
 def test_asynchronous_saves_change_nothing(tiny_run, tmp_path):
     """The shared tiny run saved asynchronously (the default); the same run saving synchronously
     logs the same losses and keeps the same parameters. (A kill during an asynchronous save is
-    tests/test_runs_safety.py's fault test: the previous checkpoint stays loadable.)"""
+    tests/lab/test_runs_safety.py's fault test: the previous checkpoint stays loadable.)"""
     from lab.checkpoints import load_params
     from lab.training import train
     from helpers.tiny_setup import abstract_params
