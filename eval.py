@@ -37,7 +37,7 @@ flags.DEFINE_string("topology", "", "--dry_run for a TPU topology (v5p:1x1x1, v5
                     "through libtpu) instead of this host's devices")
 flags.DEFINE_string("out", "runs/eval", "where the evaluators' reports go")
 flags.DEFINE_list("evals", [], f"evaluators to run, of: {', '.join(EVALUATORS)} (default: lengths, "
-                  "or the probes --probe_length / --near_far name)")
+                  "or the probes --probe_length / --near_far name; a shorthand of --config.evals)")
 flags.DEFINE_float("max_multiplier", 0, "lengths: largest length as a multiple of the training length "
                    "(0: the run's eval.multipliers)")
 flags.DEFINE_integer("tokens", 0, "lengths: scored tokens per length (0: the run's eval.tokens)")
@@ -89,6 +89,12 @@ SHORTHANDS = {
                   ("seed", "retrieval_seed", int),
                   ("decode_max_length", "decode_max_length", lambda v: None if v == -1 else v)),
 }
+
+
+for _flag in {flag for items in SHORTHANDS.values() for _, flag, _ in items}:  # --help names what each sets
+    FLAGS[_flag].help += " (a shorthand of " + ", ".join(
+        f"--config.eval_options.{name}.{option}" for name, items in SHORTHANDS.items()
+        for option, flag, _ in items if flag == _flag) + ")"
 
 
 def _length(name: str, o: dict) -> dict:

@@ -100,9 +100,9 @@ def define_scheme_flags() -> None:
     """--scheme and --scheme_options: evaluate runs zero-shot under another scheme (`scheme_runs`;
     analyze.py --untrained's copy keeps the run's own scheme)."""
     flags.DEFINE_string("scheme", "", "evaluate every run zero-shot under this registered scheme, with its own "
-                        "parameters (e.g. rope_lm_infinite on a rope run); '': each run's own")
+                        "parameters (e.g. rope_lm_infinite on a rope run); '': each run's own (a shorthand of --config.model.scheme)")
     flags.DEFINE_list("scheme_options", [], "--scheme's options as name=value, e.g. window=128,global_tokens=4 "
-                      "(the run's own scheme options are kept unless named)")
+                      "(the run's own scheme options are kept unless named; a shorthand of --config.model.scheme_options.<name>)")
 
 
 def define_eval_config_flag():
