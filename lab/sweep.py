@@ -33,9 +33,15 @@ def arms_of(file: str, arms=None) -> tuple[str, ...]:
     return tuple(variants)
 
 
+SET_BY_SWEEP = {"seed", "arm", "workdir"}
+
+
 def configs(file: str, arms, seeds, out: str, overrides: dict | None = None) -> list[ml_collections.ConfigDict]:
     """The config of every arm x seed (arms outer): the arm's config with `overrides` ({dotted
     field: value}, as --config.<field>=<value>), seed, arm, and workdir <out>/<arm>/seed<seed>."""
+    if set(overrides or {}) & SET_BY_SWEEP:
+        raise ValueError(f"--config.{min(set(overrides) & SET_BY_SWEEP)} is set by the sweep for each run "
+                         "(--seeds, --arms, <out>/<arm>/seed<seed>); leave it out")
     module, found = config_file(file), []
     for arm in arms_of(file, arms):
         for seed in seeds:

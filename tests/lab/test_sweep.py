@@ -73,6 +73,7 @@ def test_seeds_reads_arm_and_seed_from_the_report_before_the_run_name():
     (["--seeds=0"], "--out is required"),
     (["--out=x", "--evals=lengths,nope"], "unknown evaluator in --evals 'nope'"),
     (["--out=x", "--config.train.stepz=3"], "unknown config field 'train.stepz'"),
+    (["--out=x", "--config.seed=3"], "--config.seed is set by the sweep for each run"),
 ])
 def test_bad_sweep_flags_are_one_line_before_anything_trains(tmp_path, args, error):
     proc = cli("sweep.py", "--config", DEFAULT, "--arms=rope", *args)
