@@ -2,6 +2,7 @@
 
 import importlib.util
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -136,3 +137,31 @@ def test_a_learning_curve_takes_arm_and_seed_from_the_runs_config(tmp_path):
     (run / "metrics.jsonl").write_text(json.dumps({"step": 10, "lengths/ppl_longest": 7.5}) + "\n")
     (run / "config.json").write_text(json.dumps({"arm": "rope/fast", "seed": 3}))
     assert load().curve(str(run / "metrics.jsonl"))[3] == {"rope/fast": {3: [7.5]}}
+
+
+# A row of seeds.py's table of means, in its own format (4 decimals; pages' hand-made tables use others).
+SEEDS_ROW = re.compile(r"\| .+ \(seeds [\d, ]+\) \|( (\d+\.\d{4} \+- \d+\.\d{4}|\d+\.\d{4}|-) \|)+")
+
+
+def test_the_pages_tables_of_means_regenerate_from_their_json(capsys):
+    """Every row of seeds.py's table of means on a results page ('| arm (seeds 0, 1, ...) | ...',
+    its arm perhaps renamed for the page) is what seeds.py prints today from a json that page
+    names: the committed numbers come back from the committed json, digit for digit."""
+    seeds, results = load(), SCRIPT.parent
+
+    def numbers(row: str) -> str:  # the seeds and the cells, without the arm's name
+        return row[row.index(" (seeds "):]
+
+    checked = 0
+    for page in sorted(results.glob("*.md")):
+        text = page.read_text()
+        rows = [line for line in text.splitlines() if SEEDS_ROW.fullmatch(line)]
+        rendered = set()
+        for source in sorted(results.glob("*.json")) if rows else ():
+            if source.name in text and "arms" in json.loads(source.read_text()):
+                capsys.readouterr()
+                seeds.main(str(source), "/dev/null")
+                rendered |= {numbers(line) for line in capsys.readouterr().out.splitlines() if SEEDS_ROW.fullmatch(line)}
+        assert [row for row in rows if numbers(row) not in rendered] == [], page.name
+        checked += len(rows)
+    assert checked >= 10
