@@ -369,9 +369,10 @@ class _Trainer:
         evicts = bool(config.train.keep_checkpoints) and len(newer) + 1 >= config.train.keep_checkpoints
         if good or self.stop.signal or step == config.train.steps or last_good is None or not evicts:
             if not good:
+                kept = (f"step {last_good} stays the last good checkpoint" if last_good is not None else
+                        "no saved checkpoint is in line with the run yet")
                 print(f"warning: step {step}'s loss {level:.4g} is out of line with the run (over "
-                      f"{IN_LINE:g} x its lowest running median, {best:.4g}); saved, but step {last_good} "
-                      f"stays the last good checkpoint", file=sys.stderr)
+                      f"{IN_LINE:g} x its lowest running median, {best:.4g}); saved, but {kept}", file=sys.stderr)
             self.saves.save(self.state, self.loader, {"step": step, "loss": history[-1], "identity": identity(config)},
                             good)
         else:

@@ -469,3 +469,13 @@ def test_parameters_read_in_groups_equal_one_read_and_a_flipped_bit_in_any_group
             fh.write(data)
     assert load_params(str(workdir), abstract)[0] == 8
     assert "skipping unreadable checkpoint at step 12" in capsys.readouterr().err
+
+
+def test_an_out_of_line_checkpoint_before_any_good_one_says_none_is_good_yet(tmp_path, monkeypatch, capsys):
+    """A checkpoint whose loss is out of line with the run is still saved where no good one
+    exists yet, and the warning says so (it named 'step None' before)."""
+    monkeypatch.setattr(training, "in_line", lambda *a: False)
+    train(tiny_config(tmp_path, steps=4, checkpoint_every=4))
+    warning = [line for line in capsys.readouterr().err.splitlines() if "out of line" in line]
+    assert warning and warning[0].endswith("saved, but no saved checkpoint is in line with the run yet"), warning
+    assert "None" not in warning[0]
