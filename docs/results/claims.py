@@ -73,6 +73,8 @@ CLAIMS = [
      "negative"),
     ("espr.md", "espr-rope-64x-5", "ESPR degrades less than RoPE at 64x (5 new seeds, 8 documents)", "espr_sweep5.json",
      "espr", "rope", "ratio", 8192, 128, "negative"),
+    ("path.md", "path-fox-fox-train-5", "PaTH-FoX: lower perplexity than FoX at the training length (5 new seeds, 8 "
+     "documents)", "path_fox_sweep5.json", "path_fox", "fox", "ppl", 128, None, "negative"),
     ("sweep.md", "sweep-alibi-rope-16x", "demo-fast model, 400 steps: ALiBi degrades less than RoPE at 16x",
      "sweep_demo_fast.json", "alibi/fast", "rope/fast", "ratio", 2048, 128, "negative"),
     ("sweep.md", "sweep-fox-alibi-train", "demo-fast model, 400 steps: FoX lower perplexity than ALiBi at the training "
