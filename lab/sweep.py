@@ -46,12 +46,7 @@ def configs(file: str, arms, seeds, out: str, overrides: dict | None = None) -> 
     for arm in arms_of(file, arms):
         for seed in seeds:
             config = module.get_config(arm)
-            for path, value in (overrides or {}).items():
-                *parents, name = path.split(".")
-                node = config
-                for key in parents:
-                    node = node[key]
-                node[name] = value
+            config.update_from_flattened_dict(dict(overrides or {}))
             config.seed, config.arm = int(seed), arm
             config.workdir = os.path.join(out, arm, f"seed{seed}")
             found.append(config)
