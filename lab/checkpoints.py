@@ -122,6 +122,33 @@ def release_freed_memory() -> None:
         pass
 
 
+def _paths(tree) -> set:
+    """The leaves' paths of a pytree, as 'params/blocks/0/attn/q/kernel' strings."""
+    def name(k):
+        return str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))))
+    return {"/".join(map(name, path)) for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def layout_change(step_dir: str, abstract_state) -> str | None:
+    """How the arrays a checkpoint holds (its metadata, nothing read) differ in name from those
+    `abstract_state` asks for (a model whose parameters were renamed since the save): one line,
+    or None where every name asked for is there."""
+    try:
+        stored = _paths(ocp.PyTreeCheckpointHandler().metadata(files.path(files.join(step_dir, "state"))).tree)
+    except Exception:  # noqa: BLE001 - no metadata to compare: the restore itself will say what is wrong
+        return None
+    wanted = _paths(abstract_state)
+    missing = sorted(wanted - stored)
+    if not missing:
+        return None
+    heads = {p.split("/")[0] for p in wanted}
+    extra = sorted(p for p in stored - wanted if p.split("/")[0] in heads)
+    return (f"{len(missing)} array(s) the model has are not in the checkpoint (first: {missing[0]})"
+            + (f", which holds {len(extra)} the model lacks (first: {extra[0]})" if extra else "")
+            + "; the code's parameter names differ from those the run was saved with: load it with the commit "
+              "that trained it (its config.json and metrics say when), or rename the arrays")
+
+
 def restore_latest(manager, abstract_state, partial: bool = False, aside: str | None = None):
     """Restore the newest checkpoint that reads back completely, or None if there is none.
 
@@ -131,7 +158,8 @@ def restore_latest(manager, abstract_state, partial: bool = False, aside: str | 
     handed back before the next, so the reader's buffers are one group's. A checkpoint that fails
     to restore (partially written, corrupted) is skipped with a warning and the one before it is
     used; with `aside` (a directory), it is also moved there, out of the way of the run that
-    resumes and saves that step again.
+    resumes and saves that step again. A checkpoint whose arrays are named otherwise than
+    `abstract_state`'s (`layout_change`) is not damaged: that raises, one line, and moves nothing.
     """
     whole = {"state": ocp.args.StandardRestore(abstract_state), "loader": ocp.args.JsonRestore(),
              "meta": ocp.args.JsonRestore()}
@@ -140,6 +168,9 @@ def restore_latest(manager, abstract_state, partial: bool = False, aside: str | 
               for group in (leaf_groups(abstract_state, RESTORE_GROUP_BYTES) if partial else ())]
     try:
         for step in sorted(manager.all_steps(), reverse=True):
+            change = layout_change(files.join(manager.directory, str(step)), abstract_state)
+            if change:
+                raise ValueError(f"{manager.directory} step {step}: {change}")
             try:
                 if not partial:
                     restored = manager.restore(step, args=ocp.args.Composite(**whole))

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from positional import espr, kerple, so2
+from positional import espr, so2
 
 
 class StepAngles(nnx.Module):
@@ -162,15 +162,19 @@ class ForgetGate(nnx.Module):
         return {"log_forget": jax.nn.log_sigmoid(self.proj(x.astype(jnp.float32)))}
 
 
-class KerpleParameters(nnx.Module):
-    """KERPLE-log's per-head r1, r2 (positional/kerple.py), drawn as its `initial_parameters`."""
+class Parameters(nnx.Module):
+    """The learned parameters a scheme declares (`Scheme.init_parameters`: KERPLE's r1 and r2,
+    T5's table), held per layer under their names and returned as the features, whatever the
+    input: a scheme that learns only these needs no module of its own."""
 
     def __init__(self, scheme, cfg, *, rngs: nnx.Rngs):
-        init = kerple.initial_parameters(rngs.params(), scheme.num_heads)
-        self.r1, self.r2 = nnx.Param(init["kerple_r1"]), nnx.Param(init["kerple_r2"])
+        init = scheme.init_parameters(rngs.params())
+        self.names = tuple(init)
+        for name, x in init.items():
+            setattr(self, name, nnx.Param(x))
 
     def __call__(self, x, **kw):
-        return {"kerple_r1": self.r1[...], "kerple_r2": self.r2[...]}
+        return {name: getattr(self, name)[...] for name in self.names}
 
 
 class MergedFeatures(nnx.Module):

@@ -2,13 +2,14 @@
 
 An entry names the pure `Scheme` class from `positional/`, the options it fixes, and the NNX
 module (if any) that computes the scheme's per-token features (see models/features.py for
-how it is built and called).
+how it is built and called); a scheme whose learned parts are parameters alone declares them
+itself (`Scheme.init_parameters`) and needs no module.
 
 A name may add score-bias schemes to a scheme with "+": "so2_learned_qkv+alibi" is the SO(2)
 transport with ALiBi's bias on its logits. User options apply to the first scheme.
 
-Adding a scheme: one file in `positional/`, a features module if it learns anything, and one
-`register(...)` line here. The conformance suite in `tests/` then covers it.
+Adding a scheme: one file in `positional/`, a features module if it learns functions of the
+input, and one `register(...)` line here. The conformance suite in `tests/` then covers it.
 """
 
 from __future__ import annotations
@@ -16,8 +17,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
-from models.features import (EsprFeatures, ForgetGate, HouseholderVectors, KerpleParameters, MergedFeatures,
-                             StepAngles)
+from models.features import EsprFeatures, ForgetGate, HouseholderVectors, MergedFeatures, Parameters, StepAngles
 from positional.alibi import Alibi
 from positional.espr import Espr, EsprRF
 from positional.fox import Fox
@@ -160,9 +160,10 @@ def make_scheme(name: str, *, num_heads: int, head_dim: int, **options) -> Schem
 
 
 def make_features(name: str, scheme: Scheme, cfg, *, rngs):
-    """The features module of a layer: the first part's and each added bias's, one dict out."""
-    modules = [e.features(s, cfg, rngs=rngs) for e, s in zip(parts(name), (scheme, *scheme.biases))
-               if e.features is not None]
+    """The features module of a layer: the first part's and each added bias's, one dict out (a
+    part whose scheme declares learned parameters holds them in a `Parameters`)."""
+    modules = [features(s, cfg, rngs=rngs) for e, s in zip(parts(name), (scheme, *scheme.biases))
+               if (features := e.features or (Parameters if s.has_parameters else None))]
     if len(modules) <= 1:
         return modules[0] if modules else None
     return MergedFeatures(modules)
@@ -208,7 +209,7 @@ register("path_fox", Entry(Path, features=HouseholderVectors, compose=("fox",), 
                            compose_fixed={"fox": {"logit_scale": True}},
                            doc="`path` with FoX gates on the PaTH authors' scale: (q^T P k + F_i - F_j) / sqrt(D) "
                                "(`path+fox`: FoX's, q^T P k / sqrt(D) + F_i - F_j)"))
-register("kerple_log", Entry(KerpleLog, features=KerpleParameters, features_at_init=False,
+register("kerple_log", Entry(KerpleLog, features_at_init=False,
                              doc="KERPLE-log: learned bias -r1 log(1 + r2 distance), r1, r2 > 0 per head"))
 register("p_rope", Entry(PRope, doc="p-RoPE: RoPE whose lowest-frequency pairs do not rotate (the highest "
                                    "`fraction` p of frequencies kept; 1 is RoPE, 0 NoPE)"))

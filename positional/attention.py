@@ -180,19 +180,22 @@ def per_device(kernel, q, k, v, *extra, bias_fn=None, segment_ids=None) -> jax.A
     b, h = q.shape[0], q.shape[2]
     batch = dividing(mesh, ("data", "fsdp"), b) or None
     heads = dividing(mesh, ("tensor",), h, k.shape[2]) or None
-    values = bias_fn.values if isinstance(bias_fn, Bias) else {}
+    values, tables = (bias_fn.values, bias_fn.tables) if isinstance(bias_fn, Bias) else ({}, {})
     value_specs = {n: P(batch if x.shape[0] == b else None, None, heads if x.shape[2] == h else None)
                    for n, x in values.items()}
+    table_specs = {n: P(batch if x.shape[0] == b else None, heads if x.shape[1] == h else None, None)
+                   for n, x in tables.items()}
     seg = jnp.zeros(q.shape[:2], jnp.int32) if segment_ids is None else segment_ids
 
-    def local(q, k, v, seg, values, *extra):
-        bias = dataclasses.replace(bias_fn, values=values) if isinstance(bias_fn, Bias) else bias_fn
+    def local(q, k, v, seg, values, tables, *extra):
+        bias = dataclasses.replace(bias_fn, values=values, tables=tables) if isinstance(bias_fn, Bias) else bias_fn
         return kernel(q, k, v, *extra, bias, None if segment_ids is None else seg)
 
     spec = P(batch, None, heads, None)
     extra_specs = tuple(P(batch, None, heads, *[None] * (x.ndim - 3)) for x in extra)
-    return jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec, P(batch, None), value_specs, *extra_specs),
-                         out_specs=spec, check_vma=False)(q, k, v, seg, values, *extra)
+    in_specs = (spec, spec, spec, P(batch, None), value_specs, table_specs, *extra_specs)
+    return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=spec,
+                         check_vma=False)(q, k, v, seg, values, tables, *extra)
 
 
 def per_platform_choice(pick, *args, label: str = ""):

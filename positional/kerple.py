@@ -6,7 +6,8 @@ learned per head: the logarithmic variant of the paper's conditionally positive 
 kernels, its best on extrapolation. As in the authors' code, r1 starts ~ U(0, 2), r2 ~ U(0, 1),
 and both are clamped to >= 0.01 where used (the constraint r > 0 as a projection).
 
-features = {'kerple_r1': [H], 'kerple_r2': [H]} float32 (models/features.py).
+features = {'kerple_r1': [H], 'kerple_r2': [H]} float32: its learned parameters
+(`init_parameters`).
 """
 
 from __future__ import annotations
@@ -22,16 +23,15 @@ from positional.scheme import Scheme, position_values
 R_MIN = 0.01
 
 
-def initial_parameters(key: jax.Array, num_heads: int) -> dict:
-    """r1 ~ U(0, 2), r2 ~ U(0, 1) per head (before the clamp)."""
-    k1, k2 = jax.random.split(key)
-    return {"kerple_r1": jax.random.uniform(k1, (num_heads,), jnp.float32, 0.0, 2.0),
-            "kerple_r2": jax.random.uniform(k2, (num_heads,), jnp.float32, 0.0, 1.0)}
-
-
 @dataclasses.dataclass(frozen=True)
 class KerpleLog(Scheme):
-    has_bias = bias_only = needs_features = default_key = True
+    has_bias = bias_only = needs_features = has_parameters = default_key = True
+
+    def init_parameters(self, key) -> dict:
+        """r1 ~ U(0, 2), r2 ~ U(0, 1) per head (before the clamp)."""
+        k1, k2 = jax.random.split(key)
+        return {"kerple_r1": jax.random.uniform(k1, (self.num_heads,), jnp.float32, 0.0, 2.0),
+                "kerple_r2": jax.random.uniform(k2, (self.num_heads,), jnp.float32, 0.0, 1.0)}
 
     def bias_fn(self, features, positions):
         r = {name: jnp.maximum(features[name].astype(jnp.float32), R_MIN)[None, None] for name in ("kerple_r1", "kerple_r2")}
@@ -42,6 +42,3 @@ class KerpleLog(Scheme):
             return -q["kerple_r1"] * jnp.log1p(q["kerple_r2"] * distance)
 
         return Bias(bias, {**r, **position_values(positions)})
-
-    def default_features(self, q, k, *, positions, key=None, segment_ids=None):
-        return initial_parameters(self.draw_key(key), self.num_heads)

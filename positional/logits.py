@@ -8,12 +8,15 @@ A scheme that changes the logit says how from a few numbers per token, never fro
                      query slot, q[name] [..., tq, 1], and at the key slot, k[name] [..., 1, tk];
                      qi [tq, 1] and kj [1, tk] are the slot indices themselves. `key`, where
                      given, says the bias is per key: b_ij = c_i + key(k, kj) (FoX, ALiBi).
+                     `tables` maps names to per-head tables [B or 1, H or 1, n] (T5's bucketed
+                     bias): fn reads one as `lookup(q[name], index)`, the entries at integer
+                     indices [..., tq, tk] (a learned distance table read at the pair's bucket).
   Score(split, fn)   a logit that replaces scale * q.k (TAPA): split(q, k) -> (q_parts, k_parts)
                      cuts the head vectors into parts (whole arrays, [B, T, H, d_i] and
                      [B, S, K, d_i]); fn(dots, qi, kj) combines the tiles dots[i] = q_part_i .
                      k_part_i (fp32) into the logit.
 
-fn uses elementwise operations and broadcasting only (it runs on [B, H, tq, tk] blocks in the
+fn uses elementwise operations, broadcasting and `lookup` only (it runs on [B, H, tq, tk] blocks in the
 plain-JAX paths and on [tq, tk] tiles inside the Pallas kernel, positional/kernels/flash.py,
 which differentiates it there), and stays finite on masked pairs (keys after the query), whose
 logits are discarded. Both are callables with the contracts of positional/softmax.py (BiasFn
@@ -50,16 +53,25 @@ class Bias:
     # A per-key bias's largest |key term| over `length` key slots, where known without the data
     # (ALiBi: its steepest slope x (length - 1)); None where the data decide it (FoX).
     key_bound: Callable[[int], float] | None = None
+    # Per-head tables [B|1, H|1, n] fn reads with `lookup`, as q[name] (not per slot: no key form).
+    tables: dict = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
         for name, x in self.values.items():
             if jnp.ndim(x) != 3:
                 raise ValueError(f"bias value {name!r} must be [B or 1, S or 1, H or 1] (one number per "
                                  f"slot and head); got shape {tuple(jnp.shape(x))}")
+        for name, x in self.tables.items():
+            if jnp.ndim(x) != 3 or name in self.values:
+                raise ValueError(f"bias table {name!r} must be [B or 1, H or 1, n] (n entries per head) with a "
+                                 f"name no value has; got shape {tuple(jnp.shape(x))}")
+        if self.tables and self.key is not None:
+            raise ValueError("a Bias with tables has no per-key form (key): a table entry depends on the pair")
 
     def __call__(self, qi, kj):
         """The bias of query slots qi [tq] against key slots kj [tk]: [B|1, H|1, tq, tk] fp32."""
         q = {n: slot_values(x, qi)[..., None] for n, x in self.values.items()}
+        q.update({n: jnp.asarray(x, jnp.float32)[:, :, None, :] for n, x in self.tables.items()})
         k = {n: slot_values(x, kj)[..., None, :] for n, x in self.values.items()}
         out = jnp.asarray(self.fn(q, k, qi[:, None], kj[None, :]), jnp.float32)
         return out.reshape((1,) * (4 - out.ndim) + out.shape)
@@ -70,6 +82,22 @@ class Bias:
         kj = jnp.arange(length)
         out = jnp.asarray(self.key({n: slot_values(x, kj) for n, x in self.values.items()}, kj), jnp.float32)
         return out.reshape((1,) * (3 - out.ndim) + out.shape)
+
+
+def lookup(table, index):
+    """table[..., index]: the entries of a table as fn receives it, [..., 1, n], at integer
+    indices [..., tq, tk] (leading axes broadcast) -> [..., tq, tk] fp32, 0 outside 0..n-1. By n selects, no gather, so the fused kernels
+    evaluate it in their tiles and differentiate it there (each broadcast along one axis: Triton
+    reduces one axis at a time)."""
+    table = jnp.asarray(table, jnp.float32)
+    n = table.shape[-1]
+    iota = jax.lax.broadcasted_iota(jnp.int32, table.shape, table.ndim - 1)
+    out = None
+    for b in range(n):
+        entry = jnp.sum(jnp.where(iota == b, table, 0.0), axis=-1, keepdims=True)  # [..., 1, 1]
+        entry = jnp.broadcast_to(entry, entry.shape[:-1] + index.shape[-1:])  # [..., 1, tk]
+        out = jnp.where(index == b, entry, 0.0 if out is None else out)
+    return out
 
 
 POSITION = "__position__"  # `at_positions`: the tokens' positions, read by the bias as a value
@@ -88,7 +116,7 @@ def at_positions(bias: Bias | None, positions) -> Bias | None:
         q, k = dict(q), dict(k)
         return bias.fn(q, k, q.pop(POSITION).astype(jnp.int32), k.pop(POSITION).astype(jnp.int32))
 
-    return Bias(fn, {**bias.values, POSITION: jnp.asarray(positions, jnp.float32)})
+    return Bias(fn, {**bias.values, POSITION: jnp.asarray(positions, jnp.float32)}, tables=bias.tables)
 
 
 def sum_of(biases: list[Bias]) -> Bias:
@@ -96,6 +124,7 @@ def sum_of(biases: list[Bias]) -> Bias:
     if len(biases) == 1:
         return biases[0]
     values = {f"{i}.{n}": x for i, b in enumerate(biases) for n, x in b.values.items()}
+    tables = {f"{i}.{n}": x for i, b in enumerate(biases) for n, x in b.tables.items()}
 
     def part(d, i):
         return {n.split(".", 1)[1]: x for n, x in d.items() if n.split(".", 1)[0] == str(i)}
@@ -111,7 +140,7 @@ def sum_of(biases: list[Bias]) -> Bias:
 
     per_key = all(b.key is not None for b in biases)
     bounded = per_key and any(b.key_bound is not None for b in biases)
-    return Bias(fn, values, key if per_key else None, key_bound if bounded else None)
+    return Bias(fn, values, key if per_key else None, key_bound if bounded else None, tables)
 
 
 def dot_tile(a, b, contract: str):

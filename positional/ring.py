@@ -87,7 +87,8 @@ def _hooks_of(bias_fn, score_fn, qb, kb):
     idx = jnp.arange(qb.shape[1], dtype=jnp.int32)
     parts = {}
     if isinstance(bias_fn, Bias):
-        parts["bias"] = (lambda qi, kj, values: Bias(bias_fn.fn, values)(qi, kj)), [bias_fn.values]
+        parts["bias"] = ((lambda qi, kj, values, tables: Bias(bias_fn.fn, values, tables=tables)(qi, kj)),
+                         [bias_fn.values, bias_fn.tables])
     elif bias_fn is not None:
         parts["bias"] = jax.closure_convert(bias_fn, idx, idx)
     if score_fn is not None:

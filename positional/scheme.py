@@ -13,6 +13,12 @@ on an NNX module as static data). Its hooks, all pure:
                                                          features a notebook can use without a
                                                          model: the features module's at its
                                                          initialisation (random draws from `key`)
+  init_parameters(key) -> dict                           learned parameters that are not functions
+                                                         of the input (per-head tables, scalars):
+                                                         their values at initialisation, named
+                                                         after the scheme; a model holds them
+                                                         (models/features.py `Parameters`) and
+                                                         passes them as features
 
 Biases and scores are `positional.logits.Bias` and `Score`: a function of a few numbers per
 slot, which every implementation evaluates (the fused kernel inside its tiles, with their
@@ -31,6 +37,8 @@ What a scheme can do is declared on its class (never inferred elsewhere), as cla
   bias_only        a pure score-bias scheme (has_bias, no other hook overridden): it may be
                    added to another with "+"
   needs_features   its hooks read the per-token features (a features module in models/)
+  has_parameters   its features are the learned parameters `init_parameters` declares (no
+                   features module of its own: the scheme's file is the whole scheme)
   random_features  its features hold a random draw, taken each forward pass from the key the
                    caller passes (or from the `draw_seed` option, where that is >= 0)
   default_key      its `default_features` draw from a key (as random_features schemes do)
@@ -89,6 +97,7 @@ class Scheme:
     has_score = False
     bias_only = False
     needs_features = False
+    has_parameters = False
     random_features = False
     default_key = False
     relative = True
@@ -104,6 +113,8 @@ class Scheme:
         if unknown:
             raise TypeError(f"{cls.__name__}.probes names unknown probe families {sorted(unknown)}; "
                             f"valid: {', '.join(PROBE_FAMILIES)}")
+        if cls.has_parameters and not cls.needs_features:
+            raise TypeError(f"{cls.__name__}.has_parameters: its hooks read them as features, so it needs_features")
         if "attention" in vars(cls):  # the method's name before it was renamed
             raise TypeError(f"{cls.__name__} defines `attention`, which is called `transformed_attention` now "
                             "(attention on q, k, v after `transform`): rename the method")
@@ -136,6 +147,9 @@ class Scheme:
         return {}
 
     def default_features(self, q, k, *, positions, key=None, segment_ids=None) -> dict:
+        return self.init_parameters(self.draw_key(key) if self.default_key else None) if self.has_parameters else {}
+
+    def init_parameters(self, key) -> dict:
         return {}
 
     # ---- derived -----------------------------------------------------------------------------

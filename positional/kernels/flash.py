@@ -59,7 +59,7 @@ TN = (((0,), (0,)), ((), ()))  # a^T . b
 
 @dataclasses.dataclass(frozen=True)
 class _Static:
-    logit: Callable  # (dots, q values, k values, qi, kj) -> [tq, tk] fp32 logits
+    logit: Callable  # (dots, q values, k values, qi, kj, tables) -> [tq, tk] fp32 logits
     q_offset: int
     kv_len: int
     group: int
@@ -106,15 +106,16 @@ def _cols(start, size):
 
 
 # ---- one tile, as each kernel's step: (q side, k side) blocks -> updated carry ---------------
-# The q side's block qb: "parts" (tuple of [tq, d_i]), "values" ({name: [tq, 1]}), "seg"
-# [tq, 1], and in the backward "do" [tq, dv], "lse", "delta" [tq, 1]; the k side's kb:
+# The q side's block qb: "parts" (tuple of [tq, d_i]), "values" ({name: [tq, 1]}), "tables"
+# ({name: [1, n]}, the query head's), "seg" [tq, 1], and in the backward "do" [tq, dv], "lse",
+# "delta" [tq, 1]; the k side's kb:
 # "parts" ([tk, d_i]), "v" [tk, dv], "values" ({name: [1, tk]}), "seg" [1, tk]. i, j: the
 # query and key block numbers.
 
 def _fwd_step(st, carry, qb, kb, i, j):
     o, m, row_sum = carry
     qi, kj = _rows(st.q_offset + i * st.block_q, st.block_q), _cols(j * st.block_k, st.block_k)
-    logits = st.logit(_dots(qb["parts"], kb["parts"]), qb["values"], kb["values"], qi, kj)
+    logits = st.logit(_dots(qb["parts"], kb["parts"]), qb["values"], kb["values"], qi, kj, qb["tables"])
     s = jnp.where(_mask(qi, kj, qb["seg"], kb["seg"], st), logits * LOG2E, MASKED)
     m_new = jnp.maximum(m, s.max(axis=1, keepdims=True))
     p = _exp2(s - m_new, st)
@@ -125,25 +126,28 @@ def _fwd_step(st, carry, qb, kb, i, j):
 
 
 def _bwd_tile(st, qb, kb, i, j, side: str):
-    """(P, d logits/d dots, d logits/d the `side` values) of one tile, after dL = P (dP - delta)."""
+    """(P, d logits/d dots, d logits/d the `side` values (and, side q, the tables)) of one tile,
+    after dL = P (dP - delta)."""
     qi, kj = _rows(st.q_offset + i * st.block_q, st.block_q), _cols(j * st.block_k, st.block_k)
     dots = _dots(qb["parts"], kb["parts"])
     if side == "q":
-        logits, vjp = jax.vjp(lambda d, a: st.logit(d, a, kb["values"], qi, kj), dots, qb["values"])
+        logits, vjp = jax.vjp(lambda d, a, t: st.logit(d, a, kb["values"], qi, kj, t), dots, qb["values"],
+                              qb["tables"])
     else:
-        logits, vjp = jax.vjp(lambda d, b: st.logit(d, qb["values"], b, qi, kj), dots, kb["values"])
+        logits, vjp = jax.vjp(lambda d, b: st.logit(d, qb["values"], b, qi, kj, qb["tables"]), dots,
+                              kb["values"])
     s = jnp.where(_mask(qi, kj, qb["seg"], kb["seg"], st), logits * LOG2E, MASKED)
     p = _exp2(s - qb["lse"], st)
     dp = lax.dot_general(qb["do"], kb["v"], NT, preferred_element_type=jnp.float32)
-    d_dots, d_values = vjp(p * (dp - qb["delta"]))
-    return p, d_dots, d_values
+    return (p, *vjp(p * (dp - qb["delta"])))
 
 
 def _dq_step(st, carry, qb, kb, i, j):
-    _, d_dots, d_values = _bwd_tile(st, qb, kb, i, j, "q")
+    _, d_dots, d_values, d_tables = _bwd_tile(st, qb, kb, i, j, "q")
     dq = tuple(acc + jnp.dot(ds.astype(k.dtype), k, preferred_element_type=jnp.float32)
                for acc, ds, k in zip(carry["parts"], d_dots, kb["parts"]))
-    return {"parts": dq, "values": jax.tree.map(jnp.add, carry["values"], d_values)}
+    return {"parts": dq, "values": jax.tree.map(jnp.add, carry["values"], d_values),
+            "table_sums": jax.tree.map(jnp.add, carry["table_sums"], d_tables)}
 
 
 def _dkv_step(st, carry, qb, kb, i, j):
@@ -158,10 +162,14 @@ def _dkv_step(st, carry, qb, kb, i, j):
 # ---- the two loop structures -------------------------------------------------------------------
 # Every array is 4-D [B, heads, ., .] with its sequence on axis 2 ([n, d]) or 3 ([1, n]): the
 # query side's parts, values, seg, do, lse, delta are [B, H or 1, T, .]; the key side's parts
-# and v [B, K, S, .], its values [B, H, 1, S] and seg [B, 1, 1, S].
+# and v [B, K, S, .], its values [B, H, 1, S] and seg [B, 1, 1, S]. The query side's tables
+# [B, H, 1, n] have no sequence axis (whole in every program); the dQ kernel's partial sums of
+# their gradients, "table_sums" [B, H, query blocks, 1, n], one per program, are summed after.
 
-def _layout(side: str, name: str) -> tuple[str, int]:
+def _layout(side: str, name: str) -> tuple[str, int | None]:
     """(heads, sequence axis) of an array: heads "q" (query head h), "kv" (h // group), "one"."""
+    if name == "tables":
+        return "q", None
     if name == "seg":
         return "one", 2 if side == "q" else 3
     if side == "k" and name in ("parts", "v"):
@@ -187,19 +195,21 @@ def _specs(st: _Static, side: str, arrays: dict, role: str, n_inner: int = 0, he
         head_map, axis = _layout(side, name)
         head_map = heads or head_map
         shape = list(x.shape[2:])
-        if role != "whole":
-            shape[axis - 2] = block
+        if role != "whole" and axis is not None:
+            shape[axis - 2] = None if name == "table_sums" else block  # its program's row, [1, n]
 
         def index_map(b, h, o, *j):
-            if role == "whole":
+            if axis is None:
+                at = 0
+            elif role == "whole":
                 at = 0
             elif role == "outer":
                 at = o
             else:  # a block outside the visible range repeats a visible one (no copy)
                 lo, hi = _bounds(st, outer, o, n_inner)
                 at = jnp.minimum(jnp.maximum(j[0], lo), hi - 1)
-            pos = [0, 0]
-            pos[axis - 2] = at
+            pos = [0] * len(shape)
+            pos[(axis or 2) - 2] = at
             return (b, {"q": h, "kv": h // st.group, "one": 0}[head_map], *pos)
 
         return pl.BlockSpec((None, None, *shape), index_map)
@@ -210,7 +220,7 @@ def _specs(st: _Static, side: str, arrays: dict, role: str, n_inner: int = 0, he
 def _load(refs: dict, side: str, start=None, size=None) -> dict:
     """The arrays of a side's refs: whole, or the block start:start+size of the sequence."""
     def one(ref, name):
-        if start is None:
+        if start is None or _layout(side, name)[1] is None:
             return ref[...]
         return ref[pl.ds(start, size), :] if _layout(side, name)[1] == 2 else ref[:, pl.ds(start, size)]
     return {name: jax.tree.map(lambda r, n=name: one(r, n), group) for name, group in refs.items()}
@@ -316,6 +326,11 @@ def _gradients(st: _Static, side: str, step, arrays: dict):
     names = ("parts", "values") + (("v",) if side == "k" else ())
     outputs = {n: jax.tree.map(lambda x, n=n: like(x, n)[0], mine[n]) for n in names}
     tiles = {n: jax.tree.map(lambda x, n=n: like(x, n)[1], mine[n]) for n in names}
+    if side == "q":  # one row of partial sums per program
+        n_blocks = mine["seg"].shape[2] // block
+        outputs["table_sums"] = {n: jax.ShapeDtypeStruct((b, h, n_blocks, 1, x.shape[-1]), jnp.float32)
+                                 for n, x in mine["tables"].items()}
+        tiles["table_sums"] = {n: (1, x.shape[-1]) for n, x in mine["tables"].items()}
 
     def init():
         return jax.tree.map(lambda t: jnp.zeros(t, jnp.float32), tiles, is_leaf=lambda t: isinstance(t, tuple)
@@ -346,7 +361,8 @@ def _fused_bwd(st, res, do):
     b, kh = v.shape[:2]
     group_sum = lambda x, like: x.reshape(b, kh, st.group, *x.shape[2:]).sum(2).astype(like.dtype)  # noqa: E731
     grads = {"q": {"parts": tuple(g.astype(x.dtype) for g, x in zip(dq["parts"], arrays["q"]["parts"])),
-                   "values": dq["values"], "seg": None},
+                   "values": dq["values"], "seg": None,
+                   "tables": {n: x.sum(2) for n, x in dq["table_sums"].items()}},
              "k": {"parts": tuple(map(group_sum, dk["parts"], arrays["k"]["parts"])),
                    "v": group_sum(dk["v"], v), "values": dk["values"], "seg": None}}
     return (grads,)
@@ -405,10 +421,16 @@ def fused_attention(q, k, v, *, bias_fn: Bias | None = None, score_fn: Score | N
             raise ValueError(f"bias value {name!r} has shape {tuple(x.shape)}; it must broadcast to "
                              f"[B, S, H] = {(b, s, h)} (one number per key slot and query head)")
         values[name] = jnp.broadcast_to(jnp.asarray(x, jnp.float32), (b, s, h))
+    tables = {}
+    for name, x in (bias_fn.tables if bias_fn is not None else {}).items():
+        if x.shape[0] not in (1, b) or x.shape[1] not in (1, h):
+            raise ValueError(f"bias table {name!r} has shape {tuple(x.shape)}; it must broadcast to "
+                             f"[B, H, n] = {(b, h, x.shape[2])} (n entries per query head)")
+        tables[name] = jnp.broadcast_to(jnp.asarray(x, jnp.float32), (b, h, x.shape[2]))[:, :, None]
 
-    def logit(dots, qv, kv, qi, kj):
+    def logit(dots, qv, kv, qi, kj, tables):
         out = score_fn.fn(dots, qi, kj) if score_fn is not None else dots[0] * scale
-        return out + bias_fn.fn(qv, kv, qi, kj) if bias_fn is not None else out
+        return out + bias_fn.fn({**qv, **tables}, kv, qi, kj) if bias_fn is not None else out
 
     def settings(backend: str, interpret: bool) -> _Static:
         if interpret and block_size:
@@ -424,10 +446,10 @@ def fused_attention(q, k, v, *, bias_fn: Bias | None = None, score_fn: Score | N
 
     seg = jnp.zeros((b, t), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
     q_values = {n: x[:, q_offset:q_offset + t] for n, x in values.items()}
-    return per_platform(settings, _padded, (q_parts, k_parts, v, q_values, values, seg), interpret, platform)
+    return per_platform(settings, _padded, (q_parts, k_parts, v, q_values, values, tables, seg), interpret, platform)
 
 
-def _padded(st: _Static, q_parts, k_parts, v, q_values, k_values, seg):
+def _padded(st: _Static, q_parts, k_parts, v, q_values, k_values, tables, seg):
     """The kernel on inputs padded to st's tiles (and head parts to a power of two >= 16)."""
     b, t = seg.shape
     s, d = v.shape[1], v.shape[-1]
@@ -441,7 +463,7 @@ def _padded(st: _Static, q_parts, k_parts, v, q_values, k_values, seg):
     seg_k = seg if s == t else jnp.zeros((b, s), jnp.int32)
     arrays = {"q": {"parts": tuple(layout(x, tp) for x in q_parts),
                     "values": {n: jnp.swapaxes(_pad_to(x, 1, tp), 1, 2)[..., None] for n, x in q_values.items()},
-                    "seg": _pad_to(seg, 1, tp)[:, None, :, None]},
+                    "tables": tables, "seg": _pad_to(seg, 1, tp)[:, None, :, None]},
               "k": {"parts": tuple(layout(x, sp) for x in k_parts), "v": layout(v, sp),
                     "values": {n: jnp.swapaxes(_pad_to(x, 1, sp), 1, 2)[:, :, None] for n, x in k_values.items()},
                     "seg": _pad_to(seg_k, 1, sp)[:, None, None, :]}}

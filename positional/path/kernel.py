@@ -488,6 +488,8 @@ def refusal(bias_fn, k, platform: str, chunk: int | None = None) -> str | None:
     if bias_fn is not None and not isinstance(bias_fn, Bias):
         return (f"bias_fn must be a positional.logits.Bias (a function of per-slot values) to be fused; "
                 f"got {type(bias_fn).__name__}")
+    if bias_fn is not None and bias_fn.tables:
+        return f"its bias reads per-head tables ({', '.join(bias_fn.tables)}), which this kernel does not take"
     if platform == "tpu":
         c = chunk or DEFAULT_CHUNK["tpu"]
         need = _resident(-(-k.shape[1] // c) * c, max(16, pl.next_power_of_2(k.shape[3])), c,

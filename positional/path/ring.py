@@ -65,7 +65,7 @@ def ring_path_attention(q, k, v, w, beta, *, mesh, axis: str = "sequence", bias_
     """
     check_shapes(q, k, v, segment_ids)
     check_transport(k, w, beta)
-    fused = isinstance(bias_fn, Bias)  # its values are the ring's features; the kernel reads them too
+    fused = isinstance(bias_fn, Bias) and not bias_fn.tables  # its values are the ring's features; the kernel reads them too
     if kernel is None and span is not None:
         raise ValueError("PaTH's ring takes span only with kernel (the own shard in two levels)")
     if kernel is not None and bias_fn is not None and not fused:

@@ -479,3 +479,19 @@ def test_an_out_of_line_checkpoint_before_any_good_one_says_none_is_good_yet(tmp
     warning = [line for line in capsys.readouterr().err.splitlines() if "out of line" in line]
     assert warning and warning[0].endswith("saved, but no saved checkpoint is in line with the run yet"), warning
     assert "None" not in warning[0]
+
+
+def test_parameters_renamed_since_the_save_are_one_line_and_nothing_is_set_aside(tiny_run, tmp_path):
+    """A model whose parameter names differ from the checkpoint's (a scheme's learned parameters
+    renamed since the run was saved) is told so in one line naming the first array on each side,
+    not taken for a damaged checkpoint: no checkpoint is skipped or moved."""
+    import pytest
+    config, _ = tiny_run
+    abstract = abstract_params(config)
+    abstract["renamed_embed"] = abstract.pop("embed")
+    before = tree_bytes(config.workdir)
+    with pytest.raises(ValueError) as raised:
+        load_params(config.workdir, abstract)
+    line = str(raised.value)
+    assert "\n" not in line and "step 12" in line and "params/renamed_embed" in line and "params/embed" in line
+    assert tree_bytes(config.workdir) == before

@@ -60,7 +60,8 @@ def test_declared_flags_agree_with_behaviour(name):
     scheme, features = layer_features(name)
     assert not mismatches(scheme, features)
     assert set(scheme.probes) <= set(PROBE_FAMILIES)
-    assert scheme.needs_features == (get_entry(name).features is not None)
+    assert scheme.needs_features == (get_entry(name).features is not None or scheme.has_parameters)
+    assert not (scheme.has_parameters and get_entry(name).features), "parameters and a module: one or the other"
     assert scheme.needs_features == bool(features)
 
 

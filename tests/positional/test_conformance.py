@@ -287,7 +287,8 @@ def test_notebook_call_needs_no_model(scheme):
 # Every registered scheme with a features module whose entry says that module at its
 # initialisation, on a zero input, gives exactly the default features (those whose defaults are
 # drawn from a key say so: PaTH, KERPLE), and a composition.
-AT_INIT = [name for name, entry in REGISTRY.items() if entry.features and entry.features_at_init] + ["rope+fox"]
+AT_INIT = [name for name, entry in REGISTRY.items()
+           if (entry.features or entry.scheme_cls.has_parameters) and entry.features_at_init] + ["rope+fox"]
 
 
 @pytest.mark.parametrize("scheme", AT_INIT)

@@ -15,7 +15,7 @@ from helpers.exported import MOSAIC, TRITON, compiled_for_tpu, lowered
 from models.registry import REGISTRY, Entry, make_scheme
 from positional import kernels
 from positional.kernels.flash import fused_attention
-from positional.logits import Bias, sum_of
+from positional.logits import Bias, lookup, sum_of
 from positional.scheme import Scheme, position_values
 from positional.softmax import reference_attention
 from positional.tapa import tapa_score_fn
@@ -75,6 +75,46 @@ def test_kernel_matches_reference_values_and_gradients(name, dtype, stream):
         assert rel(g, w) < tol
 
 
+def distance_table(table, slope=None):
+    """A Bias reading a per-head table [1, H, n] at the distance, clipped to n - 1 (a learned
+    distance table, T5's without its buckets), plus a per-head slope on the key's position."""
+    n = table.shape[-1]
+
+    def fn(q, k, qi, kj):
+        out = lookup(q["table"], jnp.clip(q.get("position", qi) - k.get("position", kj), 0, n - 1).astype(jnp.int32))
+        return out if slope is None else out + q["slope"] * kj
+
+    return Bias(fn, {} if slope is None else {"slope": slope}, tables={"table": table})
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_per_head_table_is_looked_up_in_the_tiles(stream):
+    """A table read at each pair's distance (more entries than a tile spans) plus a per-head
+    value: the output and the gradients of q, k, v, the table and the value, T = 37, GQA, three
+    segments. `lookup` itself equals numpy's indexing."""
+    b, t, h, kh, d, n = 2, 37, 4, 2, 16, 20
+    ks = jax.random.split(jax.random.key(3), 5)
+    q, k, v = normal(ks[0], (b, t, h, d)), normal(ks[1], (b, t, kh, d)), normal(ks[2], (b, t, kh, d))
+    table, slope = normal(ks[3], (1, h, n)), 0.1 * normal(ks[4], (1, 1, h))
+    seg = jnp.asarray(np.repeat([[0] * 11 + [1] * 20 + [2] * 6], b, 0), jnp.int32)
+    index = np.arange(t)[:, None] - np.arange(t)[None, :]
+    np.testing.assert_array_equal(lookup(table[:, :, None], jnp.asarray(index)),
+                                  np.where((index >= 0) & (index < n), np.asarray(table)[:, :, np.clip(index, 0, n - 1)], 0))
+
+    def attend(impl):
+        def f(q, k, v, table, slope):
+            kw = dict(block_q=8, block_k=16, interpret=True, stream=stream) if impl is fused_attention else {}
+            return impl(q, k, v, bias_fn=distance_table(table, slope), segment_ids=seg, **kw)
+        return f
+
+    args = (q, k, v, table, slope)
+    assert rel(jax.jit(attend(fused_attention))(*args), attend(reference_attention)(*args)) < 1e-5
+    grads = jax.jit(jax.grad(loss(attend(fused_attention)), range(5)))(*args)
+    want = jax.grad(loss(attend(reference_attention)), range(5))(*args)
+    for g, w in zip(grads, want):
+        assert rel(g, w) < 1e-5
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_query_offset_prefill(stream):
     """Queries at q_offset 16 of 21 keys (a prefill after 16 cached tokens), with a bias."""
@@ -124,7 +164,8 @@ LOWERED = {"plain": lambda t: (None, None),
            "kerple": lambda t: (make_scheme("kerple_log", num_heads=4, head_dim=128).bias_fn(
                {"kerple_r1": jnp.ones(4), "kerple_r2": jnp.ones(4)}, jnp.arange(t)[None]), None),
            "tapa+alibi": lambda t: (make_scheme("alibi", num_heads=4, head_dim=128).bias_fn(None, None),
-                                    tapa_score_fn(128))}
+                                    tapa_score_fn(128)),
+           "table": lambda t: (distance_table(jnp.ones((1, 4, 32))), None)}
 
 
 @pytest.mark.parametrize("platform,call", [("cuda", TRITON), ("tpu", MOSAIC)])
