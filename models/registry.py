@@ -29,6 +29,7 @@ from positional.prope import PRope
 from positional.rope import Rope
 from positional.scheme import Scheme
 from positional.so2 import SO2
+from positional.t5 import T5Bias
 from positional.tapa import Tapa
 
 
@@ -211,6 +212,8 @@ register("path_fox", Entry(Path, features=HouseholderVectors, compose=("fox",), 
                                "(`path+fox`: FoX's, q^T P k / sqrt(D) + F_i - F_j)"))
 register("kerple_log", Entry(KerpleLog, features_at_init=False,
                              doc="KERPLE-log: learned bias -r1 log(1 + r2 distance), r1, r2 > 0 per head"))
+register("t5", Entry(T5Bias, doc="T5's relative bias: a learned per-head table (from 0) read at the distance's bucket, "
+                                 "one per distance below `num_buckets` / 2, then log-spaced to `max_distance`"))
 register("p_rope", Entry(PRope, doc="p-RoPE: RoPE whose lowest-frequency pairs do not rotate (the highest "
                                    "`fraction` p of frequencies kept; 1 is RoPE, 0 NoPE)"))
 register("rope_lm_infinite", Entry(LMInfinite, fixed={"rotate_values": False},
