@@ -37,8 +37,8 @@ the SymbolSoup ablation).
 
 Sessa's feedback solve is the blocked one (`model.mixer_options.solve="blocked"`, blocks of 128;
 positional/feedback.py): the same values as the dense solve the results before 2026-11-24 used
-(`--config.model.mixer_options.solve=reference`) to fp32 rounding, and 1.6x faster per step
-at 600 tokens on the 2-core CPU.
+(`--config.model.mixer_options.solve=reference`) to fp32 rounding, and faster (benchmarks/RESULTS.md,
+"Sessa feedback solve: dense vs blocked").
 """
 
 from configs import default, parse_arg
@@ -64,7 +64,7 @@ def get_config(arg: str | None = None):
     c = default.get_config("rope")  # the forward branch's transport (Sessa's and the Transformer's)
     c.seed = seed
     c.model.update(mixer=mixer, d_model=WIDTHS[mixer], num_layers=2, num_heads=4, qkv_bias=True, init="torch")
-    if mixer == "sessa":  # the blocked solve: equal to the dense one to fp32 rounding, 1.6x faster at 600 tokens
+    if mixer == "sessa":  # the blocked solve: equal to the dense one to fp32 rounding, faster (docstring)
         c.model.mixer_options.update(solve="blocked", solve_block=128)
     c.batch_size = 16
     c.train.update(steps=STEPS[task], warmup_steps=50, lr=3e-3, log_every=50, checkpoint_every=500)

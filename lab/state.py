@@ -160,8 +160,8 @@ def init_state(config, vocab_size: int, mesh, *, abstract: bool = False):
     into); rest, small, is built either way.
 
     The concrete state is built eagerly, then placed. Under jit, XLA fuses the initialisers'
-    arithmetic and the parameters move by an ulp (measured: up to 6e-8 on weights of size
-    0.6), which would change every committed result; an eager build keeps them bit for bit.
+    arithmetic and the parameters move by an ulp, which would change every committed result; an
+    eager build keeps them bit for bit.
     """
     cfg = model_config(config, vocab_size)
     tx, schedule = make_optimizer(config.train)

@@ -127,7 +127,7 @@ def test_path_ring_off_a_sequence_mesh_is_the_chunked_form():
     np.testing.assert_array_equal(got, want)
 
 
-GENERIC = ["nope", "rope", "alibi", "tapa", "so2_random_qk", "so2_learned_qkv+alibi", "espr"]
+GENERIC = ["nope", "rope", "alibi", "tapa", "so2_random_qk", "so2_learned_qkv+alibi", "espr", "rope+t5"]
 
 
 @pytest.mark.slow
