@@ -79,6 +79,14 @@ CLAIMS = [
      "sweep_demo_fast.json", "alibi/fast", "rope/fast", "ratio", 2048, 128, "negative"),
     ("sweep.md", "sweep-fox-alibi-train", "demo-fast model, 400 steps: FoX lower perplexity than ALiBi at the training "
      "length", "sweep_demo_fast.json", "fox/fast", "alibi/fast", "ppl", 128, None, "negative"),
+    ("sessa.md", "sessa-mqar-transformer-5", "Sessa: higher Diffuse MQAR accuracy than the Transformer (5 new seeds)",
+     "sessa_mqar_sweep5.json", "mqar/sessa", "mqar/transformer", "acc", "all", None, "positive"),
+    ("sessa.md", "sessa-mqar-nofb-5", "Sessa: higher Diffuse MQAR accuracy than its no-feedback ablation (5 new seeds)",
+     "sessa_mqar_sweep5.json", "mqar/sessa", "mqar/sessa_nofb", "acc", "all", None, "positive"),
+    ("sessa.md", "sessa-lm-transformer-5", "LM: the Transformer better than Sessa (the paper's claim; 5 new seeds, 8 "
+     "documents)", "sessa_lm_sweep5.json", "lm/sessa", "lm/transformer", "ppl", 128, None, "positive"),
+    ("sessa.md", "sessa-lm-nofb-5", "LM: removing Sessa's feedback helps (the paper's claim; 5 new seeds, 8 documents)",
+     "sessa_lm_sweep5.json", "lm/sessa_nofb", "lm/sessa", "ppl", 128, None, "negative"),
 ]
 
 
