@@ -11,11 +11,14 @@ and values [seed, column]) seed by seed, on one measure:
   ppl    log perplexity at a length
   acc    accuracy (absolute)
 and states the sign of A - B it claims. Log measures are shown as A / B - 1 (a relative change).
+Where the json holds each seed's documents (seeds.py's per_document), a second interval takes the
+evaluation documents as the sample instead: each document's A - B (its own log perplexity, or
+log ratio, averaged over the seeds), Student's t over the documents. A claim that holds for the
+text as well as for the seeds is supported in both.
 Against the papers: docs/results/paper_claims.json says, per claim id, what the paper reports on
 the same comparison (where, a verbatim quote to find it by, the direction against the claim:
 "same", "opposite" or "none" where the paper has no such result), rendered as a second table
-beside our verdict. The number of evaluation documents per length and a bootstrap over
-documents are not in the ledger yet.
+beside our verdict.
 """
 
 from __future__ import annotations
@@ -102,6 +105,23 @@ def per_seed(data: dict, arm: str, measure: str, column, train_len) -> dict[int,
     return dict(zip(rec["seeds"], at.tolist()))
 
 
+def per_document(data: dict, arm: str, measure: str, column, train_len) -> dict[int, np.ndarray] | None:
+    """{seed: the measure per document} of one arm (log perplexity, or log ratio to the training
+    length, of each document's own targets), or None where the json has no documents (or the
+    measure is an accuracy)."""
+    rec, columns = data["arms"][arm], [str(c) for c in data["columns"]]
+    if measure == "acc" or "per_document" not in rec:
+        return None
+
+    def log_ppl(seed_docs, at):
+        docs = np.asarray(seed_docs[columns.index(str(at))], float)  # [document, (summed NLL, targets)]
+        return docs[:, 0] / docs[:, 1]
+
+    at = [log_ppl(docs, column) - (log_ppl(docs, train_len) if measure == "ratio" else 0.0)
+          for docs in rec["per_document"]]
+    return dict(zip(rec["seeds"], at))
+
+
 def row(claim) -> dict:
     page, name, text, source, a, b, measure, column, train_len, sign = claim
     with open(os.path.join(HERE, source)) as f:
@@ -109,8 +129,13 @@ def row(claim) -> dict:
     x, y = (per_seed(data, arm, measure, column, train_len) for arm in (a, b))
     seeds = sorted(set(x) & set(y))
     interval = paired([x[s] for s in seeds], [y[s] for s in seeds])
-    return {"page": page, "id": name, "claim": text, "source": source, "a": a, "b": b, "measure": measure,
-            "column": column, "seeds": seeds, **interval, "verdict": verdict(interval, sign)}
+    out = {"page": page, "id": name, "claim": text, "source": source, "a": a, "b": b, "measure": measure,
+           "column": column, "seeds": seeds, **interval, "verdict": verdict(interval, sign)}
+    docs = [per_document(data, arm, measure, column, train_len) for arm in (a, b)]
+    if all(d is not None for d in docs):  # each document's difference, averaged over the seeds
+        texts = paired(*(np.mean([d[s] for s in seeds], axis=0) for d in docs))
+        out["documents"] = {**texts, "verdict": verdict(texts, sign)}
+    return out
 
 
 def shown(value: float, measure: str) -> str:
@@ -135,20 +160,29 @@ def ledger() -> str:
         "Student's t over the seeds' paired differences (of the logs for ratio and ppl). Verdict: "
         "**supported** where the interval lies wholly on the side the page claims, **contradicted** where "
         "wholly on the other, else **not resolved**. With 3 seeds the same sign in every seed happens 25% of "
-        "the time with no effect at all; it is shown, not used.",
+        "the time with no effect at all; it is shown, not used. `over documents`, where the json holds each "
+        "seed's evaluation documents: the same rule with the documents as the sample (each document's A - B "
+        "averaged over the seeds, Student's t over the documents), whether the difference holds across the "
+        "text scored; '-' where there are none (older tables, accuracies).",
         "",
         "| page | id | claim | A vs B | measure at | seeds | A vs B (mean) | 95% interval | p | same sign in every seed "
-        "| verdict |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| verdict | over documents: 95% interval | over documents: verdict |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
+        d = r.get("documents")
+        texts = (f"{d['n']} documents: {shown(d['low'], r['measure'])} to {shown(d['high'], r['measure'])} | "
+                 f"{d['verdict']}") if d else "- | -"
         lines.append(
             f"| {r['page']} | {r['id']} | {r['claim']} | {r['a']} vs {r['b']} | {r['measure']} at {r['column']} | "
             f"{', '.join(map(str, r['seeds']))} | {shown(r['mean'], r['measure'])} | "
             f"{shown(r['low'], r['measure'])} to {shown(r['high'], r['measure'])} | {r['p']:.3f} | "
-            f"{'yes' if r['same_sign'] else 'no'} | {r['verdict']} |")
+            f"{'yes' if r['same_sign'] else 'no'} | {r['verdict']} | {texts} |")
     counts = {v: sum(r["verdict"] == v for r in rows) for v in ("supported", "not resolved", "contradicted")}
-    lines += ["", f"{len(rows)} comparisons: " + ", ".join(f"{n} {v}" for v, n in counts.items()) + ".", ""]
+    both = [r for r in rows if "documents" in r]
+    lines += ["", f"{len(rows)} comparisons: " + ", ".join(f"{n} {v}" for v, n in counts.items()) + ". "
+              f"{len(both)} with documents, of which supported over the seeds and over the documents alike: "
+              f"{sum(r['verdict'] == r['documents']['verdict'] == 'supported' for r in both)}.", ""]
     return "\n".join(lines + against_papers(rows))
 
 

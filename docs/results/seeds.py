@@ -10,7 +10,10 @@ add seeds to a committed table). Several sources merge; they must have the same 
 measure and axis, and no arm's seed may come twice. Prints the
 markdown table (means, then every seed; an arm of one seed gets its value, no interval; '-'
 where a task does not fit the length), writes the json (per arm: seeds, values [seed, column],
-null for '-') and, with a .png last, the plot with error bars (`draw`).
+null for '-'; and where every seed's report scored documents one by one, eval.py's
+`documents` option, per_document [seed, column, document] = [summed NLL, targets], which
+docs/results/claims.py reads for its intervals over documents) and, with a .png last, the plot
+with error bars (`draw`).
 
     python docs/results/seeds.py SOURCE.json [SOURCE.json ...] docs/results/X.json [docs/results/X.png]
     python docs/results/seeds.py runs/*/seed*/metrics.jsonl docs/results/X_curves.json X_curves.png
@@ -34,14 +37,17 @@ def arm_and_seed(name: str) -> tuple[str, int]:
     return arm.replace("_plus_", "+"), int(seed or 0)
 
 
-def arms(results: dict) -> tuple[list, str, str, dict]:
-    """(columns, measure, axis, {arm: {seed: [value per column, None where none]}}) of one source."""
+def arms(results: dict) -> tuple[list, str, str, dict, dict]:
+    """(columns, measure, axis, {arm: {seed: [value per column, None where none]}}, {arm: {seed:
+    [per column: [[summed NLL, targets] per document]]}} where the source has them) of one source."""
     if "arms" in results:
         task = results["columns"][0] == "all"
         measure = results.get("measure", "accuracy" if task else "perplexity per byte")
         return results["columns"], measure, results.get("axis", LAG if task else LENGTH), {
-            arm: dict(zip(rec["seeds"], rec["values"])) for arm, rec in results["arms"].items()}
-    out, columns, measure = {}, results["lengths"], "perplexity per byte"
+            arm: dict(zip(rec["seeds"], rec["values"])) for arm, rec in results["arms"].items()}, {
+            arm: dict(zip(rec["seeds"], rec["per_document"])) for arm, rec in results["arms"].items()
+            if "per_document" in rec}
+    out, documents, columns, measure = {}, {}, results["lengths"], "perplexity per byte"
     for name, run in results["runs"].items():
         arm, seed = (run["arm"], run["seed"]) if run.get("arm") else arm_and_seed(name)
         if "tasks" in run:  # a retrieval report
@@ -54,9 +60,12 @@ def arms(results: dict) -> tuple[list, str, str, dict]:
             columns = ["all", *task["by_group"]]
             values = [task["accuracy"], *task["by_group"].values()]
         else:
-            values = [{x["length"]: x["ppl"] for x in run["results"]}[n] for n in columns]
+            at = {x["length"]: x for x in run["results"]}
+            values = [at[n]["ppl"] for n in columns]
+            if all("per_document" in at[n] for n in columns):
+                documents.setdefault(arm, {})[seed] = [at[n]["per_document"] for n in columns]
         out.setdefault(arm, {})[seed] = values
-    return columns, measure, LAG if measure == "accuracy" else LENGTH, out
+    return columns, measure, LAG if measure == "accuracy" else LENGTH, out, documents
 
 
 def curve(path: str) -> tuple[list, str, str, dict]:
@@ -74,14 +83,14 @@ def curve(path: str) -> tuple[list, str, str, dict]:
     arm, seed = ((saved["arm"], saved["seed"]) if saved.get("arm") else
                  arm_and_seed("/".join(os.path.normpath(path).split(os.sep)[-3:-1])))
     measure = "accuracy" if key == "lengths/accuracy" else "perplexity per byte at the longest length"
-    return list(by_step), measure, STEP, {arm: {seed: list(by_step.values())}}
+    return list(by_step), measure, STEP, {arm: {seed: list(by_step.values())}}, {}
 
 
-def merged(sources: list[str]) -> tuple[list, str, str, dict]:
+def merged(sources: list[str]) -> tuple[list, str, str, dict, dict]:
     """`arms` (or `curve`) of every source together; SystemExit, one line, where they do not fit."""
-    first, groups = None, {}
+    first, groups, documents = None, {}, {}
     for source in sources:
-        *kind, found = curve(source) if source.endswith(".jsonl") else arms(json.load(open(source)))
+        *kind, found, scored = curve(source) if source.endswith(".jsonl") else arms(json.load(open(source)))
         if first is not None and kind != first:
             raise SystemExit(f"{source}: its columns {kind[0]} ({kind[1]} by {kind[2]}) differ from "
                              f"{sources[0]}'s {first[0]} ({first[1]} by {first[2]}); merge only like with like")
@@ -91,7 +100,9 @@ def merged(sources: list[str]) -> tuple[list, str, str, dict]:
                 raise SystemExit(f"{source}: arm {arm} seed {min(twice)} is also in an earlier source; "
                                  "give each seed of an arm once")
             groups.setdefault(arm, {}).update(seeds)
-    return *first, groups
+        for arm, seeds in scored.items():
+            documents.setdefault(arm, {}).update(seeds)
+    return *first, groups, documents
 
 
 def spread(values: np.ndarray) -> np.ndarray:
@@ -106,7 +117,7 @@ def cell(mean: float, std: float, seeds: int) -> str:
 def main(*args: str) -> None:
     plot = args[-1] if args[-1].endswith(".png") else ""
     *sources, target = args[:-1] if plot else args
-    columns, measure, axis, groups = merged(sources)
+    columns, measure, axis, groups, documents = merged(sources)
     out = {"columns": columns, "measure": measure, "axis": axis, "arms": {}}
     means = ["| run | " + " | ".join(map(str, columns)) + " |", "|---|" + "---|" * len(columns)]
     each = []
@@ -114,6 +125,8 @@ def main(*args: str) -> None:
         values = np.array([seeds[s] for s in sorted(seeds)], float)  # None -> nan
         out["arms"][arm] = {"seeds": sorted(seeds), "values": [[None if np.isnan(v) else v for v in row]
                                                               for row in values.tolist()]}
+        if set(documents.get(arm, {})) == set(seeds):  # every seed scored document by document
+            out["arms"][arm]["per_document"] = [documents[arm][s] for s in sorted(seeds)]
         means.append(f"| {arm} (seeds {', '.join(map(str, sorted(seeds)))}) | "
                      + " | ".join(cell(m, s, len(values)) for m, s in zip(values.mean(0), spread(values))) + " |")
         each += [f"| {arm} seed {s} | " + " | ".join(cell(x, 0, 1) for x in row) + " |"

@@ -57,14 +57,14 @@ def test_a_sweep_trains_every_arm_and_seed_once_and_resumes_and_reports_group_by
 
     report = evaluate_runs(workdirs, log=lambda _: None)
     assert {(r["arm"], r["seed"]) for r in report["runs"].values()} == {(a, s) for a in ("rope", "alibi") for s in (0, 1)}
-    _, _, _, arms = seeds_script().arms(report)
+    _, _, _, arms, _ = seeds_script().arms(report)
     assert {arm: sorted(by_seed) for arm, by_seed in arms.items()} == {"rope": [0, 1], "alibi": [0, 1]}
 
 
 def test_seeds_reads_arm_and_seed_from_the_report_before_the_run_name():
     runs = {name: {"arm": arm, "seed": seed, "results": [{"length": 64, "ppl": ppl}]}
             for name, arm, seed, ppl in [("x", "rope", 0, 5.0), ("y", "rope", 4, 6.0), ("z_s9", "", 0, 7.0)]}
-    _, _, _, arms = seeds_script().arms({"lengths": [64], "runs": runs})
+    _, _, _, arms, _ = seeds_script().arms({"lengths": [64], "runs": runs})
     assert arms == {"rope": {0: [5.0], 4: [6.0]}, "z": {9: [7.0]}}
 
 

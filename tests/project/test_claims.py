@@ -139,3 +139,28 @@ def test_every_claim_has_one_paper_row():
         assert p["direction"] == "none" or (p["paper"] and p["where"] and p["paper_says"]), p["id"]
     assert claims.agreement("same", "contradicted") == "disagrees" and claims.agreement("opposite", "supported") == (
         "disagrees") and claims.agreement("same", "supported") == "agrees"
+
+
+def test_the_interval_over_documents_pairs_documents_and_averages_the_seeds(tmp_path, monkeypatch):
+    """Where a json holds each seed's documents, a claim also gets Student's t over the documents
+    of each document's A - B averaged over the seeds: B's documents 0.1 nats above A's in every
+    seed (whatever the seed adds) give exactly 0.1 with no width, in log perplexity and in the log
+    ratio to the training length alike; a json without documents gives none."""
+    claims = load_claims()
+    rng = np.random.default_rng(0)
+    n = np.full((3, 2, 4), 100.0)  # [seed, column, document] targets
+    nll_a = rng.uniform(1, 3, (3, 2, 4)) * n + rng.normal(0, 50, (3, 1, 1))  # each seed shifts every document
+    nll_b = nll_a + 0.1 * n * np.array([1.0, 2.0])[None, :, None]  # 0.1 nats at column 0, 0.2 at column 1
+    arm = lambda nll: {"seeds": [0, 1, 2], "values": np.exp(nll.sum(2) / n.sum(2)).tolist(),  # noqa: E731
+                       "per_document": np.stack([nll, n], -1).tolist()}
+    (tmp_path / "docs.json").write_text(json.dumps({"columns": [128, 512], "arms": {"a": arm(nll_a), "b": arm(nll_b)}}))
+    monkeypatch.setattr(claims, "HERE", str(tmp_path))
+    ppl = claims.row(("x.md", "x", "b worse", "docs.json", "b", "a", "ppl", 128, None, "positive"))
+    ratio = claims.row(("x.md", "y", "b degrades more", "docs.json", "b", "a", "ratio", 512, 128, "positive"))
+    for r, want in ((ppl, 0.1), (ratio, 0.1)):
+        d = r["documents"]
+        assert d["n"] == 4 and d["mean"] == pytest.approx(want) and d["low"] == pytest.approx(d["high"])
+        assert d["verdict"] == "supported"
+    (tmp_path / "plain.json").write_text(json.dumps({"columns": [128], "arms": {k: {"seeds": [0, 1, 2], "values": [[1.0], [2.0], [3.0]]}
+                                                                             for k in "ab"}}))
+    assert "documents" not in claims.row(("x.md", "z", "-", "plain.json", "a", "b", "ppl", 128, None, "positive"))

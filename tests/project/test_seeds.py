@@ -40,6 +40,25 @@ def test_seeds_groups_runs_by_arm_and_gives_mean_and_sample_std(tmp_path, capsys
     assert (tmp_path / "out.png").stat().st_size > 0
 
 
+def test_seeds_keeps_each_seeds_documents_where_every_seed_has_them(tmp_path):
+    """Reports scored document by document (eval.py's documents option) leave each seed's
+    [summed NLL, targets] per document in the json, per column, and keep them when the json is
+    a source again; an arm with a seed lacking them gets none."""
+    rows = lambda x: [[x, 10], [2 * x, 20]]  # noqa: E731
+    source = report({"rope_s0": [5.0, 6.0], "rope_s1": [7.0, 9.0], "alibi_s0": [6.0, 6.5], "alibi_s1": [6.0, 7.5]})
+    for name, run in source["runs"].items():
+        for r in run["results"]:
+            if name != "alibi_s1":
+                r["per_document"] = rows(r["ppl"])
+    (tmp_path / "results.json").write_text(json.dumps(source))
+    load().main(str(tmp_path / "results.json"), str(tmp_path / "out.json"))
+    out = json.loads((tmp_path / "out.json").read_text())
+    assert out["arms"]["rope"]["per_document"] == [[rows(5.0), rows(6.0)], [rows(7.0), rows(9.0)]]
+    assert "per_document" not in out["arms"]["alibi"]
+    load().main(str(tmp_path / "out.json"), str(tmp_path / "again.json"))
+    assert json.loads((tmp_path / "again.json").read_text()) == out
+
+
 def retrieval_report(runs: dict) -> dict:
     """A retrieval_merge.py report: {name: {task: {length: [accuracy at depth 0, at depth 1]}}}."""
     return {"lengths": [128, 256], "runs": {name: {"tasks": {task: {
