@@ -130,6 +130,10 @@ def make_scheme(name: str, *, num_heads: int, head_dim: int, **options) -> Schem
     first, *added = name.split("+")
     entry = get_entry(first)
     added = [*entry.compose, *added]
+    twice = sorted({p for p in added if [first, *added].count(p) > 1})
+    if twice:
+        raise ValueError(f"{name!r} has {', '.join(map(repr, twice))} twice (counting the parts {first!r} composes: "
+                         f"{', '.join(entry.compose) or 'none'}); each part may appear once")
     fields = _options(entry)
     part_fields = {part: _options(get_entry(part)) for part in added}
     unknown = set(options) - fields - set().union(*part_fields.values())

@@ -135,3 +135,20 @@ def test_a_scheme_defining_the_old_method_name_is_told_the_new_one():
     from positional.scheme import Scheme
     with pytest.raises(TypeError, match="defines `attention`, which is called `transformed_attention` now"):
         type("Old", (Scheme,), {"attention": lambda self, *a, **k: None})
+
+
+def test_no_composition_of_registered_schemes_has_two_features_of_one_name():
+    """Feature names are the scheme's own (a composition merges every part's features into one
+    dict, and two parts of one name would read each other's): every registered scheme followed by
+    every bias-only one builds its features, and the parts' names are disjoint."""
+    addable = [n for n, e in REGISTRY.items() if e.scheme_cls.bias_only and not e.compose]
+    names = {n: set(layer_features(n)[1] or {}) for n in REGISTRY}
+    for first, added in ((f, a) for f in REGISTRY for a in addable):
+        parts = [first, *get_entry(first).compose, added]
+        if len(set(parts)) < len(parts):  # a part twice: refused, one line
+            with pytest.raises(ValueError, match="twice") as raised:
+                make_scheme(f"{first}+{added}", num_heads=H, head_dim=D)
+            assert "\n" not in str(raised.value)
+            continue
+        assert not names[first] & names[added], (first, added, names[first] & names[added])  # first: with its composed parts
+    layer_features("path_fox+kerple_log+t5")  # three parts merged: no clash raised
