@@ -8,7 +8,7 @@ Arms: --arms (each the config file's argument), else the file's VARIANTS. Every 
 trains into <out>/<arm>/seed<seed> with the --config.<field>=<value> overrides (as train.py);
 finished runs are skipped and interrupted ones resume, so the same command completes a sweep.
 Then --evals (eval.py's evaluators, run with each run's own eval settings) write their reports
-under <out>/<evaluator>/; `python docs/results/seeds.py <out>/lengths/results.json X.json`
+under <out>/<evaluator>/; `python -m lab.results.seeds <out>/lengths/results.json X.json`
 turns perplexity by length into a table of means and intervals over seeds.
 """
 

@@ -121,7 +121,7 @@ class Run:
     def identity(self) -> dict:
         """What an evaluator's report says of the run: workdir, step, scheme, and the experiment
         arm and seed of its config (lab/sweep.py sets the arm; '' where none was), by which
-        docs/results/seeds.py groups seeds."""
+        lab/results/seeds.py groups seeds."""
         return {"workdir": self.workdir, "step": self.step, "scheme": self.config.model.scheme,
                 "arm": self.config.get("arm", ""), "seed": self.config.seed}
 

@@ -1,5 +1,5 @@
 """Intervals for comparisons over seeds (`paired`) and over evaluation documents (`bootstrap`):
-what the results pages and the claims ledger (docs/results/claims.py) state instead of "the same
+what the results pages and the claims ledger (lab/results/claims.py) state instead of "the same
 sign in every seed", which 3 seeds give 25% of the time when there is no effect."""
 
 from __future__ import annotations

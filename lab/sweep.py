@@ -6,7 +6,7 @@ the arm's config with `seed`, `arm` and the sweep's overrides set, trained into
 <out>/<arm>/seed<seed> with the config's own training loop: a finished run is skipped, an
 interrupted one resumes from its checkpoint, so rerunning a sweep completes it. Each run's
 config.json then holds its arm and seed, which the reports (eval.py's results.json) carry and
-docs/results/seeds.py groups by.
+lab/results/seeds.py groups by.
 """
 
 from __future__ import annotations

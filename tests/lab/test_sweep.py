@@ -1,7 +1,6 @@
 """lab/sweep.py and sweep.py: an experiment's arms x seeds trained as data, skipped when
 finished, resumed when not; reports carry each run's arm and seed from its config."""
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -9,6 +8,7 @@ import pytest
 
 from helpers.tiny_setup import ROOT, cli
 from lab.lengths import evaluate_runs
+from lab.results import seeds
 from lab.sweep import configs, sweep
 from lab.training import train
 
@@ -19,10 +19,7 @@ TINY = {"model.d_model": 32, "model.num_layers": 1, "model.num_heads": 2, "seq_l
 
 
 def seeds_script():
-    spec = importlib.util.spec_from_file_location("seeds", Path(ROOT) / "docs" / "results" / "seeds.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return seeds
 
 
 def test_configs_are_the_arms_configs_with_seed_arm_overrides_and_a_workdir_each(tmp_path):

@@ -1,4 +1,4 @@
-"""The claims ledger (docs/results/claims.py) and its statistics (lab/stats.py)."""
+"""The claims ledger (lab/results/claims.py) and its statistics (lab/stats.py)."""
 
 import glob
 import json
@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 from scipy import stats as scipy_stats
 
+from lab.lengths import evaluate_runs
+from lab.results import claims, documents
 from lab.stats import bootstrap, log_ppl, paired, verdict
 from helpers.tiny_setup import ROOT
 
@@ -19,16 +21,12 @@ TAG = re.compile(r"\[claim ([a-z0-9-]+): (supported|not resolved|contradicted)\]
 
 
 def load_claims():
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("claims", os.path.join(RESULTS, "claims.py"))
-    claims = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(claims)
     return claims
 
 
 def test_the_committed_ledger_is_what_the_script_writes_from_the_committed_json():
     with open(os.path.join(RESULTS, "claims.md")) as f:
-        assert f.read() == load_claims().ledger(), "rerun: python docs/results/claims.py"
+        assert f.read() == load_claims().ledger(), "rerun: python -m lab.results.claims"
 
 
 def test_every_page_states_the_ledgers_verdicts():
@@ -102,14 +100,9 @@ def test_bootstrap_over_documents_agrees_with_the_normal_interval_and_keeps_arms
 
 
 def test_intervals_over_documents_from_an_eval_report(tiny_run):
-    """docs/results/documents.py on a report made with documents=N: each run's perplexity with
+    """lab/results/documents.py on a report made with documents=N: each run's perplexity with
     its interval (the mean is the report's own), and a run against the base paired by document;
     a report made without it is one line."""
-    import importlib.util
-    from lab.lengths import evaluate_runs
-    spec = importlib.util.spec_from_file_location("documents", os.path.join(RESULTS, "documents.py"))
-    documents = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(documents)
     config, _ = tiny_run
     report = evaluate_runs([config.workdir], tokens=300, documents=5, log=lambda *_: None)
     worse = json.loads(json.dumps(report["runs"]["rope"]))

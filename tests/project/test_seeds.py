@@ -1,20 +1,16 @@
-"""docs/results/seeds.py: the mean +- std tables of the results pages, from an eval report."""
+"""lab/results/seeds.py: the mean +- std tables of the results pages, from an eval report."""
 
-import importlib.util
 import json
 import re
 from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "docs" / "results" / "seeds.py"
+from lab.results import PAGES, seeds
 
 
 def load():
-    spec = importlib.util.spec_from_file_location("seeds", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return seeds
 
 
 def report(runs: dict) -> dict:
@@ -166,7 +162,7 @@ def test_the_pages_tables_of_means_regenerate_from_their_json(capsys):
     """Every row of seeds.py's table of means on a results page ('| arm (seeds 0, 1, ...) | ...',
     its arm perhaps renamed for the page) is what seeds.py prints today from a json that page
     names: the committed numbers come back from the committed json, digit for digit."""
-    seeds, results = load(), SCRIPT.parent
+    seeds, results = load(), Path(PAGES)
 
     def numbers(row: str) -> str:  # the seeds and the cells, without the arm's name
         return row[row.index(" (seeds "):]

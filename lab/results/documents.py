@@ -3,10 +3,10 @@ length's `per_document` [summed NLL, targets]), each run's perplexity at every l
 percentile bootstrap over the documents, and each run against a base run: its perplexity and its
 degradation (perplexity at a length over the training length's) relative to the base's, paired
 by document (`lab.stats.bootstrap`: the same documents resampled for both runs and both lengths).
-One seed: the intervals cover which text was scored, not training noise (docs/results/claims.py
+One seed: the intervals cover which text was scored, not training noise (lab/results/claims.py
 covers seeds).
 
-    python docs/results/documents.py runs/demo/compare/results.json --base rope [--json X.json]
+    python -m lab.results.documents runs/demo/compare/results.json --base rope [--json X.json]
 """
 
 from __future__ import annotations
@@ -20,9 +20,6 @@ from absl import app, flags
 
 from lab.stats import bootstrap, log_ppl
 
-flags.DEFINE_string("base", "", "the run the others are compared with (default: the first)")
-flags.DEFINE_integer("resamples", 10_000, "bootstrap resamples")
-flags.DEFINE_string("json", "", "also write the rows here")
 FLAGS = flags.FLAGS
 
 
@@ -75,7 +72,7 @@ def table(rows: list[dict], base: str, documents: int) -> str:
 
 def main(argv):
     if len(argv) != 2:
-        sys.exit("usage: python docs/results/documents.py REPORT.json [--base RUN] [--json OUT.json]")
+        sys.exit("usage: python -m lab.results.documents REPORT.json [--base RUN] [--json OUT.json]")
     with open(argv[1]) as f:
         report = json.load(f)
     try:
@@ -88,5 +85,8 @@ def main(argv):
             json.dump({"documents": report.get("documents"), "rows": rows}, f, indent=1)
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # its flags only for the command: importing the module defines none
+    flags.DEFINE_string("base", "", "the run the others are compared with (default: the first)")
+    flags.DEFINE_integer("resamples", 10_000, "bootstrap resamples")
+    flags.DEFINE_string("json", "", "also write the rows here")
     app.run(main)

@@ -12,19 +12,19 @@ markdown table (means, then every seed; an arm of one seed gets its value, no in
 where a task does not fit the length), writes the json (per arm: seeds, values [seed, column],
 null for '-'; and where every seed's report scored documents one by one, eval.py's
 `documents` option, per_document [seed, column, document] = [summed NLL, targets], which
-docs/results/claims.py reads for its intervals over documents) and, with a .png last, the plot
+lab/results/claims.py reads for its intervals over documents) and, with a .png last, the plot
 with error bars (`draw`).
 
-    python docs/results/seeds.py SOURCE.json [SOURCE.json ...] docs/results/X.json [docs/results/X.png]
-    python docs/results/seeds.py runs/*/seed*/metrics.jsonl docs/results/X_curves.json X_curves.png
+    python -m lab.results.seeds SOURCE.json [SOURCE.json ...] docs/results/X.json [docs/results/X.png]
+    python -m lab.results.seeds runs/*/seed*/metrics.jsonl docs/results/X_curves.json X_curves.png
 """
 
 import json
 import os
 import re
-import sys
 
 import numpy as np
+from absl import app
 
 from lab.retrieval import by_length
 
@@ -115,6 +115,9 @@ def cell(mean: float, std: float, seeds: int) -> str:
 
 
 def main(*args: str) -> None:
+    if len(args) < 2:
+        raise SystemExit("give the sources, then the json to write (and a .png to plot): "
+                         "python -m lab.results.seeds SOURCE.json [...] X.json [X.png]")
     plot = args[-1] if args[-1].endswith(".png") else ""
     *sources, target = args[:-1] if plot else args
     columns, measure, axis, groups, documents = merged(sources)
@@ -174,4 +177,4 @@ def draw(out: dict, path: str):
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    app.run(lambda argv: main(*argv[1:]))

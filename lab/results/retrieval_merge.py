@@ -3,13 +3,14 @@ retrieval.json (per-example records left out), its perplexity (results.json, whe
 had `lengths`), and the in-training retrieval summaries of each run's metrics.jsonl (step,
 exact match, answer log-probability). Writes the json and the two plots, prints the tables.
 
-    python docs/results/retrieval_merge.py docs/results/X runs/a_eval runs/b_eval ...
+    python -m lab.results.retrieval_merge docs/results/X runs/a_eval runs/b_eval ...
     # -> X.json, X.png (exact match against length), X_heatmaps.png (length x depth)
 """
 
 import json
 import os
-import sys
+
+from absl import app
 
 from lab import retrieval
 
@@ -54,4 +55,4 @@ def main(target: str, *evals: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    app.run(lambda argv: main(*argv[1:]))

@@ -4,7 +4,7 @@ within-length control (mean over layers; analyze.py's feature shift), and the pe
 at 64x and 8x the training length (eval.py, within documents); then the Spearman correlation
 across the ten schemes, per seed, and of the seed means.
 
-    python docs/results/position_generalization_seeds.py <analyze out>/analysis.json \
+    python -m lab.results.position_generalization_seeds <analyze out>/analysis.json \
         <eval out>/results.json[,<eval out>/results.json ...] docs/results/position_generalization_seeds.json
 
 With `decompositions` first: the logit decompositions' mean r per model and seed (3-axis and
@@ -13,7 +13,7 @@ json the first form wrote, and the perturbations (every cell's clean and perturb
 the json; printed: three cells as a relative change per seed, and the page's eight cells as the
 change in perplexity, mean +- std over seeds):
 
-    python docs/results/position_generalization_seeds.py decompositions <analyze out>/analysis.json \
+    python -m lab.results.position_generalization_seeds decompositions <analyze out>/analysis.json \
         docs/results/position_generalization_seeds.json docs/results/position_generalization_decomposition_seeds.json
 
 Run names are `<prefix><scheme>_s<seed>` (prefix `acc_` or `pg_` or none); `so2_learned_qk`
@@ -22,9 +22,9 @@ runs, not in the ten, are left out.
 
 import json
 import re
-import sys
 
 import numpy as np
+from absl import app
 from scipy.stats import spearmanr
 
 SCHEMES = ("rope", "rope_qkv", "alibi", "nope", "so2_random_qkv", "so2_learned_qkv", "so2_learned_qkv+alibi",
@@ -124,8 +124,12 @@ def decompositions(analysis: str, shift_json: str, target: str) -> None:
     json.dump(out, open(target, "w"), indent=1)
 
 
-if __name__ == "__main__":
-    if sys.argv[1] == "decompositions":
-        decompositions(*sys.argv[2:])
+def run(argv):
+    if argv[1:2] == ["decompositions"]:
+        decompositions(*argv[2:])
     else:
-        main(*sys.argv[1:])
+        main(*argv[1:])
+
+
+if __name__ == "__main__":
+    app.run(run)
