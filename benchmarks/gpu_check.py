@@ -119,6 +119,8 @@ def check_cases(b, t, h, kh, d) -> dict:
     alibi = make_scheme("alibi", num_heads=h, head_dim=d).bias_fn(None, pos)
     kerple = make_scheme("kerple_log", num_heads=h, head_dim=d).bias_fn(
         {"kerple_r1": jnp.linspace(0.5, 2.0, h), "kerple_r2": jnp.linspace(0.1, 1.0, h)}, pos)
+    t5 = make_scheme("t5", num_heads=h, head_dim=d).bias_fn(
+        {"t5_table": jax.random.normal(jax.random.key(5), (h, 32))}, pos)  # a per-head table, read in the tiles
     key = jax.random.key(3)
 
     def plain(impl, bias=None, **kw):
@@ -145,6 +147,7 @@ def check_cases(b, t, h, kh, d) -> dict:
         "cudnn ALiBi channels, packed": (*plain("cudnn", lambda lf: alibi, segment_ids=seg), False),
         "auto FoX, packed": (*plain("auto", forget_bias, segment_ids=seg), True),
         "pallas KERPLE (hook kernel)": (*plain("pallas", lambda lf: kerple, segment_ids=seg), False),
+        "pallas T5 table (hook kernel)": (*plain("pallas", lambda lf: t5, segment_ids=seg), False),
         "pallas TAPA (hook kernel)": (*scheme("tapa", "pallas"), False),
         "pallas PaTH-FoX (its kernel)": (*scheme("path_fox", "pallas"), False),
         "pallas Sessa solve": (sessa, lambda q, k, v, lf: sessa(q, k, v, lf, impl="reference"), True),
