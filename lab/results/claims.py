@@ -93,6 +93,10 @@ CLAIMS = [
      "documents)", "sessa_lm_sweep5.json", "lm/sessa", "lm/transformer", "ppl", 128, None, "positive"),
     ("sessa.md", "sessa-lm-nofb-5", "LM: removing Sessa's feedback helps (the paper's claim; 5 new seeds, 8 documents)",
      "sessa_lm_sweep5.json", "lm/sessa_nofb", "lm/sessa", "ppl", 128, None, "negative"),
+    ("path.md", "path-rope-64x-5", "PaTH degrades less than RoPE at 64x (5 new seeds, 8 documents)", "path_sweep5.json",
+     "path", "rope", "ratio", 8192, 128, "negative"),
+    ("path.md", "path-fox-rope-64x-5", "PaTH-FoX degrades less than RoPE at 64x (5 new seeds, 8 documents)",
+     "path_sweep5.json", "path_fox", "rope", "ratio", 8192, 128, "negative"),
 ]
 
 
