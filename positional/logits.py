@@ -16,9 +16,9 @@ A scheme that changes the logit says how from a few numbers per token, never fro
                      [B, S, K, d_i]); fn(dots, qi, kj) combines the tiles dots[i] = q_part_i .
                      k_part_i (fp32) into the logit.
 
-fn uses elementwise operations, broadcasting and `lookup` only (it runs on [B, H, tq, tk] blocks in the
-plain-JAX paths and on [tq, tk] tiles inside the Pallas kernel, positional/kernels/flash.py,
-which differentiates it there), and stays finite on masked pairs (keys after the query), whose
+fn uses elementwise operations, broadcasting and `lookup` only (it runs on [B, H, tq, tk]
+blocks in the plain-JAX paths and on [tq, tk] tiles inside the Pallas kernel,
+positional/kernels/flash.py, which differentiates it there), and stays finite on masked pairs (keys after the query), whose
 logits are discarded. Both are callables with the contracts of positional/softmax.py (BiasFn
 (qi, kj) and ScoreFn (qb, kb, qi, kj)), so the reference, blockwise and ring paths take them as
 they take any bias or score function; the fused kernel takes only these two forms.
@@ -86,9 +86,9 @@ class Bias:
 
 def lookup(table, index):
     """table[..., index]: the entries of a table as fn receives it, [..., 1, n], at integer
-    indices [..., tq, tk] (leading axes broadcast) -> [..., tq, tk] fp32, 0 outside 0..n-1. By n selects, no gather, so the fused kernels
-    evaluate it in their tiles and differentiate it there (each broadcast along one axis: Triton
-    reduces one axis at a time)."""
+    indices [..., tq, tk] (leading axes broadcast) -> [..., tq, tk] fp32, 0 outside 0..n-1.
+    By n selects, no gather, so the fused kernels evaluate it in their tiles and differentiate
+    it there (each broadcast along one axis: Triton reduces one axis at a time)."""
     table = jnp.asarray(table, jnp.float32)
     n = table.shape[-1]
     iota = jax.lax.broadcasted_iota(jnp.int32, table.shape, table.ndim - 1)
