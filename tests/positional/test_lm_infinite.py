@@ -160,7 +160,7 @@ def test_zero_shot_on_a_trained_rope_run(tiny_run):
     with pytest.raises(ValueError) as raised:
         with_scheme(run, "kerple_log")
     assert str(raised.value) == (f"{config.workdir}: scheme 'kerple_log' does not fit the run's parameters (it "
-                                 "needs blocks/0/attn/features/r1 (2,), which the run lacks); a zero-shot "
+                                 "needs blocks/0/attn/features/kerple_r1 (2,), which the run lacks); a zero-shot "
                                  "scheme must take them as they are")
 
 
