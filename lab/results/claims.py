@@ -97,6 +97,10 @@ CLAIMS = [
      "path", "rope", "ratio", 8192, 128, "negative"),
     ("path.md", "path-fox-rope-64x-5", "PaTH-FoX degrades less than RoPE at 64x (5 new seeds, 8 documents)",
      "path_sweep5.json", "path_fox", "rope", "ratio", 8192, 128, "negative"),
+    ("sweep.md", "sweep-t5-rope-16x", "demo-fast model, 400 steps: T5's bucketed bias degrades less than RoPE at 16x",
+     "sweep_demo_fast_t5.json", "t5/fast", "rope/fast", "ratio", 2048, 128, "negative"),
+    ("sweep.md", "sweep-alibi-t5-16x", "demo-fast model, 400 steps: ALiBi degrades less than T5's bucketed bias at 16x",
+     "sweep_demo_fast_t5.json", "alibi/fast", "t5/fast", "ratio", 2048, 128, "negative"),
 ]
 
 
