@@ -82,8 +82,10 @@ test-quick: lint
 	@echo "test-quick leaves out: $(QUICK_SKIP), and the TPU compiles and the GPU check elsewhere (make test runs them)"
 	$(PY) -m pytest -q -n 2 $(foreach m,$(QUICK_SKIP),--ignore=tests/$(m).py) $(QUICK_DESELECT)
 
+# The older JAX keeps its own compilation cache: entries one release wrote were seen to abort the
+# other's cache read (a worker of `make test` crashed in it, twice, after a `make test-min`).
 test-min: $(MIN_STAMP)
-	$(MIN_VENV)/bin/python -m pytest -q -n 2 $(MIN_TESTS)
+	JAX_COMPILATION_CACHE_DIR=$(JAX_COMPILATION_CACHE_DIR)-min $(MIN_VENV)/bin/python -m pytest -q -n 2 $(MIN_TESTS)
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow
