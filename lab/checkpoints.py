@@ -111,15 +111,31 @@ def merged(a: dict, b: dict) -> dict:
     return {**a, **{k: merged(a[k], v) if k in a and isinstance(v, dict) else v for k, v in b.items()}}
 
 
+def _glibc(call: str, *args) -> None:
+    """libc's `call`(*args) where the C library is glibc; nothing elsewhere."""
+    try:
+        getattr(ctypes.CDLL("libc.so.6"), call)(*args)
+    except (OSError, AttributeError):
+        pass
+
+
 def release_freed_memory() -> None:
     """Give the memory the checkpoint reader's threads freed back to the OS (glibc keeps it in
     per-thread arenas, which evaluation then adds to: benchmarks/RESULTS.md, section 'Host memory
-    of loading and evaluating a 1.24B-parameter import'); nothing where the C library is not
-    glibc."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
+    of loading and evaluating a 1.24B-parameter import')."""
+    _glibc("malloc_trim", 0)
+
+
+LARGE_BLOCK = 2 ** 20  # bytes: blocks this large or larger are mapped on their own
+
+
+def unmap_large_blocks_when_freed() -> None:
+    """From now on glibc maps every block of LARGE_BLOCK bytes or more on its own and hands it
+    back to the OS when freed. By default its threshold climbs to 32 MiB as large blocks are
+    freed, and from then on the buffers XLA:CPU allocates while a model is evaluated stay in its
+    heap, fragmented: eval.py on a 1.24B-parameter bf16 import grew by 1 GiB over the scoring
+    step (benchmarks/RESULTS.md, the section above). For processes that hold a loaded model."""
+    _glibc("mallopt", -3, LARGE_BLOCK)  # M_MMAP_THRESHOLD
 
 
 def _paths(tree) -> set:

@@ -33,17 +33,22 @@ class DecoderLM(nnx.Module):
         self.norm = rms_norm(cfg, rngs)
         self.head = None if cfg.tie_embeddings else linear(cfg.d_model, cfg.vocab_size, cfg, rngs)
 
-    def _logits(self, x):
-        x = self.norm(x)
-        if self.head is None:
-            logits = self.embed.attend(x)
+    def project(self, x, entries=None):
+        """The head on normed hidden states, in the compute dtype: [B, T, vocab], or with `entries`
+        (start, size) the logits of those vocabulary entries only (`start` may be traced)."""
+        cut = (lambda w, axis: w) if entries is None else (
+            lambda w, axis: jax.lax.dynamic_slice_in_dim(w, entries[0], entries[1], axis))
+        if self.head is None:  # as nnx.Embed.attend, on the rows asked for
+            x, table = self.embed.promote_dtype((x, cut(self.embed.embedding[...], 0)), dtype=self.embed.dtype)
+            logits = jnp.dot(x, table.T)
             # Scaled, logits start O(1) with unit-variance embeddings; unscaled in HF checkpoints.
             return logits * self.cfg.d_model ** -0.5 if self.cfg.scale_tied_logits else logits
-        return self.head(x)
+        x, kernel = self.head.promote_dtype((x, cut(self.head.kernel[...], 1)), dtype=self.head.dtype)
+        return jnp.dot(x, kernel, precision=self.head.precision)  # as nnx.Linear (no bias), on the columns asked for
 
     def logits(self, x) -> jax.Array:
         """The final norm and the head: hidden states [B, T, d_model] -> logits [B, T, vocab] (float32)."""
-        return constrain(self._logits(x).astype(jnp.float32), ("batch", "sequence", "vocab"))
+        return constrain(self.project(self.norm(x)).astype(jnp.float32), ("batch", "sequence", "vocab"))
 
     def __call__(self, tokens, *, positions=None, segment_ids=None, impl=None, rng=None,
                  key_slots=None, hidden: bool = False) -> jax.Array:
@@ -97,7 +102,7 @@ class DecoderLM(nnx.Module):
         for i, (block, c) in enumerate(zip(self.blocks, cache)):
             x, c = block.decode(x, c, tokens=tokens, rng=_layer_key(rng, i), positions=positions)
             new_cache.append(c)
-        return self._logits(x).astype(jnp.float32), new_cache
+        return self.project(self.norm(x)).astype(jnp.float32), new_cache
 
 
 def _layer_key(rng, layer: int):
@@ -206,18 +211,57 @@ def _generate(graphdef, state, prompt, rng, max_new_tokens, temperature, max_len
     return jnp.concatenate([prompt, tokens.T], axis=1)
 
 
-# Logits of more than this many entries per row ([T, vocab]) are made and scored in chunks of
-# positions: 4,096 x 128,256 in fp32 is 2 GiB a row, most of what evaluating a Llama 3 takes.
+# A vocabulary larger than VOCAB_PER_CHUNK is scored in chunks of about that many entries (a
+# running log-sum-exp), so the [B, T, vocab] logits never exist and the head's weights are
+# read a chunk at a time (XLA:CPU would otherwise widen a whole bf16 embedding to fp32: 1 GiB
+# for Llama 3's). Logits of more than LOGITS_PER_CHUNK entries per row ([T, vocab chunk]) are
+# made and scored in chunks of positions.
+VOCAB_PER_CHUNK = 2 ** 14
 LOGITS_PER_CHUNK = 2 ** 25
+
+
+def vocab_chunk(vocab: int) -> int:
+    """Vocabulary entries per chunk of `token_nll`'s logits: `vocab` (no chunks) up to
+    VOCAB_PER_CHUNK, else the fewest chunks of at most that size, made equal (the last one
+    overlaps the one before where they do not divide the vocabulary)."""
+    chunks = -(-vocab // VOCAB_PER_CHUNK)
+    return -(-vocab // chunks)
 
 
 def logits_chunk(length: int, vocab: int) -> int:
     """Positions per chunk of `token_nll`'s logits: `length` (no chunks) up to LOGITS_PER_CHUNK
-    entries a row, else halved while it is even and above it."""
-    chunk = length
-    while chunk * vocab > LOGITS_PER_CHUNK and chunk % 2 == 0:
+    entries a row of one vocabulary chunk, else halved while it is even and above it."""
+    chunk, entries = length, vocab_chunk(vocab)
+    while chunk * entries > LOGITS_PER_CHUNK and chunk % 2 == 0:
         chunk //= 2
     return chunk
+
+
+def _scored(model: DecoderLM, x, targets):
+    """-log p(targets) [B, t] from hidden states x [B, t, d_model]; a large vocabulary in chunks
+    of `vocab_chunk` entries (a running log-sum-exp), each chunk's logits recomputed in the
+    backward pass."""
+    vocab = model.cfg.vocab_size
+    size = vocab_chunk(vocab)
+    if size == vocab:
+        return -jnp.take_along_axis(jax.nn.log_softmax(model.logits(x)), targets[..., None], axis=-1)[..., 0]
+    x = model.norm(x)
+
+    @jax.checkpoint
+    def chunk(carry, i):
+        top, total, picked = carry
+        start = jnp.minimum(i * size, vocab - size)  # the last chunk ends at the vocabulary's end
+        logits = constrain(model.project(x, (start, size)).astype(jnp.float32), ("batch", "sequence", "vocab"))
+        logits = jnp.where(start + jnp.arange(size) >= i * size, logits, -jnp.inf)  # the chunk before has these
+        new_top = jax.lax.stop_gradient(jnp.maximum(top, logits.max(-1)))
+        total = total * jnp.exp(top - new_top) + jnp.exp(logits - new_top[..., None]).sum(-1)
+        inside = (targets >= i * size) & (targets < (i + 1) * size)
+        at = jnp.take_along_axis(logits, jnp.clip(targets - start, 0, size - 1)[..., None], axis=-1)[..., 0]
+        return (new_top, total, picked + jnp.where(inside, at, 0.0)), None
+
+    zeros = jnp.zeros(targets.shape, jnp.float32)
+    (top, total, picked), _ = jax.lax.scan(chunk, (zeros - jnp.inf, zeros, zeros), jnp.arange(-(-vocab // size)))
+    return top + jnp.log(total) - picked
 
 
 def token_nll(model: DecoderLM, tokens, *, segment_ids=None, positions=None, impl=None, rng=None,
@@ -227,18 +271,15 @@ def token_nll(model: DecoderLM, tokens, *, segment_ids=None, positions=None, imp
     tokens [B, T + 1]: the model reads tokens[:, :-1] and predicts tokens[:, 1:]. Returns
     (nll [B, T] float32, weight [B, T] float32), weight 0 where the target starts another
     document or is padding (segment id 0). key_slots [B, T]: see DecoderLM. A large vocabulary
-    at a long length is scored in chunks of positions (`logits_chunk`): the same numbers
-    without the whole [B, T, vocab] array at once.
+    at a long length is scored in chunks of its entries (`vocab_chunk`) and of positions
+    (`logits_chunk`): the same numbers without the whole [B, T, vocab] array at once.
     """
     seg_in = None if segment_ids is None else segment_ids[:, :-1]
     pos_in = None if positions is None else positions[:, :-1]
     extra = {} if key_slots is None else {"key_slots": key_slots}
     x = model(tokens[:, :-1], positions=pos_in, segment_ids=seg_in, impl=impl, rng=rng, hidden=True, **extra)
     targets = tokens[:, 1:]
-
-    def scored(x, targets):
-        return -jnp.take_along_axis(jax.nn.log_softmax(model.logits(x)), targets[..., None], axis=-1)[..., 0]
-
+    scored = functools.partial(_scored, model)
     (b, t), chunk = targets.shape, logits_chunk(targets.shape[1], model.cfg.vocab_size)
     if chunk == t:
         nll = scored(x, targets)

@@ -121,14 +121,19 @@ def test_bad_model_inputs():
         ModelConfig.from_dict({"d_modle": 3})
 
 
-def test_a_large_vocabulary_is_scored_in_chunks_of_positions_with_the_same_numbers(monkeypatch):
-    """token_nll past LOGITS_PER_CHUNK logits a row scores chunks of positions (lax.map, each
-    recomputed in the backward pass): the NLL, its weights and every gradient equal the
-    unchunked computation's; the chunk is the length halved while over the bound and even."""
+@pytest.mark.parametrize("head", ["tied", "tied_unscaled", "untied"])
+def test_a_large_vocabulary_is_scored_in_chunks_of_entries_and_positions_with_the_same_numbers(monkeypatch, head):
+    """token_nll past VOCAB_PER_CHUNK entries scores the vocabulary in chunks (a running
+    log-sum-exp over a scan, the last chunk overlapping the one before), and past
+    LOGITS_PER_CHUNK logits a row of one chunk also chunks of positions (lax.map); each chunk is
+    recomputed in the backward pass. The NLL, its weights and every gradient equal the
+    unchunked computation's, for a tied (scaled or not) and an untied head; targets at the
+    chunks' edges and in the overlap included."""
     import models.lm as lm
-    cfg = ModelConfig(vocab_size=300, d_model=32, num_layers=2, num_heads=2, scheme="rope")
+    cfg = ModelConfig(vocab_size=301, d_model=32, num_layers=2, num_heads=2, scheme="rope",
+                      tie_embeddings=head != "untied", scale_tied_logits=head == "tied")
     model = DecoderLM(cfg, rngs=nnx.Rngs(0))
-    tokens = jax.random.randint(jax.random.key(1), (2, 65), 0, 300)
+    tokens = jax.random.randint(jax.random.key(1), (2, 65), 0, 301).at[0, 1:7].set(jnp.asarray([0, 100, 101, 200, 201, 300]))
     segments = jnp.asarray(np.repeat([[1] * 40 + [2] * 25], 2, 0))
 
     def run():
@@ -138,12 +143,16 @@ def test_a_large_vocabulary_is_scored_in_chunks_of_positions_with_the_same_numbe
         (_, (nll, w)), grads = nnx.value_and_grad(loss, has_aux=True)(model)
         return nll, w, jax.tree.leaves(nnx.state(grads))
 
-    assert lm.logits_chunk(64, 300) == 64
+    assert lm.vocab_chunk(301) == 301 and lm.logits_chunk(64, 301) == 64
     whole = run()
-    monkeypatch.setattr(lm, "LOGITS_PER_CHUNK", 300 * 8)
-    assert lm.logits_chunk(64, 300) == 8 and lm.logits_chunk(63, 300) == 63
-    parts = run()
-    np.testing.assert_allclose(parts[0], whole[0], rtol=1e-5, atol=1e-6)
-    np.testing.assert_array_equal(parts[1], whole[1])
-    for a, b in zip(parts[2], whole[2]):
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5 * np.abs(b).max())  # fp32 sums in another order
+    monkeypatch.setattr(lm, "VOCAB_PER_CHUNK", 128)
+    assert lm.vocab_chunk(301) == 101 and lm.vocab_chunk(256) == 128 and lm.logits_chunk(64, 301) == 64
+    entries = run()
+    monkeypatch.setattr(lm, "LOGITS_PER_CHUNK", 101 * 8)
+    assert lm.logits_chunk(64, 301) == 8 and lm.logits_chunk(63, 301) == 63
+    both = run()
+    for parts in (entries, both):
+        np.testing.assert_allclose(parts[0], whole[0], rtol=1e-5, atol=1e-6)
+        np.testing.assert_array_equal(parts[1], whole[1])
+        for a, b in zip(parts[2], whole[2]):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5 * np.abs(b).max())  # fp32 sums in another order
