@@ -1,7 +1,7 @@
 """The 2-D grid task (data/grid2d.py): 1-D RoPE over the flattened order, axial 2-D RoPE (espr,
 nothing learned), learned STRING (espr with d_c = 2: commuting generators) and relaxed ESPR
-(free skew parts in the generators, which then need not commute); same model, data and steps
-per seed. Every trained model is scored on held-out grids as trained and under position
+(free skew parts in the generators, which then need not commute), also with a penalty on
+their commutators; same model, data and steps per seed. Every trained model is scored on held-out grids as trained and under position
 shifts (SHIFTS): the whole grid translated by (dr, dc), and larger grids than trained.
 Prints markdown tables (every run, then mean +- std over seeds); --json writes them.
 
@@ -17,6 +17,7 @@ project's training loop (lab/training.py) does not take; hence this small loop o
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 
@@ -37,7 +38,11 @@ METHODS = {  # name: (scheme, options, which positions)
     "axial_2d_rope": ("espr", {"num_axes": 2, "learned": False}, "grid"),
     "string_2d": ("espr", {"num_axes": 2}, "grid"),
     "espr_relaxed_2d": ("espr", {"num_axes": 2, "relaxed": True}, "grid"),
+    # The theorems' regime, |[L_a, L_b]| <= eps_comm small: the same model trained with
+    # COMMUTATOR_PENALTY x sum over layers and pairs of |[L_a, L_b]|_F^2 added to its loss.
+    "espr_relaxed_2d_penalised": ("espr", {"num_axes": 2, "relaxed": True}, "grid"),
 }
+COMMUTATOR_PENALTY = {"espr_relaxed_2d_penalised": 10.0}
 
 SHIFTS = {  # name: grid_batch options of the held-out grids. Offsets move the 2-D positions only.
     "none": {},
@@ -68,11 +73,24 @@ def loss_fn(model, tokens, targets, weight, positions):
     return (nll * weight).sum() / weight.sum(), (acc * weight).sum() / weight.sum()
 
 
-@nnx.jit
-def train_step(model, opt, tokens, targets, weight, positions):
-    (loss, _), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model, tokens, targets, weight, positions)
+def commutators(model) -> jax.Array:
+    """sum over layers and pairs (a, b) of |[L_a, L_b]|_F^2 of a relaxed model's generators."""
+    total = jnp.zeros(())
+    for _, m in nnx.iter_graph(model):
+        if isinstance(m, EsprFeatures) and m.scheme.relaxed:
+            g = m(None, tokens=None, index=None)["generators"]
+            total += jnp.sum((jnp.einsum("aij,bjk->abik", g, g) - jnp.einsum("bij,ajk->abik", g, g)) ** 2)
+    return total
+
+
+@functools.partial(nnx.jit, static_argnames="penalty")
+def train_step(model, opt, tokens, targets, weight, positions, penalty: float = 0.0):
+    def loss(model):
+        task, acc = loss_fn(model, tokens, targets, weight, positions)
+        return task + penalty * commutators(model) if penalty else task, task
+    (_, task), grads = nnx.value_and_grad(loss, has_aux=True)(model)
     opt.update(model, grads)
-    return loss
+    return task
 
 
 evaluate = nnx.jit(loss_fn)
@@ -107,7 +125,8 @@ def run(method: str, steps: int, seed: int, batch: int, shifts=tuple(SHIFTS), ev
     loss = float("nan")
     for step in range(steps):
         tokens, targets, weight, grid, flat = grid_batch(seed, step, batch)
-        loss = train_step(model, opt, tokens, targets, weight, grid if which == "grid" else flat)
+        loss = train_step(model, opt, tokens, targets, weight, grid if which == "grid" else flat,
+                          penalty=COMMUTATOR_PENALTY.get(method, 0.0))
     train_seconds = time.perf_counter() - t0
     accuracy = {}
     for name in shifts:
@@ -172,6 +191,8 @@ def benchmark() -> list[dict]:
     if FLAGS.json:
         config = {"steps": FLAGS.steps, "batch": FLAGS.batch, "eval_batches": FLAGS.eval_batches,
                   "seeds": FLAGS.seeds, "methods": {m: METHODS[m][:2] for m in FLAGS.methods.split(",")},
+                  "commutator_penalty": {m: COMMUTATOR_PENALTY[m] for m in FLAGS.methods.split(",")
+                                         if m in COMMUTATOR_PENALTY},
                   "shifts": {s: SHIFTS[s] for s in shifts}}
         with open(FLAGS.json, "w") as f:
             json.dump({"config": config, "jax": jax.__version__, "runs": rows, "summary": table}, f, indent=1)

@@ -1,6 +1,8 @@
 """Peak host memory of importing, loading and evaluating a pretrained model, against its weights.
 
     python benchmarks/load_memory.py [--model Llama-3.2-1B] [--dir /tmp/load_memory] [--seq_len 256]
+    python benchmarks/load_memory.py --dir /tmp/load_memory_58m \
+        --shape=hidden_size=512,intermediate_size=1536,num_hidden_layers=12,num_attention_heads=8,head_dim=64,vocab_size=32000
 
 Writes a checkpoint of `lab.hf.PUBLISHED[--model]`'s shape with random bf16 weights (the
 safetensors layout and tensor names transformers' save_pretrained writes for the Llama family,
@@ -29,6 +31,7 @@ from lab.hf import PUBLISHED
 
 flags.DEFINE_string("model", "Llama-3.2-1B", f"of {', '.join(PUBLISHED)}")
 flags.DEFINE_string("dir", "/tmp/load_memory", "where the checkpoint and the run go (reused when there)")
+flags.DEFINE_list("shape", [], "config fields (integers) changed from --model's, field=value: a smaller model of its family")
 flags.DEFINE_integer("seq_len", 256, "the imported run's training length; eval.py scores half and all of it")
 FLAGS = flags.FLAGS
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -87,7 +90,8 @@ def peak_rss(args: list[str]) -> int:
 
 def main(argv):
     del argv
-    hf, source, run = PUBLISHED[FLAGS.model], os.path.join(FLAGS.dir, "hf"), os.path.join(FLAGS.dir, "run")
+    hf = {**PUBLISHED[FLAGS.model], **{k: int(v) for k, v in (item.split("=", 1) for item in FLAGS.shape)}}
+    source, run = os.path.join(FLAGS.dir, "hf"), os.path.join(FLAGS.dir, "run")
     if not os.path.isfile(os.path.join(source, "model.safetensors")):
         write_checkpoint(hf, source)
     weights = os.path.getsize(os.path.join(source, "model.safetensors"))
@@ -101,7 +105,7 @@ def main(argv):
         steps[f"eval.py perplexity at {FLAGS.seq_len // 2} and {FLAGS.seq_len}, computing in {dtype}"] = [
             "eval.py", f"--workdirs={run}", "--max_multiplier=1", f"--tokens={2 * FLAGS.seq_len}", f"--dtype={dtype}",
             f"--out={os.path.join(FLAGS.dir, 'eval', dtype)}"]
-    print(f"{FLAGS.model}: {weights / 2 ** 30:.2f} GiB of bf16 weights in {source}")
+    print(f"{FLAGS.model}{' with ' + ', '.join(FLAGS.shape) if FLAGS.shape else ''}: {weights / 2 ** 30:.2f} GiB of bf16 weights in {source}")
     baseline = None
     for name, args in steps.items():
         peak = peak_rss(args)
