@@ -133,8 +133,8 @@ def unmap_large_blocks_when_freed() -> None:
     """From now on glibc maps every block of LARGE_BLOCK bytes or more on its own and hands it
     back to the OS when freed. By default its threshold climbs to 32 MiB as large blocks are
     freed, and from then on the buffers XLA:CPU allocates while a model is evaluated stay in its
-    heap, fragmented: eval.py on a 1.24B-parameter bf16 import grew by 1 GiB over the scoring
-    step (benchmarks/RESULTS.md, the section above). For processes that hold a loaded model."""
+    heap, fragmented (measured: benchmarks/RESULTS.md, section 'Host memory of loading and
+    evaluating a 1.24B-parameter import'). For processes that hold a loaded model."""
     _glibc("mallopt", -3, LARGE_BLOCK)  # M_MMAP_THRESHOLD
 
 
