@@ -15,7 +15,9 @@ and evaluates from 1K to 64K (L/8 to 8L) with sliding windows. Here L = 128 byte
 Pretraining: 600 steps x 16 rows x 128 tokens for every scheme (same seed, data order and
 learning rate; the paper lowered TAPA's pretraining LR 5x, a confound we do not copy).
 Extension: 150 steps x 4 rows x 512 tokens (the same tokens per step), learning rate 1e-3 for
-every method. The evaluation lengths are 16 ... 1024 tokens and 768 (1.5x the extension length, the
+every method. With LRS "paper" (`configs/tapa.py:pretrain/tapa/paper`, `extend/yarn/paper`, ...)
+the paper's learning-rate ratios instead: TAPA pretrains at 6e-4 (RoPE's / 5) and every method
+extends at 6e-4. The evaluation lengths are 16 ... 1024 tokens and 768 (1.5x the extension length, the
 paper's 49,152 = 1.5 x 32K); windows slide by `eval.stride`.
 """
 
@@ -35,12 +37,17 @@ EXTEND = {
 }
 EVAL_LENGTHS = (16, 32, 64, 128, 256, 512, 768, 1024)  # L/8 ... 8L, and 1.5x the extension length
 # STAGE/METHOD: a pretrained scheme after pretrain, an extension method after extend or zeroshot.
+# LRS: "same", every pretraining at 3e-3 and every extension at 1e-3 (tapa.md's earlier tables);
+# "paper", the paper's ratios: TAPA pretrains at RoPE's rate / 5 and every method extends at
+# that rate (the paper: 1e-4 and 2e-5, extension at 2e-5).
+LR, SLOW_LR = 3e-3, 6e-4  # RoPE's pretraining rate, and it / 5
 FIELDS = (("stage", "pretrain", ("pretrain", "extend", "zeroshot")),
-          ("method", "tapa", lambda fields: PRETRAIN if fields["stage"] == "pretrain" else tuple(EXTEND)))
+          ("method", "tapa", lambda fields: PRETRAIN if fields["stage"] == "pretrain" else tuple(EXTEND)),
+          ("lrs", "same", ("same", "paper")))
 
 
 def get_config(arg: str | None = None):
-    stage, method = parse_arg(__file__, arg, FIELDS).values()
+    stage, method, lrs = parse_arg(__file__, arg, FIELDS).values()
     if stage == "pretrain":
         scheme, options, seq_len = method, {}, PRETRAIN_LEN
     else:
@@ -51,12 +58,13 @@ def get_config(arg: str | None = None):
     c.model.scheme_options.update(options)
     c.seq_len = seq_len
     c.batch_size = 16 * PRETRAIN_LEN // seq_len
-    c.train.update(steps=600, warmup_steps=50, lr=3e-3, log_every=50, checkpoint_every=200)
+    c.train.update(steps=600, warmup_steps=50, log_every=50, checkpoint_every=200,
+                   lr=SLOW_LR if lrs == "paper" and scheme.startswith("tapa") else LR)
     if stage != "pretrain":
-        c.init_from = f"runs/tapa/pretrain/{scheme}"
-        c.train.update(steps=150 if stage == "extend" else 0, warmup_steps=15, lr=1e-3,
+        c.init_from = f"runs/tapa/pretrain/{scheme}" + ("_paper" if lrs == "paper" else "")
+        c.train.update(steps=150 if stage == "extend" else 0, warmup_steps=15, lr=SLOW_LR if lrs == "paper" else 1e-3,
                        log_every=25, checkpoint_every=150)
     c.eval.update(multipliers=tuple(n / seq_len for n in EVAL_LENGTHS), tokens=8192, stride=64,
                   batch_size=8, blockwise_from=1024)
-    c.workdir = f"runs/tapa/{stage}/{method}"
+    c.workdir = f"runs/tapa/{stage}/{method}" + ("_paper" if lrs == "paper" else "")
     return c
