@@ -101,6 +101,15 @@ CLAIMS = [
      "sweep_demo_fast_t5.json", "t5/fast", "rope/fast", "ratio", 2048, 128, "negative"),
     ("sweep.md", "sweep-alibi-t5-16x", "demo-fast model, 400 steps: ALiBi degrades less than T5's bucketed bias at 16x",
      "sweep_demo_fast_t5.json", "alibi/fast", "t5/fast", "ratio", 2048, 128, "negative"),
+    ("tapa.md", "tapa-fair-tapa-rope-ext", "extended to 4L at the paper's learning-rate ratios: TAPA lower perplexity "
+     "than RoPE at the extension length (5 seeds, 8 documents)", "tapa_fair_extended.json", "tapa", "rope", "ppl", 512,
+     None, "negative"),
+    ("tapa.md", "tapa-fair-tapa-rope-2x", "extended at the paper's ratios: TAPA lower perplexity than RoPE at 2x the "
+     "extension length", "tapa_fair_extended.json", "tapa", "rope", "ppl", 1024, None, "negative"),
+    ("tapa.md", "tapa-fair-yarn-rope-768", "extended at the paper's ratios: YaRN lower perplexity than RoPE at 1.5x the "
+     "extension length", "tapa_fair_extended.json", "yarn", "rope", "ppl", 768, None, "negative"),
+    ("tapa.md", "tapa-fair-zeroshot-8x", "pretrained at L, no extension: TAPA degrades less than RoPE at 8L",
+     "tapa_fair_zeroshot.json", "tapa", "rope", "ratio", 1024, 128, "negative"),
 ]
 
 
