@@ -267,11 +267,11 @@ def check(config, platform: str, force_auto: bool = True, devices=None) -> dict:
     check_config(config)
     seq_len, vocab = config.seq_len, vocab_size(config)
     cfg = model_config(config, vocab)
-    scheme = make_scheme(cfg.scheme, num_heads=cfg.num_heads, head_dim=cfg.dim_per_head, **dict(cfg.scheme_options))
+    scheme = make_scheme(cfg.scheme, num_heads=cfg.num_heads, head_dim=cfg.resolved_head_dim, **dict(cfg.scheme_options))
     label, fused = type(scheme).__name__, "pallas" in scheme.impls
     lines.insert(0, f"lowering {config.model.scheme} ({label}) for {platform}: batch {config.batch_size} x "
                     f"seq_len {seq_len}, d_model {cfg.d_model}, {cfg.num_layers} layers, {cfg.num_heads} heads "
-                    f"(kv {cfg.kv_heads}) x {cfg.dim_per_head}, model.dtype {cfg.dtype}, attention_impl {impl}, "
+                    f"(kv {cfg.resolved_kv_heads}) x {cfg.resolved_head_dim}, model.dtype {cfg.dtype}, attention_impl {impl}, "
                     f"jax {jax.__version__}")
     lines.append(f"fused path: {'yes' if fused else 'no'} ({label} impls: {', '.join(scheme.impls)})")
 

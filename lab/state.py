@@ -60,7 +60,7 @@ def check_config(config) -> None:
         raise ValueError(f"model.dtype={config.model.dtype!r}; valid: {', '.join(COMPUTE_DTYPES)}")
     distributed.check(config.get("distributed"))
     cfg = ModelConfig.from_dict(config.model.to_dict())
-    make_scheme(cfg.scheme, num_heads=cfg.num_heads, head_dim=cfg.dim_per_head, **dict(cfg.scheme_options))
+    make_scheme(cfg.scheme, num_heads=cfg.num_heads, head_dim=cfg.resolved_head_dim, **dict(cfg.scheme_options))
 
 
 def model_config(config, vocab_size: int) -> ModelConfig:

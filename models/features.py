@@ -100,14 +100,14 @@ class HouseholderVectors(nnx.Module):
     """
 
     def __init__(self, scheme, cfg, *, rngs: nnx.Rngs):
-        self.scheme, self.kv_heads = scheme, cfg.kv_heads
-        width = cfg.kv_heads * scheme.head_dim
+        self.scheme, self.kv_heads = scheme, cfg.resolved_kv_heads
+        width = cfg.resolved_kv_heads * scheme.head_dim
         init = nnx.initializers.normal
         self.down = nnx.Linear(cfg.d_model, scheme.rank, use_bias=False, rngs=rngs,
                                kernel_init=init(stddev=cfg.d_model ** -0.5))
         self.up = nnx.Linear(scheme.rank, width, use_bias=False, rngs=rngs,
                              kernel_init=init(stddev=scheme.rank ** -0.5))
-        self.gain = nnx.Linear(cfg.d_model, cfg.kv_heads, rngs=rngs,
+        self.gain = nnx.Linear(cfg.d_model, cfg.resolved_kv_heads, rngs=rngs,
                                kernel_init=init(stddev=cfg.d_model ** -0.5))
         if scheme.conv:
             self.kernel = nnx.Param(init(stddev=scheme.conv ** -0.5)(rngs.params(), (scheme.conv, width)))

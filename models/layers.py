@@ -77,20 +77,22 @@ class ModelConfig:
         if self.num_heads <= 0 or (self.head_dim == 0 and self.d_model % self.num_heads):
             raise ValueError(f"model.d_model={self.d_model} is not divisible by model.num_heads="
                              f"{self.num_heads}; set model.head_dim explicitly")
-        if self.kv_heads <= 0 or self.num_heads % self.kv_heads:
+        if self.resolved_kv_heads <= 0 or self.num_heads % self.resolved_kv_heads:
             raise ValueError(f"model.num_heads={self.num_heads} must be a multiple of "
-                             f"model.num_kv_heads={self.kv_heads}")
+                             f"model.num_kv_heads={self.resolved_kv_heads}")
 
+    # The fields above are what was asked for, 0 meaning "derive it"; the model reads the values
+    # below. The fields stay as given (a width change, `models.lm.matched_width`, derives again).
     @property
-    def kv_heads(self) -> int:
+    def resolved_kv_heads(self) -> int:
         return self.num_kv_heads or self.num_heads
 
     @property
-    def dim_per_head(self) -> int:
+    def resolved_head_dim(self) -> int:
         return self.head_dim or self.d_model // self.num_heads
 
     @property
-    def hidden_dim(self) -> int:
+    def resolved_mlp_dim(self) -> int:
         return self.mlp_dim or -(-8 * self.d_model // 3 // 64) * 64
 
 
@@ -114,7 +116,7 @@ def rms_norm(cfg: ModelConfig, rngs) -> nnx.RMSNorm:
 class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
-        h, kh, d = cfg.num_heads, cfg.kv_heads, cfg.dim_per_head
+        h, kh, d = cfg.num_heads, cfg.resolved_kv_heads, cfg.resolved_head_dim
         self.scheme = make_scheme(cfg.scheme, num_heads=h, head_dim=d, **dict(cfg.scheme_options))
         self.q = linear(cfg.d_model, h * d, cfg, rngs, cfg.qkv_bias)
         self.k = linear(cfg.d_model, kh * d, cfg, rngs, cfg.qkv_bias)
@@ -126,10 +128,10 @@ class Attention(nnx.Module):
         """(q [B, T, H, D], k, v [B, T, K, D], features) of the layer input x [B, T, d_model];
         index [B, T] is each token's index (the cache slot when decoding)."""
         b, t, _ = x.shape
-        d = self.cfg.dim_per_head
+        d = self.cfg.resolved_head_dim
         q = self.q(x).reshape(b, t, self.cfg.num_heads, d)
-        k = self.k(x).reshape(b, t, self.cfg.kv_heads, d)
-        v = self.v(x).reshape(b, t, self.cfg.kv_heads, d)
+        k = self.k(x).reshape(b, t, self.cfg.resolved_kv_heads, d)
+        v = self.v(x).reshape(b, t, self.cfg.resolved_kv_heads, d)
         features = None
         if self.features is not None:
             # Features that read earlier tokens (a short convolution) get the cache when decoding.
@@ -161,9 +163,9 @@ class MLP(nnx.Module):
     """SwiGLU: W2 (silu(W1 x) * W3 x)."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-        self.gate = linear(cfg.d_model, cfg.hidden_dim, cfg, rngs)
-        self.up = linear(cfg.d_model, cfg.hidden_dim, cfg, rngs)
-        self.down = linear(cfg.hidden_dim, cfg.d_model, cfg, rngs)
+        self.gate = linear(cfg.d_model, cfg.resolved_mlp_dim, cfg, rngs)
+        self.up = linear(cfg.d_model, cfg.resolved_mlp_dim, cfg, rngs)
+        self.down = linear(cfg.resolved_mlp_dim, cfg.d_model, cfg, rngs)
 
     def __call__(self, x):
         return self.down(nnx.silu(self.gate(x)) * self.up(x))
@@ -182,7 +184,7 @@ class Block(nnx.Module):
 
     def init_cache(self, batch: int, max_len: int) -> dict:
         cfg = self.attn.cfg
-        return self.attn.scheme.init_cache(batch, max_len, cfg.kv_heads, jnp.dtype(cfg.dtype))
+        return self.attn.scheme.init_cache(batch, max_len, cfg.resolved_kv_heads, jnp.dtype(cfg.dtype))
 
     def decode(self, x, cache, **kw):
         a, cache = self.attn.decode(self.attn_norm(x), cache, **kw)

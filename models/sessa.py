@@ -82,7 +82,7 @@ class AttentionMixer(nnx.Module):
 
     def init_cache(self, batch: int, max_len: int) -> dict:
         cfg = self.attn.cfg
-        cache = self.attn.scheme.init_cache(batch, max_len, cfg.kv_heads, jnp.dtype(cfg.dtype))
+        cache = self.attn.scheme.init_cache(batch, max_len, cfg.resolved_kv_heads, jnp.dtype(cfg.dtype))
         if not self.feedback:
             return cache
         return {**cache, "kb": jnp.zeros((batch, max_len, self.feedback_dim), jnp.float32),

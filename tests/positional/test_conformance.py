@@ -106,7 +106,7 @@ def test_decode_equals_parallel(scheme):
     params, apply = forward(scheme)
     x, pos = example()
     layer = nnx.merge(apply.graphdef, params)
-    cache = layer.scheme.init_cache(2, T + 3, layer.cfg.kv_heads)
+    cache = layer.scheme.init_cache(2, T + 3, layer.cfg.resolved_kv_heads)
     tokens = tokens_of(x)
     out, cache = apply.decode(params, x[:, :5], cache, tokens[:, :5])  # chunked prefill
     outs = [out]
