@@ -151,6 +151,17 @@ def summary(rows: list[dict]) -> dict:
     return out
 
 
+def by_arm(rows: list[dict], shifts) -> dict:
+    """The runs' accuracies in lab/results/seeds.py's layout (columns: the shifts; per method its
+    seeds and values [seed, shift]), which the claims ledger (lab/results/claims.py) reads."""
+    arms = {}
+    for r in rows:
+        arm = arms.setdefault(r["method"], {"seeds": [], "values": []})
+        arm["seeds"].append(r["seed"])
+        arm["values"].append([r["accuracy"][s] for s in shifts])
+    return {"columns": list(shifts), "measure": "accuracy", "axis": "shift", "arms": arms}
+
+
 def plot(table: dict, path: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -195,7 +206,8 @@ def benchmark() -> list[dict]:
                                          if m in COMMUTATOR_PENALTY},
                   "shifts": {s: SHIFTS[s] for s in shifts}}
         with open(FLAGS.json, "w") as f:
-            json.dump({"config": config, "jax": jax.__version__, "runs": rows, "summary": table}, f, indent=1)
+            json.dump({"config": config, "jax": jax.__version__, "runs": rows, "summary": table,
+                       **by_arm(rows, shifts)}, f, indent=1)
     if FLAGS.plot:
         plot(table, FLAGS.plot)
     return rows

@@ -105,3 +105,24 @@ def test_matmul_expm_matches_scipy_and_its_gradient_matches_jax():
     w = jnp.asarray(rng.normal(size=(5, 5)), jnp.float32)
     mine, ref = (jax.grad(lambda a, f=f: jnp.sum(w * f(a)))(a) for f in (expm, jax.scipy.linalg.expm))
     np.testing.assert_allclose(mine, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_the_commutator_penalty_is_the_squared_commutators_and_one_step_with_it_shrinks_them():
+    """benchmarks/grid2d.py's penalty: 0 for commuting generators (STRING, the relaxed model at
+    initialisation), sum over layers and pairs of |[L_a, L_b]|_F^2 otherwise (checked against the
+    features' generators directly); a step of plain gradient descent on it alone lowers it."""
+    assert float(bench.commutators(bench.make_model("string_2d", 0, d_model=32, num_layers=1, num_heads=2))) == 0
+    assert float(bench.commutators(bench.make_model("espr_relaxed_2d", 0, d_model=32, num_layers=1,
+                                                    num_heads=2))) < 1e-10
+    model = _tiny("espr_relaxed_2d")
+    want = 0.0
+    for _, m in nnx.iter_graph(model):
+        if isinstance(m, EsprFeatures):
+            g = np.asarray(m(None, tokens=None, index=None)["generators"], np.float64)
+            want += sum(np.sum((g[a] @ g[b] - g[b] @ g[a]) ** 2) for a in range(len(g)) for b in range(len(g)))
+    got = float(bench.commutators(model))
+    assert want > 1e-3
+    np.testing.assert_allclose(got, want, rtol=1e-4)
+    grads = nnx.grad(bench.commutators)(model)
+    nnx.update(model, jax.tree.map(lambda p, g: p - 1e-3 * g, nnx.state(model, nnx.Param), nnx.state(grads, nnx.Param)))
+    assert float(bench.commutators(model)) < got

@@ -106,6 +106,9 @@ def test_grid2d_runs(capsys, tmp_path):
         (r["method"], r["seed"], shifts) for r in rows]
     assert {m: set(v) for m, v in report["summary"].items()} == {m: shifts for m in ("rope_1d_flattened",
                                                                                      "espr_relaxed_2d")}
+    # the ledger's layout (lab/results/seeds.py): columns the shifts, values [seed, shift]
+    assert set(report["columns"]) == shifts and report["arms"]["espr_relaxed_2d"]["seeds"] == [0, 1]
+    assert report["arms"]["espr_relaxed_2d"]["values"][1] == [rows[3]["accuracy"][s] for s in report["columns"]]
     assert "| espr_relaxed_2d | 1 |" in capsys.readouterr().out
 
 
