@@ -110,6 +110,18 @@ CLAIMS = [
      "extension length", "tapa_fair_extended.json", "yarn", "rope", "ppl", 768, None, "negative"),
     ("tapa.md", "tapa-fair-zeroshot-8x", "pretrained at L, no extension: TAPA degrades less than RoPE at 8L",
      "tapa_fair_zeroshot.json", "tapa", "rope", "ratio", 1024, 128, "negative"),
+    ("espr.md", "espr-relaxed-string-offset40", "2-D grids translated by (40, 40): relaxed ESPR more accurate than STRING "
+     "(T8'.21's ordering; 5 seeds)", "espr_shift_penalty.json", "espr_relaxed_2d", "string_2d", "acc", "offset_40_40",
+     None, "positive"),
+    ("espr.md", "espr-penalised-string-offset40", "translated by (40, 40): relaxed ESPR with a commutator penalty (the "
+     "theorems' small-commutator regime) more accurate than STRING (T8'.21)", "espr_shift_penalty.json",
+     "espr_relaxed_2d_penalised", "string_2d", "acc", "offset_40_40", None, "positive"),
+    ("espr.md", "espr-penalised-relaxed-offset40", "translated by (40, 40): the commutator penalty raises relaxed ESPR's "
+     "accuracy (T8'.12-8'.13: the shift risk is bounded by the commutators)", "espr_shift_penalty.json",
+     "espr_relaxed_2d_penalised", "espr_relaxed_2d", "acc", "offset_40_40", None, "positive"),
+    ("espr.md", "espr-penalised-string-larger", "larger grids than trained (not a translation): relaxed ESPR with the "
+     "penalty less accurate than STRING", "espr_shift_penalty.json", "espr_relaxed_2d_penalised", "string_2d", "acc",
+     "larger_12x10_14", None, "negative"),
 ]
 
 
