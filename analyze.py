@@ -22,6 +22,7 @@ import jax
 from absl import app, flags
 
 from lab import analysis, cli
+from lab.checkpoints import unmap_large_blocks_when_freed
 from lab.evaluators import checked_options, evaluate
 
 flags.DEFINE_list("workdirs", [], "training run directories to analyse")
@@ -47,6 +48,7 @@ FLAGS = flags.FLAGS
 def main(argv):
     del argv
     cli.quiet()
+    unmap_large_blocks_when_freed()  # a process that holds a loaded model
     cli.run_cli(lambda: cli.require_workdirs(FLAGS.workdirs))
     if FLAGS.dry_run:  # from the runs' config.json alone: nothing read, nothing run
         for workdir in FLAGS.workdirs:

@@ -24,6 +24,7 @@ import jax
 from absl import app, flags
 
 from lab import cli
+from lab.checkpoints import unmap_large_blocks_when_freed
 from lab.evaluators import EVALUATORS, evaluate, get_evaluator, options_of
 from lab.evaluators import checked_options as checked_options_of
 from lab.lengths import checked, plan, plan_report
@@ -145,6 +146,7 @@ def checked_options() -> dict:
 def main(argv):
     del argv
     cli.quiet()
+    unmap_large_blocks_when_freed()  # a process that holds a loaded model
     cli.run_cli(lambda: cli.require_workdirs(FLAGS.workdirs))
     if FLAGS.dry_run:  # from the runs' config.json alone: nothing read, nothing run
         options = cli.run_cli(checked_options).get("lengths", {})

@@ -134,7 +134,8 @@ def unmap_large_blocks_when_freed() -> None:
     back to the OS when freed. By default its threshold climbs to 32 MiB as large blocks are
     freed, and from then on the buffers XLA:CPU allocates while a model is evaluated stay in its
     heap, fragmented (measured: benchmarks/RESULTS.md, section 'Host memory of loading and
-    evaluating a 1.24B-parameter import'). For processes that hold a loaded model."""
+    evaluating a 1.24B-parameter import'). eval.py and analyze.py set it at their start; it
+    stays out of library calls, so a process that only imports the library keeps glibc's default."""
     _glibc("mallopt", -3, LARGE_BLOCK)  # M_MMAP_THRESHOLD
 
 

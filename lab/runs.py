@@ -20,7 +20,7 @@ from flax import nnx
 
 from data import pipeline
 from lab import files
-from lab.checkpoints import load_params, unmap_large_blocks_when_freed
+from lab.checkpoints import load_params
 from lab.state import init_state, make_mesh, model_config, stored
 from models.lm import DecoderLM
 
@@ -47,7 +47,6 @@ def load_run(workdir: str, untrained: bool = False, param_dtype: str | None = No
     # optimizer state).
     config, graphdef, rest, abstract = abstract_run(workdir, param_dtype, fsdp, tensor, dtype=dtype)
     check_fits(workdir, abstract)
-    unmap_large_blocks_when_freed()
     step, params = load_params(workdir, abstract)
     return config, nnx.merge(graphdef, params, rest), step
 
