@@ -1,8 +1,8 @@
 """The 2-D grid task (data/grid2d.py): 1-D RoPE over the flattened order, axial 2-D RoPE (espr,
 nothing learned), learned STRING (espr with d_c = 2: commuting generators) and relaxed ESPR
 (free skew parts in the generators, which then need not commute), also with a penalty on
-their commutators; same model, data and steps per seed. Every trained model is scored on held-out grids as trained and under position
-shifts (SHIFTS): the whole grid translated by (dr, dc), and larger grids than trained.
+their commutators; same model, data and steps per seed. Every trained model is scored on
+held-out grids as trained and under position shifts (SHIFTS): the whole grid translated by (dr, dc), and larger grids than trained.
 Prints markdown tables (every run, then mean +- std over seeds); --json writes them.
 
     POSITIONAL_DATA_DIR=/tmp/pdata PYTHONPATH=. python benchmarks/grid2d.py --steps 400 \\
@@ -31,6 +31,7 @@ from flax import nnx
 from data.grid2d import grid_batch
 from models.features import EsprFeatures
 from models.lm import DecoderLM, ModelConfig
+from positional import espr
 
 
 METHODS = {  # name: (scheme, options, which positions)
@@ -78,8 +79,7 @@ def commutators(model) -> jax.Array:
     total = jnp.zeros(())
     for _, m in nnx.iter_graph(model):
         if isinstance(m, EsprFeatures) and m.scheme.relaxed:
-            g = m(None, tokens=None, index=None)["generators"]
-            total += jnp.sum((jnp.einsum("aij,bjk->abik", g, g) - jnp.einsum("bij,ajk->abik", g, g)) ** 2)
+            total += jnp.sum(espr.commutators(m(None, tokens=None, index=None)["generators"]) ** 2)
     return total
 
 

@@ -48,6 +48,7 @@ FIELDS = (("stage", "pretrain", ("pretrain", "extend", "zeroshot")),
 
 def get_config(arg: str | None = None):
     stage, method, lrs = parse_arg(__file__, arg, FIELDS).values()
+    suffix = "_paper" if lrs == "paper" else ""  # of the runs' folders
     if stage == "pretrain":
         scheme, options, seq_len = method, {}, PRETRAIN_LEN
     else:
@@ -61,10 +62,10 @@ def get_config(arg: str | None = None):
     c.train.update(steps=600, warmup_steps=50, log_every=50, checkpoint_every=200,
                    lr=SLOW_LR if lrs == "paper" and scheme.startswith("tapa") else LR)
     if stage != "pretrain":
-        c.init_from = f"runs/tapa/pretrain/{scheme}" + ("_paper" if lrs == "paper" else "")
+        c.init_from = f"runs/tapa/pretrain/{scheme}{suffix}"
         c.train.update(steps=150 if stage == "extend" else 0, warmup_steps=15, lr=SLOW_LR if lrs == "paper" else 1e-3,
                        log_every=25, checkpoint_every=150)
     c.eval.update(multipliers=tuple(n / seq_len for n in EVAL_LENGTHS), tokens=8192, stride=64,
                   batch_size=8, blockwise_from=1024)
-    c.workdir = f"runs/tapa/{stage}/{method}" + ("_paper" if lrs == "paper" else "")
+    c.workdir = f"runs/tapa/{stage}/{method}{suffix}"
     return c

@@ -214,8 +214,9 @@ def _generate(graphdef, state, prompt, rng, max_new_tokens, temperature, max_len
 # A vocabulary larger than VOCAB_PER_CHUNK is scored in chunks of about that many entries (a
 # running log-sum-exp), so the [B, T, vocab] logits never exist and the head's weights are
 # read a chunk at a time (XLA:CPU would otherwise widen a whole bf16 embedding to fp32 for the
-# fp32 logits: benchmarks/RESULTS.md, 'Host memory of loading and evaluating...'). Logits of more than LOGITS_PER_CHUNK entries per row ([T, vocab chunk]) are
-# made and scored in chunks of positions.
+# fp32 logits: benchmarks/RESULTS.md, 'Host memory of loading and evaluating...'). Logits of
+# more than LOGITS_PER_CHUNK entries per row ([T, vocab chunk]) are made and scored in chunks
+# of positions.
 VOCAB_PER_CHUNK = 2 ** 14
 LOGITS_PER_CHUNK = 2 ** 25
 

@@ -184,11 +184,15 @@ def rotation(positions: jax.Array, generators: jax.Array) -> jax.Array:
     return expm(a)
 
 
+def commutators(generators: jax.Array) -> jax.Array:
+    """[L_a, L_b] = L_a L_b - L_b L_a of generators [d_c, D, D]: [d_c, d_c, D, D]."""
+    return (jnp.einsum("aij,bjk->abik", generators, generators)
+            - jnp.einsum("bij,ajk->abik", generators, generators))
+
+
 def commutator_norm(generators: jax.Array) -> jax.Array:
     """epsilon_comm = max_{a,b} |[L_a, L_b]| (spectral norm) of generators [d_c, D, D]."""
-    comm = (jnp.einsum("aij,bjk->abik", generators, generators)
-            - jnp.einsum("bij,ajk->abik", generators, generators))
-    return jnp.linalg.norm(comm, ord=2, axis=(-2, -1)).max()
+    return jnp.linalg.norm(commutators(generators), ord=2, axis=(-2, -1)).max()
 
 
 def read_in(basis: jax.Array, post: jax.Array, num_planes: int) -> jax.Array:
