@@ -76,6 +76,16 @@ class Bias:
         out = jnp.asarray(self.fn(q, k, qi[:, None], kj[None, :]), jnp.float32)
         return out.reshape((1,) * (4 - out.ndim) + out.shape)
 
+    def per_slot(self, b: int, s: int, h: int) -> dict:
+        """The values broadcast to [B, S, H] fp32, one number per key slot and query head, as the
+        Pallas kernels read them; a value that does not broadcast is one line naming it."""
+        out = {}
+        for name, x in self.values.items():
+            if x.shape[0] not in (1, b) or x.shape[1] not in (1, s) or x.shape[2] not in (1, h):
+                raise ValueError(f"bias value {name!r} has shape {tuple(x.shape)}; it must broadcast to "
+                                 f"[B, S, H] = {(b, s, h)} (one number per key slot and query head)")
+            out[name] = jnp.broadcast_to(jnp.asarray(x, jnp.float32), (b, s, h))
+        return out
 
     def key_terms(self, length: int) -> jax.Array:
         """A per-key bias's term at key slots 0 .. length - 1: [B|1, H|1, length] fp32."""

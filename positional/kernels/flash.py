@@ -415,12 +415,7 @@ def fused_attention(q, k, v, *, bias_fn: Bias | None = None, score_fn: Score | N
     s = k.shape[1]
     scale = d ** -0.5 if scale is None else float(scale)
     q_parts, k_parts = score_fn.split(q, k) if score_fn is not None else ((q,), (k,))
-    values = {}
-    for name, x in (bias_fn.values if bias_fn is not None else {}).items():
-        if x.shape[0] not in (1, b) or x.shape[1] not in (1, s) or x.shape[2] not in (1, h):
-            raise ValueError(f"bias value {name!r} has shape {tuple(x.shape)}; it must broadcast to "
-                             f"[B, S, H] = {(b, s, h)} (one number per key slot and query head)")
-        values[name] = jnp.broadcast_to(jnp.asarray(x, jnp.float32), (b, s, h))
+    values = bias_fn.per_slot(b, s, h) if bias_fn is not None else {}
     tables = {}
     for name, x in (bias_fn.tables if bias_fn is not None else {}).items():
         if x.shape[0] not in (1, b) or x.shape[1] not in (1, h):

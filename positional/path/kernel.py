@@ -576,12 +576,7 @@ def path_attention(q, k, v, w, beta, *, bias_fn: Bias | None = None, segment_ids
     b, t, h, d = q.shape
     if span is not None and span < t:  # the bias read at the tokens' own positions, not the block's
         bias_fn = at_positions(bias_fn, jnp.arange(t)[None, :, None])
-    values = {}
-    for name, x in (bias_fn.values if bias_fn is not None else {}).items():
-        if x.shape[0] not in (1, b) or x.shape[1] not in (1, t) or x.shape[2] not in (1, h):
-            raise ValueError(f"bias value {name!r} has shape {tuple(x.shape)}; it must broadcast to "
-                             f"[B, T, H] = {(b, t, h)} (one number per slot and query head)")
-        values[name] = jnp.broadcast_to(jnp.asarray(x, jnp.float32), (b, t, h))
+    values = bias_fn.per_slot(b, t, h) if bias_fn is not None else {}
     bias = bias_fn.fn if bias_fn is not None else None
     seg = jnp.zeros((b, t), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
     if span is not None:
