@@ -11,6 +11,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from positional.path.across import across_blocks, versions
 from positional.path.kernel import path_attention
 from positional.path.transport import (HIGHEST, apply_product, carry_to_chunk_end, check_transport, dense_product,
                                        exclusive_products, route_terms, to_chunks, ut_matrix)
@@ -19,12 +20,14 @@ from positional.softmax import MASKED, check_shapes, matmul, merged, rounded
 # The chunked form's tile operands (`tiles`): fp32 at highest precision, or bf16 accumulating in
 # fp32 (tensor cores / the MXU, as flash attention and the authors' kernels take q.k and P.V).
 TILES = {"fp32": jnp.float32, "bf16": jnp.bfloat16}
+# The outer level of the two-level form: the chunked form's scan, or the across-blocks kernel.
+ACROSS = ("chunked", "kernel")
 
 
 def chunked_attention(q, k, v, w, beta, *, bias_fn=None, segment_ids=None, chunk: int = 64,
                       group: int | None = None, scale: float | None = None, autodiff: bool = False,
                       span: int | None = None, outer_group: int = 8, tiles: str = "fp32",
-                      kernel: dict | None = None, with_lse: bool = False):
+                      kernel: dict | None = None, across: str = "chunked", with_lse: bool = False):
     """PaTH attention with O(T * D) memory, forward and backward: returns [B, T, H, D] in q's dtype
     (with `with_lse`, and the rows' log-sum-exp [B, T, H] fp32, both differentiable: a part of a
     longer attention, as a ring's own shard).
@@ -56,12 +59,18 @@ def chunked_attention(q, k, v, w, beta, *, bias_fn=None, segment_ids=None, chunk
 
     `kernel`: the inner level by PaTH's Pallas kernel, each block a sequence of its own
     (positional/path/kernel.py `path_attention` with `span`; the dict: its options, e.g.
-    block_size, platform); without span (or span >= T) the kernel does it all.
+    block_size, platform); without span (or span >= T) the kernel does it all. `across`: the
+    outer level by the chunked form ("chunked") or, with `kernel`, by the across-blocks kernel
+    ("kernel", positional/path/across.py: each query carried back to the end of every earlier
+    block, then flash attention over those versions; T / span copies of the queries kept).
     """
     check_shapes(q, k, v, segment_ids)
     check_transport(k, w, beta)
     if tiles not in TILES:
         raise ValueError(f"PaTH chunked_attention tiles={tiles!r} must be one of {sorted(TILES)}")
+    if across not in ACROSS or (across == "kernel" and kernel is None):
+        raise ValueError(f"PaTH chunked_attention across={across!r} must be one of {ACROSS}, 'kernel' only "
+                         f"with kernel (its options: the levels' Pallas kernels)")
     b, t, h, d = q.shape
     scale = d ** -0.5 if scale is None else scale
     c = min(chunk, t)
@@ -69,7 +78,7 @@ def chunked_attention(q, k, v, w, beta, *, bias_fn=None, segment_ids=None, chunk
         if span % c:
             raise ValueError(f"PaTH chunked_attention span={span} must be a multiple of chunk={c}")
         o, lse = _two_levels(q, k, v, w, beta, bias_fn, segment_ids, c, span, group, outer_group, scale, autodiff,
-                             tiles, kernel)
+                             tiles, kernel, across)
         return (o, lse) if with_lse else o
     if kernel is not None:  # with_lse: one block of T tokens, which returns the log-sum-exp too
         return path_attention(q, k, v, w, beta, bias_fn=bias_fn, segment_ids=segment_ids, scale=scale,
@@ -93,14 +102,15 @@ def _bias_hook(bias_fn, c: int):
 
 
 def _two_levels(q, k, v, w, beta, bias_fn, segment_ids, c: int, span: int, group: int | None, outer_group: int,
-                scale: float, autodiff: bool, tiles: str, kernel: dict | None):
+                scale: float, autodiff: bool, tiles: str, kernel: dict | None, across: str):
     """`chunked_attention` with `span`: the per-chunk pieces, the outer blocks' pieces made from
     them, each level's (o, lse), merged by their log-sum-exp (autodiff outside `_far` and the
-    kernel). The inner level by `_far`, or with `kernel` by PaTH's Pallas kernel (its options)."""
+    kernels). The inner level by `_far`, or with `kernel` by PaTH's Pallas kernel (its options);
+    the outer by `_far`, or with across="kernel" by the across-blocks kernel."""
     b, t, h, d = q.shape
     kh, per = k.shape[2], span // c
     blocks = -(-t // span)
-    g2 = min(outer_group, blocks)
+    g2 = 1 if across == "kernel" else min(outer_group, blocks)
     blocks = -(-blocks // g2) * g2
     n = blocks * per
     (q_start, near, k_end, vc, wc, u), seg = chunk_pieces(q, k, v, w, beta, c, n), chunk_rows(segment_ids, b, t, c, n)
@@ -127,6 +137,10 @@ def _two_levels(q, k, v, w, beta, bias_fn, segment_ids, c: int, span: int, group
         o1, lse1 = path_attention(q, k, v, w, beta, bias_fn=bias_fn, segment_ids=segment_ids, scale=scale, span=span,
                                   **kernel)
         o1, lse1 = chunk_heads(o1.astype(jnp.float32), kh, span, blocks), chunk_heads(lse1, kh, span, blocks)
+    if across == "kernel":
+        o2, lse2 = _across_kernel(q_outer, k_outer, vc, whole, bias_fn, seg, t, span, scale, tiles, kernel)
+        o, lse = (unchunked(x, t) for x in merged(o1, lse1, o2, lse2))
+        return o.astype(q.dtype), lse
     bias, consts = _bias_hook(bias_fn, span)
     outer = Far(length=t, chunk=span, group=g2, heads=h, scale=scale, bias=bias, autodiff=autodiff, near=False,
                  tiles=tiles)
@@ -135,6 +149,21 @@ def _two_levels(q, k, v, w, beta, bias_fn, segment_ids, c: int, span: int, group
                    seg.reshape(b, blocks, span), consts)
     o, lse = (unchunked(x, t) for x in merged(o1, lse1, o2, lse2))
     return o.astype(q.dtype), lse
+
+
+def _across_kernel(q_outer, k_outer, vc, whole, bias_fn, seg, t: int, span: int, scale: float, tiles: str,
+                   kernel: dict):
+    """The outer level by the across-blocks kernel: (o, lse) as [B, K, G, blocks, span, ...]."""
+    b, kh, g, blocks = q_outer.shape[:4]
+    d = q_outer.shape[-1]
+    qv = versions(q_outer.reshape(b, kh, g, blocks, span, d), whole[:, :, None])  # [B, K, G, J, I, span, D]
+    qv = jnp.moveaxis(qv, (1, 2), (4, 5)).reshape(b, blocks, blocks * span, kh * g, d)[:, :, :t]
+    k_outer, vc = (jnp.swapaxes(x.reshape(b, kh, -1, x.shape[-1]), 1, 2)[:, :t] for x in (k_outer, vc))
+    low = TILES[tiles]
+    options = {name: kernel[name] for name in ("interpret", "stream", "platform", "block_size") if name in kernel}
+    o, lse = across_blocks(qv.astype(low), k_outer.astype(low), vc.astype(low), span=span, bias_fn=bias_fn,
+                           segment_ids=seg.reshape(b, -1)[:, :t], scale=scale, **options)
+    return chunk_heads(o, kh, span, blocks), chunk_heads(lse, kh, span, blocks)
 
 
 def chunking(t: int, chunk: int, group: int) -> tuple[int, int, int]:

@@ -99,10 +99,10 @@ def test_grouped_backward_equals_reference():
     check(11, 16, 2, False, kh=2, gated=True, packed=True, groups=4)
 
 
-def two_level_grads(impl, args, seg, span, chunk, stream=False):
+def two_level_grads(impl, args, seg, span, chunk, stream=False, across="chunked"):
     """(output, gradients of q, k, v, w, beta and a bias's values) of PaTH with a bias that
     reads absolute key positions and the FoX gates, by the reference or by the kernel inside
-    blocks of `span` tokens and the chunked form across them."""
+    blocks of `span` tokens and the chunked form (or the across-blocks kernel) across them."""
     d = args[0].shape[-1]
 
     def attend(q, k, v, w, beta, log_f):
@@ -112,7 +112,7 @@ def two_level_grads(impl, args, seg, span, chunk, stream=False):
             return reference_attention(q, k, v, bias_fn=bias, segment_ids=seg,
                                        score_fn=reference.dense_score_fn(w, beta, d ** -0.5))
         return chunked.chunked_attention(q, k, v, w, beta, bias_fn=bias, segment_ids=seg, chunk=chunk, span=span,
-                                    kernel={"interpret": True, "stream": stream})
+                                         kernel={"interpret": True, "stream": stream}, across=across)
 
     def loss(*args):
         out = attend(*args)
@@ -121,17 +121,21 @@ def two_level_grads(impl, args, seg, span, chunk, stream=False):
     return jax.jit(jax.value_and_grad(loss, argnums=range(6), has_aux=True))(*args)
 
 
-@pytest.mark.parametrize("t,d,chunk,span,stream,kh", [
-    (21, 16, 2, 8, False, 2),  # 3 blocks (the last padded), documents across their boundaries
-    pytest.param(21, 48, 4, 8, True, 1, marks=SLOW),  # the streamed form; D padded to 64; one kv head
+@pytest.mark.parametrize("t,d,chunk,span,stream,kh,across", [
+    (21, 16, 2, 8, False, 2, "chunked"),  # 3 blocks (the last padded), documents across their boundaries
+    (21, 16, 2, 8, False, 2, "kernel"),  # both levels by kernels
+    pytest.param(21, 48, 4, 8, True, 1, "chunked", marks=SLOW),  # the streamed form; D padded to 64; one kv head
+    (21, 48, 4, 8, True, 1, "kernel"),
+    pytest.param(200, 64, 16, 64, False, 2, "kernel", marks=SLOW),  # 4 blocks, chunk 16
 ])
-def test_kernel_inside_blocks_chunked_across_equals_reference(t, d, chunk, span, stream, kh):
+def test_kernel_inside_blocks_chunked_across_equals_reference(t, d, chunk, span, stream, kh, across):
     """`span` with `kernel`: the kernel runs each block of span tokens as a sequence of its own
-    (its rows' log-sum-exp differentiable), the chunked form scores the routes between blocks,
-    merged by log-sum-exp: values and every gradient as the reference, the bias read at the
-    tokens' own positions (it adds 0.03 x the key's absolute position)."""
+    (its rows' log-sum-exp differentiable), the chunked form (or with across="kernel" the
+    across-blocks kernel over the queries carried back to each earlier block) scores the routes
+    between blocks, merged by log-sum-exp: values and every gradient as the reference, the bias
+    read at the tokens' own positions (it adds 0.03 x the key's absolute position)."""
     args, seg = inputs(t, d, kh=kh), segments(t)
-    (_, got), got_grads = two_level_grads("kernel", args, seg, span, chunk, stream)
+    (_, got), got_grads = two_level_grads("kernel", args, seg, span, chunk, stream, across)
     (_, want), want_grads = two_level_grads("reference", args, seg, span, chunk)
     assert rel(got, want) < 1e-5
     for name, g, w in zip(NAMES, got_grads, want_grads):
