@@ -80,13 +80,15 @@ def sizes(tiny: bool) -> dict:
         return dict(check=(2, 40, 4, 2, 16), lengths=(256,), heads=2, head_dim=64, dims=(72,), rows=2, seq_len=128,
                     attention=("rope", "fox", "tapa", "path_fox"), train=("rope", "fox", "path_fox"),
                     models=("tiny",), eval_len=256,
-                    path_spans=(("blockwise", 32, 128, "bf16"), ("pallas", 32, 128, "bf16")))
+                    path_spans=(("blockwise", 32, 128, "bf16", "chunked"), ("pallas", 32, 128, "bf16", "chunked"),
+                                ("pallas", 32, 128, "bf16", "kernel")))
     return dict(check=(2, 1000, 4, 2, 64), lengths=(8192, 32768), heads=16, head_dim=128, dims=(136, 144, 152, 192),
                 rows=4, seq_len=8192, attention=ATTENTION_SCHEMES, train=TRAIN_SCHEMES,
                 models=("Llama-3.2-1B", "Llama-3.2-3B", "Llama-3.1-8B"), eval_len=4096,
-                path_spans=(("blockwise", 64, 0, "fp32"), ("blockwise", 64, 512, "fp32"),
-                            ("blockwise", 64, 512, "bf16"), ("blockwise", 128, 1024, "bf16"),
-                            ("blockwise", 64, 0, "bf16"), ("pallas", 64, 1024, "bf16")))
+                path_spans=(("blockwise", 64, 0, "fp32", "chunked"), ("pallas", 64, 512, "bf16", "kernel"),
+                            ("blockwise", 64, 512, "fp32", "chunked"), ("blockwise", 64, 512, "bf16", "chunked"),
+                            ("pallas", 64, 1024, "bf16", "kernel"), ("blockwise", 128, 1024, "bf16", "chunked"),
+                            ("blockwise", 64, 0, "bf16", "chunked"), ("pallas", 64, 1024, "bf16", "chunked")))
 
 
 def packed_ids(b: int, t: int, documents: int) -> jax.Array:
@@ -284,11 +286,12 @@ def plan(tiny: bool) -> list[tuple[str, str, float, object]]:
     dims = [("attention", f"ceiling at head dim {d}", 10,
              lambda d=d: run_attention("ceiling", first, s["heads"], d, reps)) for d in s["dims"]]
     # PaTH-FoX's chunked form (auto's choice on GPU) at its training chunk, one level and two.
-    spans = [("attention", f"path_fox {impl} chunk {c} span {span} {tiles} tiles at {first}",
+    spans = [("attention", f"path_fox {impl} chunk {c} span {span} {tiles} tiles"
+              f"{' across by kernel' if across == 'kernel' else ''} at {first}",
               (120 if impl == "pallas" else 30) * first / 8192,
-              lambda i=impl, c=c, span=span, tiles=tiles: run_attention("path_fox", first, s["heads"], s["head_dim"],
-                                                                        reps, i, c, span=span, tiles=tiles))
-             for impl, c, span, tiles in s["path_spans"]]
+              lambda i=impl, c=c, span=span, tiles=tiles, a=across: run_attention(
+                  "path_fox", first, s["heads"], s["head_dim"], reps, i, c, span=span, tiles=tiles, across=a))
+             for impl, c, span, tiles, across in s["path_spans"]]
     plans = [("eval plan", m, 30, lambda m=m: run_eval_plan(m, s["eval_len"])) for m in s["models"]]
     return (items + attention_items(first) + spans + train_items(s["train"][:3]) + dims
             + [x for t in longer for x in attention_items(t)] + train_items(s["train"][3:]) + plans + last)

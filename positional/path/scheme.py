@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from positional.attention import OwnKernel, attention, choose, per_device, per_platform_choice
-from positional.path.chunked import TILES, chunked_attention
+from positional.path.chunked import ACROSS, TILES, chunked_attention
 from positional.path.kernel import refusal
 from positional.path.reference import dense_score_fn
 from positional.path.ring import ring_path_attention
@@ -50,6 +50,9 @@ class Path(Scheme):
     # numbers per head of query chains (fewer: less memory, more steps)
     outer_group: int = 8
     tiles: str = "fp32"  # the chunked form's q.k and P.V tiles' operands, "fp32" or "bf16" (TILES)
+    # two levels with the kernel inside the blocks: across them the chunked form ("chunked") or
+    # the across-blocks kernel ("kernel": T / span copies of the queries kept; positional/path/across.py)
+    across: str = "chunked"
 
     relative = False  # routes depend on the tokens between, not on positions
     impls = ("auto", "reference", "blockwise", "pallas", "ring")
@@ -67,6 +70,8 @@ class Path(Scheme):
                 raise ValueError(f"PaTH option {name}={getattr(self, name)} must be >= {least}")
         if self.tiles not in TILES:
             raise ValueError(f"PaTH option tiles={self.tiles!r} must be one of {sorted(TILES)}")
+        if self.across not in ACROSS:
+            raise ValueError(f"PaTH option across={self.across!r} must be one of {ACROSS}")
 
     def transform(self, q, k, v, features, positions):
         if self.qk_norm:
@@ -107,13 +112,13 @@ class Path(Scheme):
                     return ring_path_attention(q, k, v, features["w"], features["beta"], mesh=mesh,
                                                bias_fn=self.score_bias(features, positions), segment_ids=segment_ids,
                                                chunk=block_size, kernel=kernel, span=own_span,
-                                               outer_group=self.outer_group)
+                                               outer_group=self.outer_group, across=self.across)
                 return "ring", f"the sequence axis of the mesh splits the keys; own shard: {why}", run
             return per_platform_choice(ring, q, k, v, features, positions, segment_ids, label=type(self).__name__)
 
         def kernel(q, k, v, w, beta, bias, seg, platform=platform):  # with span: inside blocks, the chunked form across
             return chunked_attention(q, k, v, w, beta, bias_fn=bias, segment_ids=seg, chunk=block_size, span=span,
-                                     outer_group=self.outer_group, tiles=self.tiles,
+                                     outer_group=self.outer_group, tiles=self.tiles, across=self.across,
                                      kernel={"block_size": block_size, "platform": platform})
 
         if impl == "auto":  # on CPU by length, on GPU blockwise (FACTS["path_kernel_gpu"]), on TPU the kernel

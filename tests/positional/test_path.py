@@ -352,15 +352,18 @@ def test_scheme_solve_chunk_reaches_the_reference_logits():
 
 
 def test_scheme_span_runs_two_levels_with_the_same_result():
-    """Path(span=8) with impls blockwise and pallas (the kernel inside blocks, interpreted), and
-    blockwise one block a step (outer_group=1), with 2-token chunks over 21 tokens (3 blocks)
-    equals the explicit products; a span that is not whole chunks is refused in one line."""
+    """Path(span=8) with impls blockwise and pallas (the kernel inside blocks, interpreted; and
+    with across="kernel" the across-blocks kernel between them), and blockwise one block a step
+    (outer_group=1), with 2-token chunks over 21 tokens (3 blocks) equals the explicit products;
+    a span that is not whole chunks, and an unknown `across`, are refused in one line."""
     from models.registry import make_scheme
     q, k, v, w, beta = inputs(t=21)
     scheme = make_scheme("path", num_heads=4, head_dim=8, span=8)
     features = {"w": w, "beta": beta}
     one_block_a_step = make_scheme("path", num_heads=4, head_dim=8, span=8, outer_group=1)
-    for impl, scheme_ in (("blockwise", scheme), ("pallas", scheme), ("blockwise", one_block_a_step)):
+    kernels = make_scheme("path", num_heads=4, head_dim=8, span=8, across="kernel")
+    for impl, scheme_ in (("blockwise", scheme), ("pallas", scheme), ("blockwise", one_block_a_step),
+                          ("pallas", kernels)):
         out = jax.jit(lambda q, k, v, f: scheme_.transformed_attention(q, k, v, f, impl=impl, block_size=2))(q, k, v, features)
         np.testing.assert_allclose(out, product_attention(q, k, v, w, beta), atol=2e-5, err_msg=impl)
     with pytest.raises(ValueError, match=r"span=8 must be a multiple of chunk=3"):
@@ -369,6 +372,8 @@ def test_scheme_span_runs_two_levels_with_the_same_result():
         make_scheme("path", num_heads=4, head_dim=8, span=-1)
     with pytest.raises(ValueError, match=r"^PaTH option outer_group=0 must be >= 1$"):
         make_scheme("path", num_heads=4, head_dim=8, outer_group=0)
+    with pytest.raises(ValueError, match=r"^PaTH option across='pallas' must be one of \('chunked', 'kernel'\)$"):
+        make_scheme("path", num_heads=4, head_dim=8, across="pallas")
 
 
 def test_decode_prefills_in_parallel_at_any_index():

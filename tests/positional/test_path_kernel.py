@@ -279,12 +279,13 @@ def test_auto_on_tpu_keeps_the_kernel_within_the_chips_vmem(chip, t, kernel, cap
         assert "on a TPU with 16 MiB of VMEM" in tpu.why and "\n" not in tpu.why
 
 
+@pytest.mark.parametrize("across,calls", [("chunked", 2), ("kernel", 5)])
 @pytest.mark.parametrize("platform,call", [("cuda", TRITON), ("tpu", MOSAIC)])
-def test_kernel_inside_blocks_lowers_for_gpu_and_tpu(platform, call):
+def test_kernel_inside_blocks_lowers_for_gpu_and_tpu(platform, call, across, calls):
     """Path(span=512) with impl pallas at 2,048 tokens, forward + backward exported for an
-    accelerator: the kernel's two calls (on blocks of 512 tokens), the rest plain JAX, no T x T
-    tensor."""
-    scheme = make_scheme("path_fox", num_heads=4, head_dim=64, span=512)
+    accelerator: the kernel's two calls (on blocks of 512 tokens), and with across="kernel" the
+    across-blocks kernel's three, the rest plain JAX, no T x T tensor."""
+    scheme = make_scheme("path_fox", num_heads=4, head_dim=64, span=512, across=across)
     x = jax.ShapeDtypeStruct((1, 2048, 4, 64), jnp.bfloat16)
     pos = jnp.broadcast_to(jnp.arange(2048), (1, 2048))
 
@@ -293,7 +294,7 @@ def test_kernel_inside_blocks_lowers_for_gpu_and_tpu(platform, call):
         return out.astype(jnp.float32).sum()
 
     text = simplified(lowered(jax.grad(loss, (0, 1, 2)), x, x, x, platforms=[platform]))
-    assert text.count(call) == 2 and t_by_t(text, 2048) == []
+    assert text.count(call) == calls and t_by_t(text, 2048) == []
 
 
 @pytest.mark.parametrize("chip", ["TPU_V4", "TPU_V5E"])
