@@ -15,7 +15,8 @@ bias), "fox" (FoX gates, F_i - F_j at global indices, as `Path.attention` passes
 (a `Bias` of the slots' indices, whose fn reads qi, kj: global positions); a case
 ending in "/kernel" runs the own shard by PaTH's kernel (interpreted, 4-token chunks), one in
 "/span" the same in two levels (the kernel inside blocks of 8 tokens: a shard of 12 in a whole
-block and a part). Prints
+block and a part), one in "/across" the two levels with the across-blocks kernel between the
+blocks. Prints
 JSON: per mesh and case the largest difference of the output and of the gradients of
 sum(sin(out)) in q, k, v, w, beta and the log-gates, each relative to the largest reference
 value; and the shapes of the arrays the compiled program all-gathers (only the n shards' D x D
@@ -73,7 +74,8 @@ def ring(mesh):
         kernel = {"interpret": True, "block_size": CHUNK} if own else None
         return ring_path_attention(q, k, v, w, beta, mesh=mesh, bias_fn=bias(case, log_forget),
                                    segment_ids=segment_ids, chunk=CHUNK, group=2, kernel=kernel,
-                                   span=8 if own == "span" else None)
+                                   span=8 if own in ("span", "across") else None,
+                                   across="kernel" if own == "across" else "chunked")
     return attend
 
 

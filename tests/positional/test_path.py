@@ -266,11 +266,14 @@ def test_bf16_tiles_stay_within_a_stated_bound():
     """tiles="bf16" (q.k and P.V on bf16 operands, fp32 accumulation; transport fp32), one level
     and two, at 160 tokens: every error (output, six gradients) at most 5e-3 and twice that of
     fp32 tiles on the same bf16 inputs (seen at 300 tokens: 1.8e-3 to 3.0e-3 against 1.3e-3 to
-    2.3e-3; plain bf16 softmax attention, blockwise: 1.8e-3 to 3.6e-3)."""
+    2.3e-3; plain bf16 softmax attention, blockwise: 1.8e-3 to 3.6e-3). Both levels by kernels
+    (interpreted; the kernel inside the blocks takes P.V in V's dtype, bf16, whatever `tiles`):
+    at most 5e-3 and 2.5 times (seen at 160 tokens: 1.9e-3 to 3.5e-3, at most 2.1 times)."""
     exact = relative_errors(160, chunk=16)
-    for options in ({"chunk": 16}, {"chunk": 16, "span": 64}):
+    kernels = {"chunk": 16, "span": 64, "kernel": {"interpret": True}, "across": "kernel"}
+    for options, times in (({"chunk": 16}, 2), ({"chunk": 16, "span": 64}, 2), (kernels, 2.5)):
         errors = relative_errors(160, tiles="bf16", **options)
-        assert (errors <= 5e-3).all() and (errors <= 2 * exact).all(), (options, errors, exact)
+        assert (errors <= 5e-3).all() and (errors <= times * exact).all(), (options, errors, exact)
 
 
 def test_bf16_tiles_lower_to_bf16_dots_for_cuda():

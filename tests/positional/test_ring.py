@@ -75,10 +75,11 @@ def check_path_ring(result, sizes):
 def test_path_ring_equals_reference_on_4_devices():
     """PaTH with FoX gates on sequence=4: GQA, packed documents across shards, beta over [0, 2],
     chunks that pad a shard: values and gradients of every input; the own shard by the chunked
-    form and by PaTH's kernel (interpreted; in two levels with span, "/span"), whose bias must
-    read global positions ("slots")."""
+    form and by PaTH's kernel (interpreted; in two levels with span, "/span", and with the
+    across-blocks kernel between the blocks, "/across"), whose bias must read global positions
+    ("slots")."""
     sizes = {"sequence": 4}
-    check_path_ring(ring_check([sizes], "tests/helpers/path_ring_check.py", "fox,fox/kernel,slots/span"), sizes)
+    check_path_ring(ring_check([sizes], "tests/helpers/path_ring_check.py", "fox,fox/kernel,slots/span,fox/across,slots/across"), sizes)
 
 
 @pytest.mark.slow
