@@ -17,9 +17,11 @@ against theirs) does not fit in what is left of --budget_s is skipped and named:
   2. attention: forward + backward of one call, 1 x 16 heads x 128 bf16, 4 packed documents
      per row, at 8,192 then 32,768 tokens: each scheme's auto path against cuDNN plain causal
      softmax without packing (the ceiling); PaTH-FoX's chunked form at 8,192 in one level and
-     in two, fp32 and bf16 tiles (chunk, span, tiles: `chunked_attention`), and its kernel inside
-     blocks of 1,024 with the chunked form across; then cuDNN plain at the head dims the bias
-     channels make (136, 144, 152, 192 against 128).
+     in two, fp32 and bf16 tiles (chunk, span, tiles: `chunked_attention`), and by kernels in two
+     levels (`across`: "chunks", the across-blocks kernel between chunks and between blocks of
+     512 or 1,024; "blocks", PaTH's kernel inside blocks of 512 and the across-blocks kernel
+     between them; "scan", PaTH's kernel inside blocks of 1,024 and the chunked form across);
+     then cuDNN plain at the head dims the bias channels make (136, 144, 152, 192 against 128).
   3. train: tokens/s of the train step (lab.state.make_train_step, as train.py builds it;
      configs/default.py, 4 rows of 8,192, bf16, 4 documents per row), auto against blockwise,
      for rope, alibi, fox, tapa and path_fox.
@@ -80,15 +82,16 @@ def sizes(tiny: bool) -> dict:
         return dict(check=(2, 40, 4, 2, 16), lengths=(256,), heads=2, head_dim=64, dims=(72,), rows=2, seq_len=128,
                     attention=("rope", "fox", "tapa", "path_fox"), train=("rope", "fox", "path_fox"),
                     models=("tiny",), eval_len=256,
-                    path_spans=(("blockwise", 32, 128, "bf16", "chunked"), ("pallas", 32, 128, "bf16", "chunked"),
-                                ("pallas", 32, 128, "bf16", "kernel")))
+                    path_spans=(("blockwise", 32, 128, "bf16", "scan"), ("pallas", 32, 128, "bf16", "scan"),
+                                ("pallas", 32, 128, "bf16", "blocks"), ("pallas", 32, 128, "bf16", "chunks")))
     return dict(check=(2, 1000, 4, 2, 64), lengths=(8192, 32768), heads=16, head_dim=128, dims=(136, 144, 152, 192),
                 rows=4, seq_len=8192, attention=ATTENTION_SCHEMES, train=TRAIN_SCHEMES,
                 models=("Llama-3.2-1B", "Llama-3.2-3B", "Llama-3.1-8B"), eval_len=4096,
-                path_spans=(("blockwise", 64, 0, "fp32", "chunked"), ("pallas", 64, 512, "bf16", "kernel"),
-                            ("blockwise", 64, 512, "fp32", "chunked"), ("blockwise", 64, 512, "bf16", "chunked"),
-                            ("pallas", 64, 1024, "bf16", "kernel"), ("blockwise", 128, 1024, "bf16", "chunked"),
-                            ("blockwise", 64, 0, "bf16", "chunked"), ("pallas", 64, 1024, "bf16", "chunked")))
+                path_spans=(("blockwise", 64, 0, "fp32", "scan"), ("pallas", 64, 512, "bf16", "chunks"),
+                            ("pallas", 64, 512, "bf16", "blocks"), ("blockwise", 64, 512, "fp32", "scan"),
+                            ("blockwise", 64, 512, "bf16", "scan"), ("pallas", 64, 1024, "bf16", "chunks"),
+                            ("blockwise", 128, 1024, "bf16", "scan"), ("blockwise", 64, 0, "bf16", "scan"),
+                            ("pallas", 64, 1024, "bf16", "scan")))
 
 
 def packed_ids(b: int, t: int, documents: int) -> jax.Array:
@@ -287,7 +290,7 @@ def plan(tiny: bool) -> list[tuple[str, str, float, object]]:
              lambda d=d: run_attention("ceiling", first, s["heads"], d, reps)) for d in s["dims"]]
     # PaTH-FoX's chunked form (auto's choice on GPU) at its training chunk, one level and two.
     spans = [("attention", f"path_fox {impl} chunk {c} span {span} {tiles} tiles"
-              f"{' across by kernel' if across == 'kernel' else ''} at {first}",
+              f"{' across ' + across if across != 'scan' else ''} at {first}",
               (120 if impl == "pallas" else 30) * first / 8192,
               lambda i=impl, c=c, span=span, tiles=tiles, a=across: run_attention(
                   "path_fox", first, s["heads"], s["head_dim"], reps, i, c, span=span, tiles=tiles, across=a))

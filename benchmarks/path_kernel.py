@@ -54,8 +54,8 @@ flags.DEFINE_string("tiles", "16", "our kernel's settings ('none': no kernel), c
                     flag_values=FLAGS)
 flags.DEFINE_integer("blockwise_max", 8192, "longest length for our plain-JAX chunked form", flag_values=FLAGS)
 flags.DEFINE_string("blockwise", "64", "the chunked form's settings, comma-separated: chunk[/s<span>][/o<outer "
-                    "group>][/bf16][/k][/a]: two levels with span, bf16 tiles, the kernel inside the blocks (k) "
-                    "and the across-blocks kernel between them (k/a)",
+                    "group>][/bf16][/k][/a:blocks|chunks]: two levels with span, bf16 tiles, the kernel inside the "
+                    "blocks (k), the across-blocks kernel between them (k/a:blocks) or between chunks too (k/a:chunks)",
                     flag_values=FLAGS)
 flags.DEFINE_integer("repeats", 10, "timed calls", flag_values=FLAGS)
 flags.DEFINE_bool("check", True, "run the checks first", flag_values=FLAGS)
@@ -102,8 +102,8 @@ def tile(spec: str) -> dict:
 
 def chunked(spec: str) -> dict:
     """'64/s512/o4/bf16/k' -> chunked_attention's {'chunk': 64, 'span': 512, 'outer_group': 4,
-    'tiles': 'bf16', 'kernel': {}} (k: PaTH's kernel inside the blocks, its defaults; a: and the
-    across-blocks kernel between them, across='kernel')."""
+    'tiles': 'bf16', 'kernel': {}} (k: PaTH's kernel inside the blocks, its defaults; a:blocks or
+    a:chunks: chunked_attention's `across`)."""
     chunk, *rest = spec.split("/")
     out = {"chunk": int(chunk)}
     for part in rest:
@@ -111,8 +111,8 @@ def chunked(spec: str) -> dict:
             out["tiles"] = part
         elif part == "k":
             out["kernel"] = {}
-        elif part == "a":
-            out["across"] = "kernel"
+        elif part.startswith("a:"):
+            out["across"] = part[2:]
         else:
             out[{"s": "span", "o": "outer_group"}[part[0]]] = int(part[1:])
     return out

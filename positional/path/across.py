@@ -402,10 +402,13 @@ def across_blocks(qv, k, v, *, span: int, bias_fn: Bias | None = None, segment_i
         tiles = []
         for name, size, default in zip(("block_q", "block_k"), (block_q, block_k),
                                        DEFAULT_TILES["interpret" if interpret else backend]):
-            size = size or math.gcd(span, block_size if interpret and block_size else default)
-            check_tile("PaTH across-blocks", name, size, backend, interpret)
-            if span % size:
+            if span % (size or 1):
                 raise ValueError(f"PaTH across_blocks {name}={size} must divide span={span}")
+            size = size or math.gcd(span, block_size if interpret and block_size else default)
+            try:
+                check_tile("PaTH across-blocks", name, size, backend, interpret)
+            except ValueError as error:
+                raise ValueError(f"{error}; the tiles divide span={span}") from None
             tiles.append(size)
         return _Static(bias=bias_fn.fn if bias_fn is not None else None, span=span, block_q=tiles[0],
                        block_k=tiles[1], heads=h, scale=d ** -0.5 if scale is None else float(scale),

@@ -12,7 +12,8 @@ import jax
 import jax.numpy as jnp
 
 from positional.path.across import across_blocks, versions
-from positional.path.kernel import path_attention
+from positional.logits import Bias, at_positions
+from positional.path.kernel import blocks_as_rows, path_attention
 from positional.path.transport import (HIGHEST, apply_product, carry_to_chunk_end, check_transport, dense_product,
                                        exclusive_products, route_terms, to_chunks, ut_matrix)
 from positional.softmax import MASKED, check_shapes, matmul, merged, rounded
@@ -20,14 +21,16 @@ from positional.softmax import MASKED, check_shapes, matmul, merged, rounded
 # The chunked form's tile operands (`tiles`): fp32 at highest precision, or bf16 accumulating in
 # fp32 (tensor cores / the MXU, as flash attention and the authors' kernels take q.k and P.V).
 TILES = {"fp32": jnp.float32, "bf16": jnp.bfloat16}
-# The outer level of the two-level form: the chunked form's scan, or the across-blocks kernel.
-ACROSS = ("chunked", "kernel")
+# Two levels with kernels: what scores the routes across the blocks ("scan": the chunked form's;
+# "blocks": the across-blocks kernel) and across a block's chunks ("chunks": that kernel there too,
+# in place of PaTH's kernel inside the blocks).
+ACROSS = ("scan", "blocks", "chunks")
 
 
 def chunked_attention(q, k, v, w, beta, *, bias_fn=None, segment_ids=None, chunk: int = 64,
                       group: int | None = None, scale: float | None = None, autodiff: bool = False,
                       span: int | None = None, outer_group: int = 8, tiles: str = "fp32",
-                      kernel: dict | None = None, across: str = "chunked", with_lse: bool = False):
+                      kernel: dict | None = None, across: str = "scan", with_lse: bool = False):
     """PaTH attention with O(T * D) memory, forward and backward: returns [B, T, H, D] in q's dtype
     (with `with_lse`, and the rows' log-sum-exp [B, T, H] fp32, both differentiable: a part of a
     longer attention, as a ring's own shard).
@@ -59,17 +62,19 @@ def chunked_attention(q, k, v, w, beta, *, bias_fn=None, segment_ids=None, chunk
 
     `kernel`: the inner level by PaTH's Pallas kernel, each block a sequence of its own
     (positional/path/kernel.py `path_attention` with `span`; the dict: its options, e.g.
-    block_size, platform); without span (or span >= T) the kernel does it all. `across`: the
-    outer level by the chunked form ("chunked") or, with `kernel`, by the across-blocks kernel
-    ("kernel", positional/path/across.py: each query carried back to the end of every earlier
-    block, then flash attention over those versions; T / span copies of the queries kept).
+    block_size, platform); without span (or span >= T) the kernel does it all. `across` (ACROSS),
+    with `kernel` and span: the outer level by the chunked form ("scan") or by the across-blocks
+    kernel ("blocks", positional/path/across.py: each query carried back to the end of every
+    earlier block, then flash attention over those versions; T / span copies of the queries
+    kept); "chunks": that kernel across the chunks inside each block too (span / chunk copies
+    more), so no PaTH kernel runs, only the in-chunk tiles in plain JAX.
     """
     check_shapes(q, k, v, segment_ids)
     check_transport(k, w, beta)
     if tiles not in TILES:
         raise ValueError(f"PaTH chunked_attention tiles={tiles!r} must be one of {sorted(TILES)}")
-    if across not in ACROSS or (across == "kernel" and kernel is None):
-        raise ValueError(f"PaTH chunked_attention across={across!r} must be one of {ACROSS}, 'kernel' only "
+    if across not in ACROSS or (across != "scan" and kernel is None):
+        raise ValueError(f"PaTH chunked_attention across={across!r} must be one of {ACROSS}, other than 'scan' only "
                          f"with kernel (its options: the levels' Pallas kernels)")
     b, t, h, d = q.shape
     scale = d ** -0.5 if scale is None else scale
@@ -105,12 +110,14 @@ def _two_levels(q, k, v, w, beta, bias_fn, segment_ids, c: int, span: int, group
                 scale: float, autodiff: bool, tiles: str, kernel: dict | None, across: str):
     """`chunked_attention` with `span`: the per-chunk pieces, the outer blocks' pieces made from
     them, each level's (o, lse), merged by their log-sum-exp (autodiff outside `_far` and the
-    kernels). The inner level by `_far`, or with `kernel` by PaTH's Pallas kernel (its options);
-    the outer by `_far`, or with across="kernel" by the across-blocks kernel."""
+    kernels). The inner level by `_far`, or with `kernel` by PaTH's Pallas kernel (its options),
+    or with across="chunks" by the in-chunk tiles (`_far` reaching back no chunk) and the
+    across-blocks kernel over each block's chunks; the outer by `_far`, or with across "blocks"
+    or "chunks" by the across-blocks kernel."""
     b, t, h, d = q.shape
     kh, per = k.shape[2], span // c
     blocks = -(-t // span)
-    g2 = 1 if across == "kernel" else min(outer_group, blocks)
+    g2 = 1 if across != "scan" else min(outer_group, blocks)
     blocks = -(-blocks // g2) * g2
     n = blocks * per
     (q_start, near, k_end, vc, wc, u), seg = chunk_pieces(q, k, v, w, beta, c, n), chunk_rows(segment_ids, b, t, c, n)
@@ -127,7 +134,9 @@ def _two_levels(q, k, v, w, beta, bias_fn, segment_ids, c: int, span: int, group
 
     q_outer, k_outer, whole = outer_pieces(q_start, k_end, wc, u)  # whole: [B, K, blocks, D, D]
     far = far_forward if autodiff else _far
-    if kernel is None:
+    if across == "chunks":
+        o1, lse1 = _inside_by_across(q_start, near, k_end, vc, wc, u, seg, bias_fn, t, span, scale, tiles, kernel)
+    elif kernel is None:
         bias, consts = _bias_hook(bias_fn, c)
         inner = Far(length=t, chunk=c, group=math.gcd(n, group or n), heads=h, scale=scale, bias=bias,
                      autodiff=autodiff, span=per, tiles=tiles)
@@ -137,7 +146,7 @@ def _two_levels(q, k, v, w, beta, bias_fn, segment_ids, c: int, span: int, group
         o1, lse1 = path_attention(q, k, v, w, beta, bias_fn=bias_fn, segment_ids=segment_ids, scale=scale, span=span,
                                   **kernel)
         o1, lse1 = chunk_heads(o1.astype(jnp.float32), kh, span, blocks), chunk_heads(lse1, kh, span, blocks)
-    if across == "kernel":
+    if across != "scan":
         o2, lse2 = _across_kernel(q_outer, k_outer, vc, whole, bias_fn, seg, t, span, scale, tiles, kernel)
         o, lse = (unchunked(x, t) for x in merged(o1, lse1, o2, lse2))
         return o.astype(q.dtype), lse
@@ -159,11 +168,44 @@ def _across_kernel(q_outer, k_outer, vc, whole, bias_fn, seg, t: int, span: int,
     qv = versions(q_outer.reshape(b, kh, g, blocks, span, d), whole[:, :, None])  # [B, K, G, J, I, span, D]
     qv = jnp.moveaxis(qv, (1, 2), (4, 5)).reshape(b, blocks, blocks * span, kh * g, d)[:, :, :t]
     k_outer, vc = (jnp.swapaxes(x.reshape(b, kh, -1, x.shape[-1]), 1, 2)[:, :t] for x in (k_outer, vc))
+    o, lse = _across_call(qv, k_outer, vc, span, bias_fn, seg.reshape(b, -1)[:, :t], scale, tiles, kernel)
+    return chunk_heads(o, kh, span, blocks), chunk_heads(lse, kh, span, blocks)
+
+
+def _across_call(qv, k, v, span, bias_fn, seg, scale, tiles, kernel):
+    """across_blocks on the `tiles` dtype with the kernels' options (interpret, stream, platform, block_size)."""
     low = TILES[tiles]
     options = {name: kernel[name] for name in ("interpret", "stream", "platform", "block_size") if name in kernel}
-    o, lse = across_blocks(qv.astype(low), k_outer.astype(low), vc.astype(low), span=span, bias_fn=bias_fn,
-                           segment_ids=seg.reshape(b, -1)[:, :t], scale=scale, **options)
-    return chunk_heads(o, kh, span, blocks), chunk_heads(lse, kh, span, blocks)
+    return across_blocks(qv.astype(low), k.astype(low), v.astype(low), span=span, bias_fn=bias_fn, segment_ids=seg,
+                         scale=scale, **options)
+
+
+def _inside_by_across(q_start, near, k_end, vc, wc, u, seg, bias_fn, t: int, span: int, scale: float, tiles: str,
+                      kernel: dict):
+    """The inner level with across="chunks", (o, lse) as [B, K, G, blocks, span, ...]: the
+    in-chunk tiles by `_far` reaching back no chunk, and each block as a sequence of its own
+    (so B x blocks rows) whose chunks the across-blocks kernel scores (a block of `span / c`
+    chunks, the queries carried back to the end of each earlier chunk of their block), the bias
+    read at the tokens' own positions; merged by log-sum-exp."""
+    b, kh, g, n, c, d = q_start.shape
+    h, blocks, per = kh * g, n * c // span, span // c
+    bias, consts = _bias_hook(bias_fn, c)
+    in_chunk = Far(length=t, chunk=c, group=n, heads=h, scale=scale, bias=bias, span=1, tiles=tiles)
+    o0, lse0 = (x.reshape(b, kh, g, blocks, span, *x.shape[5:])
+                for x in _far(in_chunk, q_start, near, k_end, vc, chunk_operators(wc, u), seg, consts))
+    ops = dense_product(wc, u).reshape(b, kh, 1, blocks, per, d, d)
+    qv = versions(q_start.reshape(b, kh, g, blocks, per, c, d), ops)  # [B, K, G, blocks, J, I, c, D]
+    qv = jnp.moveaxis(qv, (1, 2), (5, 6)).reshape(b * blocks, per, span, h, d)
+    rows = lambda x: jnp.moveaxis(x.reshape(b, kh, blocks, span, x.shape[-1]), 1, 3).reshape(  # noqa: E731
+        b * blocks, span, kh, x.shape[-1])
+    blocked = None
+    if bias_fn is not None:
+        placed = at_positions(bias_fn, jnp.arange(t)[None, :, None])
+        blocked = Bias(placed.fn, {name: blocks_as_rows(x, span) for name, x in placed.per_slot(b, t, h).items()})
+    o, lse = _across_call(qv, rows(k_end), rows(vc), c, blocked, seg.reshape(b * blocks, span), scale, tiles, kernel)
+    o2, lse2 = chunk_heads(o.reshape(b, blocks * span, h, -1), kh, span, blocks), chunk_heads(
+        lse.reshape(b, blocks * span, h), kh, span, blocks)
+    return merged(o0, lse0, o2, lse2)
 
 
 def chunking(t: int, chunk: int, group: int) -> tuple[int, int, int]:

@@ -582,8 +582,8 @@ def path_attention(q, k, v, w, beta, *, bias_fn: Bias | None = None, segment_ids
     if span is not None:
         if not (isinstance(span, int) and span >= 1):
             raise ValueError(f"PaTH kernel span={span!r} must be a positive integer (tokens per block)")
-        q, k, v, w, beta, seg = (_blocks(x, span) for x in (q, k, v, w, beta, seg))
-        values = {name: _blocks(x, span) for name, x in values.items()}
+        q, k, v, w, beta, seg = (blocks_as_rows(x, span) for x in (q, k, v, w, beta, seg))
+        values = {name: blocks_as_rows(x, span) for name, x in values.items()}
 
     def settings(backend: str, interpret: bool) -> _Static:
         c = chunk if chunk is not None else (block_size if interpret and block_size else
@@ -616,7 +616,7 @@ def path_attention(q, k, v, w, beta, *, bias_fn: Bias | None = None, segment_ids
     return tuple(x.reshape(b, -1, *x.shape[2:])[:, :t] for x in out)
 
 
-def _blocks(x, span: int):
+def blocks_as_rows(x, span: int):
     """[B, T, ...] -> [B * blocks, span, ...], T padded with zeros (beta 0: no step; padded keys
     come after every real query of their block, so the causal mask drops them)."""
     b, t = x.shape[:2]

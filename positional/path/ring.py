@@ -19,7 +19,7 @@ from positional.softmax import MASKED, check_shapes, merged
 def ring_path_attention(q, k, v, w, beta, *, mesh, axis: str = "sequence", bias_fn=None, segment_ids=None,
                         chunk: int = 64, group: int = 8, scale: float | None = None, batch_axes=("data", "fsdp"),
                         head_axes=("tensor",), kernel: dict | None = None, span: int | None = None,
-                        outer_group: int = 8, across: str = "chunked") -> jax.Array:
+                        outer_group: int = 8, across: str = "scan") -> jax.Array:
     """PaTH attention with the sequence split over mesh axis `axis` (T a multiple of its size n),
     keys and values passed round the ring (positional/ring.py): no device holds more than its
     own shard and one visiting shard of them. Returns [B, T, H, D] in q's dtype.
@@ -53,7 +53,7 @@ def ring_path_attention(q, k, v, w, beta, *, mesh, axis: str = "sequence", bias_
     `kernel` (a dict of `path_attention`'s options, e.g. interpret, platform, block_size): the
     own shard by PaTH's Pallas kernel instead, with `span` in two levels (the kernel inside
     blocks of span tokens, the chunked form across them, `outer_group` blocks a step, or with
-    across="kernel" the across-blocks kernel: `chunked_attention` with_lse), the bias a `Bias` read at the tokens' global positions
+    `across` the across-blocks kernel (positional/path/chunked.py ACROSS): `chunked_attention` with_lse), the bias a `Bias` read at the tokens' global positions
     (`positional.logits.at_positions`). Its backward is that of `chunked_attention`, given the
     cotangents the merge sends its (out, lse) (d out = dO e^(lse_own - lse), d lse_own =
     e^(lse_own - lse) <dO, out_own - O>); that recomputes the own shard's forward once.

@@ -50,9 +50,10 @@ class Path(Scheme):
     # numbers per head of query chains (fewer: less memory, more steps)
     outer_group: int = 8
     tiles: str = "fp32"  # the chunked form's q.k and P.V tiles' operands, "fp32" or "bf16" (TILES)
-    # two levels with the kernel inside the blocks: across them the chunked form ("chunked") or
-    # the across-blocks kernel ("kernel": T / span copies of the queries kept; positional/path/across.py)
-    across: str = "chunked"
+    # two levels with the kernel inside the blocks: across them the chunked form's scan ("scan"), or
+    # the across-blocks kernel ("blocks": T / span copies of the queries kept; positional/path/across.py),
+    # or that kernel across each block's chunks too, no PaTH kernel ("chunks"; chunked.ACROSS)
+    across: str = "scan"
 
     relative = False  # routes depend on the tokens between, not on positions
     impls = ("auto", "reference", "blockwise", "pallas", "ring")

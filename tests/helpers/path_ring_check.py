@@ -75,7 +75,7 @@ def ring(mesh):
         return ring_path_attention(q, k, v, w, beta, mesh=mesh, bias_fn=bias(case, log_forget),
                                    segment_ids=segment_ids, chunk=CHUNK, group=2, kernel=kernel,
                                    span=8 if own in ("span", "across") else None,
-                                   across="kernel" if own == "across" else "chunked")
+                                   across="blocks" if own == "across" else "scan")
     return attend
 
 

@@ -270,7 +270,7 @@ def test_bf16_tiles_stay_within_a_stated_bound():
     (interpreted; the kernel inside the blocks takes P.V in V's dtype, bf16, whatever `tiles`):
     at most 5e-3 and 2.5 times (seen at 160 tokens: 1.9e-3 to 3.5e-3, at most 2.1 times)."""
     exact = relative_errors(160, chunk=16)
-    kernels = {"chunk": 16, "span": 64, "kernel": {"interpret": True}, "across": "kernel"}
+    kernels = {"chunk": 16, "span": 64, "kernel": {"interpret": True}, "across": "blocks"}
     for options, times in (({"chunk": 16}, 2), ({"chunk": 16, "span": 64}, 2), (kernels, 2.5)):
         errors = relative_errors(160, tiles="bf16", **options)
         assert (errors <= 5e-3).all() and (errors <= times * exact).all(), (options, errors, exact)
@@ -355,8 +355,8 @@ def test_scheme_solve_chunk_reaches_the_reference_logits():
 
 
 def test_scheme_span_runs_two_levels_with_the_same_result():
-    """Path(span=8) with impls blockwise and pallas (the kernel inside blocks, interpreted; and
-    with across="kernel" the across-blocks kernel between them), and blockwise one block a step
+    """Path(span=8) with impls blockwise and pallas (the kernel inside blocks, interpreted; with
+    across="blocks" the across-blocks kernel between them, with "chunks" between chunks too), and blockwise one block a step
     (outer_group=1), with 2-token chunks over 21 tokens (3 blocks) equals the explicit products;
     a span that is not whole chunks, and an unknown `across`, are refused in one line."""
     from models.registry import make_scheme
@@ -364,9 +364,9 @@ def test_scheme_span_runs_two_levels_with_the_same_result():
     scheme = make_scheme("path", num_heads=4, head_dim=8, span=8)
     features = {"w": w, "beta": beta}
     one_block_a_step = make_scheme("path", num_heads=4, head_dim=8, span=8, outer_group=1)
-    kernels = make_scheme("path", num_heads=4, head_dim=8, span=8, across="kernel")
+    kernels = [make_scheme("path", num_heads=4, head_dim=8, span=8, across=a) for a in ("blocks", "chunks")]
     for impl, scheme_ in (("blockwise", scheme), ("pallas", scheme), ("blockwise", one_block_a_step),
-                          ("pallas", kernels)):
+                          *(("pallas", x) for x in kernels)):
         out = jax.jit(lambda q, k, v, f: scheme_.transformed_attention(q, k, v, f, impl=impl, block_size=2))(q, k, v, features)
         np.testing.assert_allclose(out, product_attention(q, k, v, w, beta), atol=2e-5, err_msg=impl)
     with pytest.raises(ValueError, match=r"span=8 must be a multiple of chunk=3"):
@@ -375,7 +375,7 @@ def test_scheme_span_runs_two_levels_with_the_same_result():
         make_scheme("path", num_heads=4, head_dim=8, span=-1)
     with pytest.raises(ValueError, match=r"^PaTH option outer_group=0 must be >= 1$"):
         make_scheme("path", num_heads=4, head_dim=8, outer_group=0)
-    with pytest.raises(ValueError, match=r"^PaTH option across='pallas' must be one of \('chunked', 'kernel'\)$"):
+    with pytest.raises(ValueError, match=r"^PaTH option across='pallas' must be one of \('scan', 'blocks', 'chunks'\)$"):
         make_scheme("path", num_heads=4, head_dim=8, across="pallas")
 
 

@@ -99,10 +99,10 @@ def test_grouped_backward_equals_reference():
     check(11, 16, 2, False, kh=2, gated=True, packed=True, groups=4)
 
 
-def two_level_grads(impl, args, seg, span, chunk, stream=False, across="chunked"):
+def two_level_grads(impl, args, seg, span, chunk, stream=False, across="scan"):
     """(output, gradients of q, k, v, w, beta and a bias's values) of PaTH with a bias that
-    reads absolute key positions and the FoX gates, by the reference or by the kernel inside
-    blocks of `span` tokens and the chunked form (or the across-blocks kernel) across them."""
+    reads absolute key positions and the FoX gates, by the reference or by two levels with
+    kernels (chunked_attention's `across`)."""
     d = args[0].shape[-1]
 
     def attend(q, k, v, w, beta, log_f):
@@ -122,18 +122,23 @@ def two_level_grads(impl, args, seg, span, chunk, stream=False, across="chunked"
 
 
 @pytest.mark.parametrize("t,d,chunk,span,stream,kh,across", [
-    (21, 16, 2, 8, False, 2, "chunked"),  # 3 blocks (the last padded), documents across their boundaries
-    (21, 16, 2, 8, False, 2, "kernel"),  # both levels by kernels
-    pytest.param(21, 48, 4, 8, True, 1, "chunked", marks=SLOW),  # the streamed form; D padded to 64; one kv head
-    (21, 48, 4, 8, True, 1, "kernel"),
-    pytest.param(200, 64, 16, 64, False, 2, "kernel", marks=SLOW),  # 4 blocks, chunk 16
+    (21, 16, 2, 8, False, 2, "scan"),  # 3 blocks (the last padded), documents across their boundaries
+    (21, 16, 2, 8, False, 2, "blocks"),  # the across-blocks kernel between the blocks
+    (21, 16, 2, 8, False, 2, "chunks"),  # ... and between the chunks inside them
+    pytest.param(21, 48, 4, 8, True, 1, "scan", marks=SLOW),  # the streamed form; D padded to 64; one kv head
+    (21, 48, 4, 8, True, 1, "blocks"),
+    pytest.param(21, 48, 4, 8, True, 1, "chunks", marks=SLOW),
+    pytest.param(200, 64, 16, 64, False, 2, "blocks", marks=SLOW),  # 4 blocks, chunk 16
+    pytest.param(200, 64, 16, 64, False, 2, "chunks", marks=SLOW),
 ])
 def test_kernel_inside_blocks_chunked_across_equals_reference(t, d, chunk, span, stream, kh, across):
     """`span` with `kernel`: the kernel runs each block of span tokens as a sequence of its own
-    (its rows' log-sum-exp differentiable), the chunked form (or with across="kernel" the
+    (its rows' log-sum-exp differentiable), the chunked form (or with across="blocks" the
     across-blocks kernel over the queries carried back to each earlier block) scores the routes
-    between blocks, merged by log-sum-exp: values and every gradient as the reference, the bias
-    read at the tokens' own positions (it adds 0.03 x the key's absolute position)."""
+    between blocks, merged by log-sum-exp; with across="chunks" the in-chunk tiles and that
+    kernel over each block's chunks replace PaTH's kernel: values and every gradient as the
+    reference, the bias read at the tokens' own positions (it adds 0.03 x the key's absolute
+    position)."""
     args, seg = inputs(t, d, kh=kh), segments(t)
     (_, got), got_grads = two_level_grads("kernel", args, seg, span, chunk, stream, across)
     (_, want), want_grads = two_level_grads("reference", args, seg, span, chunk)
@@ -279,19 +284,26 @@ def test_auto_on_tpu_keeps_the_kernel_within_the_chips_vmem(chip, t, kernel, cap
         assert "on a TPU with 16 MiB of VMEM" in tpu.why and "\n" not in tpu.why
 
 
-@pytest.mark.parametrize("across,calls", [("chunked", 2), ("kernel", 5)])
+@pytest.mark.parametrize("across,calls", [("scan", 2), ("blocks", 5), ("chunks", 6)])
 @pytest.mark.parametrize("platform,call", [("cuda", TRITON), ("tpu", MOSAIC)])
 def test_kernel_inside_blocks_lowers_for_gpu_and_tpu(platform, call, across, calls):
     """Path(span=512) with impl pallas at 2,048 tokens, forward + backward exported for an
-    accelerator: the kernel's two calls (on blocks of 512 tokens), and with across="kernel" the
-    across-blocks kernel's three, the rest plain JAX, no T x T tensor."""
+    accelerator: the kernel's two calls (on blocks of 512 tokens), with across="blocks" the
+    across-blocks kernel's three, with "chunks" its three twice (across the blocks and across
+    each block's chunks, no PaTH kernel: on TPU with 128-token chunks, 64 refused in one line);
+    the rest plain JAX, no T x T tensor."""
     scheme = make_scheme("path_fox", num_heads=4, head_dim=64, span=512, across=across)
     x = jax.ShapeDtypeStruct((1, 2048, 4, 64), jnp.bfloat16)
     pos = jnp.broadcast_to(jnp.arange(2048), (1, 2048))
 
-    def loss(q, k, v):
-        out = scheme.attend(q, k, v, positions=pos, impl="pallas", block_size=64, key=jax.random.key(0))
+    def loss(q, k, v, block_size=128 if platform == "tpu" and across == "chunks" else 64):
+        out = scheme.attend(q, k, v, positions=pos, impl="pallas", block_size=block_size, key=jax.random.key(0))
         return out.astype(jnp.float32).sum()
+
+    if platform == "tpu" and across == "chunks":
+        with pytest.raises(ValueError, match=r"^PaTH across-blocks kernel block_q=64 is not usable: it must be a "
+                                             r"multiple of 128 on TPU \(Mosaic\); the tiles divide span=64"):
+            lowered(jax.grad(functools.partial(loss, block_size=64), (0, 1, 2)), x, x, x, platforms=[platform])
 
     text = simplified(lowered(jax.grad(loss, (0, 1, 2)), x, x, x, platforms=[platform]))
     assert text.count(call) == calls and t_by_t(text, 2048) == []

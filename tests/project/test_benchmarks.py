@@ -218,7 +218,8 @@ def test_gpu_check_runs_end_to_end_at_toy_sizes(tmp_path, capsys, monkeypatch):
     assert rows["ceiling at 256"]["ms"] > 0 and rows["path_fox at 256"]["ms"] > 0
     assert rows["path_fox blockwise chunk 32 span 128 bf16 tiles at 256"]["ms"] > 0
     assert rows["path_fox pallas chunk 32 span 128 bf16 tiles at 256"]["ms"] > 0
-    assert rows["path_fox pallas chunk 32 span 128 bf16 tiles across by kernel at 256"]["ms"] > 0
+    assert rows["path_fox pallas chunk 32 span 128 bf16 tiles across blocks at 256"]["ms"] > 0
+    assert rows["path_fox pallas chunk 32 span 128 bf16 tiles across chunks at 256"]["ms"] > 0
     out = capsys.readouterr().out
     assert "| pallas PaTH-FoX (its kernel) | yes |" in out and "| fox auto |" in out and "| path_fox blockwise |" in out
 
