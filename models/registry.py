@@ -205,8 +205,9 @@ register("path", Entry(Path, features=HouseholderVectors, features_at_init=False
                            "memory (`block_size` = chunk; in two levels with blocks of `span` tokens where span > 0, "
                            "`outer_group` blocks a step across them; `tiles` = bf16: "
                            "its q.k and P.V on bf16 operands), `pallas` the fused kernel (with `span`: inside the blocks, "
-                           "each its own sequence; across them the chunked form, or with `across` = kernel the "
-                           "across-blocks kernel, positional/path/across.py) (positional/path/kernel.py; what `auto` "
+                           "each its own sequence; across them the chunked form, or with `across` = blocks the "
+                           "across-blocks kernel, positional/path/across.py; `across` = chunks: that kernel between "
+                           "chunks too, no PaTH kernel) (positional/path/kernel.py; what `auto` "
                            "picks on TPU; on GPU it picks `blockwise`, measured faster)"))
 register("fox", Entry(Fox, features=ForgetGate,
                       doc="Forgetting Transformer gate: sum of log forget gates between key and query added to "

@@ -24,11 +24,16 @@ Modules, bottom up (each imports only those above it in this list):
              and the materialised logits `path_scores` (O(T^2) memory; one UT solve per chunk);
   kernel     the Pallas kernel (GPU and TPU), forward and recomputing backward, per block of
              `span` tokens where asked; it imports no other scheme file;
+  across     the routes between blocks as plain flash attention (a Pallas kernel, forward and
+             dq / dk-dv kernels parallel over tiles) once each query is carried back to the end
+             of every earlier block (`versions`, plain JAX): the outer level of two, or with
+             blocks of one chunk the level between a block's chunks;
   chunked    flash-style in plain JAX: keys carried to the end of their chunk, queries carried
              back one chunk at a time, online softmax; O(T * D) memory and a recomputing
              backward (a custom VJP). With `span`, in two levels: the same (or the kernel)
              inside blocks of span tokens and across the blocks, one D x D product per block,
-             merged by log-sum-exp;
+             merged by log-sum-exp; or (`across`) with the across-blocks kernel between the
+             blocks, and between each block's chunks too;
   ring       the sequence split over a ring of devices (positional/ring.py's ring with a D x D
              map per visiting shard, the own shard by the chunked form);
   scheme     the `Path` scheme: options, features, the impls and `auto`, decoding.

@@ -26,7 +26,8 @@ class Path(Scheme):
     impl "reference" materialises the T x T logits (`path_scores`, one UT solve per
     `solve_chunk` tokens), "blockwise" is the flash-style chunked form with `block_size` tokens
     per chunk and O(T * D) memory, training included (`chunked_attention`; in two levels with
-    blocks of `span` tokens where span > 0; with "pallas" the kernel inside them), "pallas" the same
+    blocks of `span` tokens where span > 0; with "pallas" the kernel inside them, and `across`
+    says what scores the routes between them), "pallas" the same
     algorithm as a Pallas kernel (positional/path/kernel.py; the interpreter on CPU, with
     `block_size`-token chunks there), "ring" splits the sequence over the devices of the
     enclosing sequence mesh (`ring_path_attention`, its own shard by the chunked form; off one,

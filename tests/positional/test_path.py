@@ -356,9 +356,10 @@ def test_scheme_solve_chunk_reaches_the_reference_logits():
 
 def test_scheme_span_runs_two_levels_with_the_same_result():
     """Path(span=8) with impls blockwise and pallas (the kernel inside blocks, interpreted; with
-    across="blocks" the across-blocks kernel between them, with "chunks" between chunks too), and blockwise one block a step
-    (outer_group=1), with 2-token chunks over 21 tokens (3 blocks) equals the explicit products;
-    a span that is not whole chunks, and an unknown `across`, are refused in one line."""
+    across="blocks" the across-blocks kernel between them, with "chunks" between chunks too),
+    and blockwise one block a step (outer_group=1), with 2-token chunks over 21 tokens (3
+    blocks) equals the explicit products; a span that is not whole chunks, and an unknown
+    `across`, are refused in one line."""
     from models.registry import make_scheme
     q, k, v, w, beta = inputs(t=21)
     scheme = make_scheme("path", num_heads=4, head_dim=8, span=8)

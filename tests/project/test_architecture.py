@@ -143,12 +143,13 @@ def test_data_holds_data_and_imports_no_model():
 
 
 def test_kernels_import_no_scheme_file():
-    """positional/kernels/ and a scheme folder's kernel.py (PaTH's) take what they need as arguments;
-    a scheme folder's kernel may read its own algebra (transport.py)."""
+    """positional/kernels/ and a scheme folder's kernels (every module of it that calls Pallas:
+    PaTH's kernel.py and across.py) take what they need as arguments; a scheme folder's kernel
+    may read its own algebra (transport.py)."""
     allowed = {"positional.softmax", "positional.logits", "positional.angles", "positional.linalg", "positional.kernels",
                "positional.path.transport"}
-    kernels = [m for m in MODULES if m.startswith("positional.kernels") or m.endswith(".kernel")]
-    assert "positional.path.kernel" in kernels
+    kernels = [m for m in MODULES if m.startswith("positional.kernels") or "pallas_call(" in open(MODULES[m]).read()]
+    assert {"positional.path.kernel", "positional.path.across"} <= set(kernels)
     for module, targets in graph().items():
         if module in kernels:
             assert targets <= allowed | {m for m in MODULES if m.startswith("positional.kernels")}, (
