@@ -141,10 +141,13 @@ def per_platform(settings: Callable[[str, bool], Any], run: Callable, args: tupl
     return jax.lax.platform_dependent(*flat, **branches)
 
 
-def backward_inputs(arrays: dict, o, lse, do) -> dict:
+def backward_inputs(arrays: dict, o, lse, do, d_lse=None) -> dict:
     """A flash-style kernel's backward inputs: its forward `arrays` ({'q': ..., 'k': {..., 'v'}})
     with the output's cotangent `do` (in V's dtype), the rows' log-sum-exp `lse` and
-    delta = rowsum(o * do) on the query side."""
+    delta = rowsum(o * do) on the query side, less the log-sum-exp's cotangent `d_lse` where the
+    kernel returns it (d lse_i / d s_ij = p_ij)."""
     delta = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1, keepdims=True)
+    if d_lse is not None:
+        delta = delta - d_lse
     q = {**arrays["q"], "do": do.astype(arrays["k"]["v"].dtype), "lse": lse, "delta": delta}
     return {"q": q, "k": arrays["k"]}

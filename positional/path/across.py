@@ -352,8 +352,7 @@ def _across_bwd(st, res, cotangents):
     arrays, o, lse = res
     do, d_lse = cotangents
     lse = jnp.where(jnp.isfinite(lse), lse, -MASKED)  # a row with no key: every p = 0
-    full = {**backward_inputs(arrays, o, lse, do), "qv": arrays["qv"]}
-    full["q"]["delta"] = full["q"]["delta"] - d_lse  # d lse_i / d s_ij = p_ij
+    full = {**backward_inputs(arrays, o, lse, do, d_lse), "qv": arrays["qv"]}
     dq, dk = _dq(st, full), _dkv(st, full)
     ks, (b, kh, t) = arrays["k"], arrays["k"]["k"].shape[:3]
 

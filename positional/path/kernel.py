@@ -515,8 +515,7 @@ def _path_fwd(st, arrays):
 def _path_bwd(st, res, cotangents):
     arrays, o, lse = res
     do, d_lse = cotangents
-    v, full = arrays["k"]["v"], backward_inputs(arrays, o, lse, do)
-    full["q"]["delta"] = full["q"]["delta"] - d_lse  # d lse_i / d s_ij = p_ij
+    v, full = arrays["k"]["v"], backward_inputs(arrays, o, lse, do, d_lse)
     dq, dk = _backward(st, full)
     b, kh = v.shape[:2]
 

@@ -130,6 +130,8 @@ def two_level_grads(impl, args, seg, span, chunk, stream=False, across="scan"):
     pytest.param(21, 48, 4, 8, True, 1, "chunks", marks=SLOW),
     pytest.param(200, 64, 16, 64, False, 2, "blocks", marks=SLOW),  # 4 blocks, chunk 16
     pytest.param(200, 64, 16, 64, False, 2, "chunks", marks=SLOW),
+    (7, 128, 2, 4, False, 4, "chunks"),  # 2 blocks of 2 chunks, no GQA
+    pytest.param(1000, 128, 32, 256, False, 2, "chunks", marks=SLOW),  # 4 blocks of 8 chunks, the last short
 ])
 def test_kernel_inside_blocks_chunked_across_equals_reference(t, d, chunk, span, stream, kh, across):
     """`span` with `kernel`: the kernel runs each block of span tokens as a sequence of its own
