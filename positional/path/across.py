@@ -294,7 +294,7 @@ def _dq(st: _Static, arrays: dict):
     version = lambda i, v, *s: v * nq + i  # noqa: E731
     specs = {"q": _side_specs(st, "q", arrays["q"], lambda i, *r: i), "k": _side_specs(st, "k", arrays["k"], k_index),
              "qv": _spec(st, arrays["qv"], 2, bq, version)}
-    outputs = {"q": jax.ShapeDtypeStruct((b, h, n * t, d), jnp.float32),
+    outputs = {"q": jax.ShapeDtypeStruct((b, h, n * t, d), arrays["qv"].dtype),
                "values": {name: jax.ShapeDtypeStruct((b, h, n * t, 1), jnp.float32) for name in values}}
     grid = (b, h, nq, n) + ((kper,) if st.stream else ())
     return _call(st, body, grid, arrays, specs, outputs, _side_specs(st, "q", outputs, version), init)
@@ -360,7 +360,7 @@ def _across_bwd(st, res, cotangents):
         return x.reshape(b, kh, st.heads // kh, *x.shape[2:]).sum(2).astype(like.dtype)
 
     versions = lambda x: x.reshape(b, st.heads, -1, t, 1).sum(2)  # noqa: E731
-    return ({"qv": dq["q"].astype(arrays["qv"].dtype),
+    return ({"qv": dq["q"],
              "q": {"seg": None, "values": jax.tree.map(versions, dq["values"])},
              "k": {"k": group_sum(dk["k"], ks["k"]), "v": group_sum(dk["v"], ks["v"]), "seg": None,
                    "values": dk["values"]}},)
@@ -375,8 +375,9 @@ def across_blocks(qv, k, v, *, span: int, bias_fn: Bias | None = None, segment_i
                   interpret: bool | None = None, stream: bool | None = None, platform: str | None = None,
                   num_warps: int = 4, num_stages: int = 2):
     """Attention from each query to the keys of the blocks of `span` tokens before its own:
-    qv [B, N, T, H, D], query i's version for key block J (N = ceil(T / span); read where
-    J < i // span); k [B, T, K, D], v [B, T, K, Dv] (H % K == 0); bias_fn a `Bias` or None;
+    qv [B, H, N, T, D], query i's version for key block J (N = ceil(T / span); read where
+    J < i // span; d qv comes in qv's dtype); k [B, T, K, D], v [B, T, K, Dv] (H % K == 0);
+    bias_fn a `Bias` or None;
     segment_ids [B, T] -> (out [B, T, H, Dv], the rows' log-sum-exp [B, T, H]), fp32, both
     differentiable in qv, k, v and the bias's values. `versions` makes qv and the keys from
     PaTH's pieces. Tiles: block_q, block_k (dividing span; by default the platform's, or in the
@@ -386,14 +387,14 @@ def across_blocks(qv, k, v, *, span: int, bias_fn: Bias | None = None, segment_i
     n = -(-t // span) if isinstance(span, int) and span >= 1 else 0
     if not n:
         raise ValueError(f"PaTH across_blocks span={span!r} must be a positive integer (tokens per block)")
-    if qv.ndim != 5 or qv.shape[:3] != (b, n, t) or qv.shape[4] != d or qv.shape[3] % kh:
-        raise ValueError(f"PaTH across_blocks: qv{tuple(qv.shape)} must be [B, ceil(T / span), T, H, D] = "
-                         f"[{b}, {n}, {t}, a multiple of {kh}, {d}] for k{tuple(k.shape)} and span {span}")
+    if qv.ndim != 5 or (qv.shape[0], *qv.shape[2:]) != (b, n, t, d) or qv.shape[1] % kh:
+        raise ValueError(f"PaTH across_blocks: qv{tuple(qv.shape)} must be [B, H, ceil(T / span), T, D] = "
+                         f"[{b}, a multiple of {kh}, {n}, {t}, {d}] for k{tuple(k.shape)} and span {span}")
     if v.shape[:3] != k.shape[:3]:
         raise ValueError(f"PaTH across_blocks: v{tuple(v.shape)} must be [B, T, K, Dv] with k{tuple(k.shape)}'s B, T, K")
     if bias_fn is not None and (not isinstance(bias_fn, Bias) or bias_fn.tables):
         raise ValueError("PaTH across_blocks: bias_fn must be a positional.logits.Bias of per-slot values (no tables)")
-    h = qv.shape[3]
+    h = qv.shape[1]
     values = bias_fn.per_slot(b, t, h) if bias_fn is not None else {}
     dtype = jnp.promote_types(qv.dtype, k.dtype)
 
@@ -420,17 +421,19 @@ def across_blocks(qv, k, v, *, span: int, bias_fn: Bias | None = None, segment_i
 
 def _padded(st: _Static, qv, k, v, values, seg):
     """The kernel on inputs padded to whole blocks (head dimensions to a power of two >= 16)."""
-    b, n, t, h, d = qv.shape
+    b, h, n, t, d = qv.shape
     tp = n * st.span
 
-    def pad(x, axis, size, value=0):
+    def pad(x, axis, size, value=0):  # (no copy where nothing is added)
+        if x.shape[axis] == size:
+            return x
         return jnp.pad(x, [(0, size - x.shape[a]) if a == axis else (0, 0) for a in range(x.ndim)],
                        constant_values=value)
 
     def layout(x):  # [B, T, heads, d] -> [B, heads, T_padded, d_padded]
         return jnp.swapaxes(pad(pad(x, 1, tp), 3, max(16, pl.next_power_of_2(x.shape[-1]))), 1, 2)
 
-    qv = jnp.moveaxis(pad(pad(qv, 2, tp), 4, max(16, pl.next_power_of_2(d))), 3, 1)  # [B, H, N, T_p, D_p]
+    qv = pad(pad(qv, 3, tp), 4, max(16, pl.next_power_of_2(d)))  # [B, H, N, T_p, D_p]
     seg = pad(seg, 1, tp, -1)  # padding: a segment of its own
     vals = {name: jnp.swapaxes(pad(x, 1, tp), 1, 2) for name, x in values.items()}  # [B, H, T_p]
     arrays = {"q": {"seg": seg[:, None, :, None], "values": {name: x[..., None] for name, x in vals.items()}},
@@ -442,20 +445,62 @@ def _padded(st: _Static, qv, k, v, values, seg):
 
 
 # ---- the versions, in plain JAX -------------------------------------------------------------------
-def versions(q_start, whole):
+def versions(q_start, whole, dtype=jnp.float32):
     """Every query carried back to the end of each earlier block: q_start [..., N, span, D] (the
     queries of each block at its start), whole [..., N, D, D] (each block's product, as rows
-    take it: x -> x @ whole) -> [..., N (J), N (I), span, D], block I's queries at the end of
-    block J for J < I (0 for J >= I). By a scan over J from the last block: N steps of one
-    [N * span, D] x [D, D] product, autodiff keeping each step's carry (the output's size)."""
+    take it: x -> x @ whole; leading axes broadcast) -> [..., N (J), N (I), span, D] in `dtype`,
+    block I's queries at the end of block J for J < I (0 for J >= I). By a scan over J from the
+    last block, fp32, N steps of one [N * span, D] x [D, D] product; the backward (a scan the
+    other way) keeps only this output (in `dtype`) and `whole`."""
+    return _versions(q_start, whole, jnp.dtype(dtype), q_start.dtype)
+
+
+def _stacked(out):
+    return jnp.moveaxis(out, 0, -4)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _versions(q_start, whole, dtype, q_dtype):
+    return _versions_fwd(q_start, whole, dtype, q_dtype)[0]
+
+
+def _versions_fwd(q_start, whole, dtype, q_dtype):
     n = whole.shape[-3]
     blocks = jnp.arange(n)[:, None, None]
 
     def step(x, j):  # x: the versions for block j + 1 -> for block j
-        nxt = jnp.minimum(j + 1, n - 1)
-        past = jnp.matmul(x, jnp.take(whole, nxt, axis=-3)[..., None, :, :], precision=HIGHEST)
-        x = jnp.where(blocks == j + 1, q_start, past)
-        return x, x
+        past = jnp.matmul(x, jnp.take(whole, jnp.minimum(j + 1, n - 1), axis=-3)[..., None, :, :], precision=HIGHEST)
+        x = jnp.where(blocks == j + 1, q_start.astype(jnp.float32), past)
+        return x, x.astype(dtype)
 
-    _, out = lax.scan(step, jnp.zeros_like(q_start), jnp.arange(n), reverse=True)
-    return jnp.moveaxis(out, 0, -4)
+    _, out = lax.scan(step, jnp.zeros(q_start.shape, jnp.float32), jnp.arange(n), reverse=True)
+    return _stacked(out), (out, whole)
+
+
+def _versions_bwd(dtype, q_dtype, res, g):
+    """The scan the other way: the cotangent of version j flows into version j + 1 through the
+    product of block j + 1, whose gradient reads version j + 1 (the forward's output)."""
+    out, whole = res
+    n = whole.shape[-3]
+    blocks = jnp.arange(n)[:, None, None]
+    g = jnp.moveaxis(g, -4, 0)
+
+    def step(carry, j):
+        c, dq, dw = carry
+        a = g[j].astype(jnp.float32) + c  # the cotangent of version j
+        dq = dq + jnp.where(blocks == j + 1, a, 0.0)
+        m = jnp.where(blocks == j + 1, 0.0, a)  # ... of version j + 1 times block j + 1's product
+        nxt = jnp.minimum(j + 1, n - 1)
+        x = jnp.where(j + 1 < n, out[nxt].astype(jnp.float32), 0.0)
+        dw_j = jnp.einsum("...nsd,...nse->...de", x, m, precision=HIGHEST)
+        dw_j = jnp.sum(dw_j, [i for i, s in enumerate(whole.shape[:-3]) if s == 1 and dw_j.shape[i] > 1], keepdims=True)
+        dw = dw.at[..., nxt, :, :].add(dw_j)
+        w_next = jnp.take(whole, nxt, axis=-3)[..., None, :, :]
+        return (jnp.matmul(m, jnp.swapaxes(w_next, -1, -2), precision=HIGHEST), dq, dw), None
+
+    zeros = jnp.zeros(g.shape[1:], jnp.float32)
+    (_, dq, dw), _ = lax.scan(step, (zeros, zeros, jnp.zeros(whole.shape, jnp.float32)), jnp.arange(n))
+    return dq.astype(q_dtype), dw.astype(whole.dtype)
+
+
+_versions.defvjp(_versions_fwd, _versions_bwd)

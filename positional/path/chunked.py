@@ -165,8 +165,8 @@ def _across_kernel(q_outer, k_outer, vc, whole, bias_fn, seg, t: int, span: int,
     """The outer level by the across-blocks kernel: (o, lse) as [B, K, G, blocks, span, ...]."""
     b, kh, g, blocks = q_outer.shape[:4]
     d = q_outer.shape[-1]
-    qv = versions(q_outer.reshape(b, kh, g, blocks, span, d), whole[:, :, None])  # [B, K, G, J, I, span, D]
-    qv = jnp.moveaxis(qv, (1, 2), (4, 5)).reshape(b, blocks, blocks * span, kh * g, d)[:, :, :t]
+    qv = versions(q_outer.reshape(b, kh, g, blocks, span, d), whole[:, :, None], TILES[tiles])  # [B,K,G,J,I,span,D]
+    qv = qv.reshape(b, kh * g, blocks, blocks * span, d)[..., :t, :]
     k_outer, vc = (jnp.swapaxes(x.reshape(b, kh, -1, x.shape[-1]), 1, 2)[:, :t] for x in (k_outer, vc))
     o, lse = _across_call(qv, k_outer, vc, span, bias_fn, seg.reshape(b, -1)[:, :t], scale, tiles, kernel)
     return chunk_heads(o, kh, span, blocks), chunk_heads(lse, kh, span, blocks)
@@ -194,8 +194,8 @@ def _inside_by_across(q_start, near, k_end, vc, wc, u, seg, bias_fn, t: int, spa
     o0, lse0 = (x.reshape(b, kh, g, blocks, span, *x.shape[5:])
                 for x in _far(in_chunk, q_start, near, k_end, vc, chunk_operators(wc, u), seg, consts))
     ops = dense_product(wc, u).reshape(b, kh, 1, blocks, per, d, d)
-    qv = versions(q_start.reshape(b, kh, g, blocks, per, c, d), ops)  # [B, K, G, blocks, J, I, c, D]
-    qv = jnp.moveaxis(qv, (1, 2), (5, 6)).reshape(b * blocks, per, span, h, d)
+    qv = versions(q_start.reshape(b, kh, g, blocks, per, c, d), ops, TILES[tiles])  # [B, K, G, blocks, J, I, c, D]
+    qv = jnp.moveaxis(qv, 3, 1).reshape(b * blocks, h, per, span, d)
     rows = lambda x: jnp.moveaxis(x.reshape(b, kh, blocks, span, x.shape[-1]), 1, 3).reshape(  # noqa: E731
         b * blocks, span, kh, x.shape[-1])
     blocked = None

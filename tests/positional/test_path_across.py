@@ -20,6 +20,7 @@ from positional.path.transport import HIGHEST
 
 def dense(qv, k, v, span, bias, seg, scale):
     """(out, lse) written out: query i scores key j of an earlier block J by qv[J, i] . k_j."""
+    qv = jnp.moveaxis(qv, 1, 3)  # [B, N, T, H, D]
     b, n, t, h, d = qv.shape
     g = h // k.shape[2]
     k, v = (jnp.repeat(x, g, axis=2) for x in (k, v))
@@ -36,7 +37,7 @@ def dense(qv, k, v, span, bias, seg, scale):
 
 def inputs(t, span, d, h, kh, dtype=jnp.float32):
     ks = jax.random.split(jax.random.key(1), 4)
-    qv = normal(ks[0], (2, -(-t // span), t, h, d)).astype(dtype)
+    qv = normal(ks[0], (2, h, -(-t // span), t, d)).astype(dtype)
     k, v = (normal(x, (2, t, kh, d)).astype(dtype) for x in ks[1:3])
     log_f = uniform(ks[3], (2, t, h), minval=-1.0, maxval=0.0)
     # Row 0: documents of 3, 5 and the rest (the second starts inside the first block, so its
@@ -115,13 +116,41 @@ def test_versions_are_the_queries_carried_back_to_each_earlier_block():
             np.testing.assert_allclose(got[j, big], q_start[big] @ route, atol=1e-5)
 
 
+def test_versions_gradients_equal_autodiff_of_the_products_written_out():
+    """The gradients of `versions` (its own backward, a scan the other way) in q_start and the
+    blocks' products, a product broadcast over a leading axis, against autodiff of the products
+    written out: 4 blocks of 3 tokens, fp32 output."""
+    n, span, d = 4, 3, 5
+    ks = jax.random.split(jax.random.key(3), 3)
+    q_start, whole = normal(ks[0], (2, n, span, d)), normal(ks[1], (1, n, d, d)) / d ** 0.5
+    weights = normal(ks[2], (2, n, n, span, d))
+
+    def written_out(q_start, whole):
+        rows = []
+        for j in range(n):
+            row = []
+            for big in range(n):
+                x = q_start[:, big] if big > j else jnp.zeros_like(q_start[:, big])
+                for m in range(big - 1, j, -1) if big > j else ():
+                    x = jnp.matmul(x, whole[:, m], precision=HIGHEST)
+                row.append(x)
+            rows.append(jnp.stack(row, 1))
+        return jnp.stack(rows, 1)
+
+    np.testing.assert_allclose(versions(q_start, whole), written_out(q_start, whole), atol=1e-5)
+    got, want = (jax.grad(lambda a, b, f=f: jnp.sum(f(a, b) * weights), (0, 1))(q_start, whole)
+                 for f in (versions, written_out))
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, atol=1e-5)
+
+
 @pytest.mark.parametrize("platform,call", [("cuda", TRITON), ("tpu", MOSAIC)])
 def test_lowers_for_gpu_and_tpu(platform, call):
     """Forward (1 kernel) and forward + backward (3: forward, dq, dk-dv) exported for an
     accelerator: bf16, head dimension 128, GQA, FoX gates, segment ids, 2,048 tokens in blocks
     of 512. No T x T tensor."""
     t, span = 2048, 512
-    qv = jax.ShapeDtypeStruct((1, t // span, t, 4, 128), jnp.bfloat16)
+    qv = jax.ShapeDtypeStruct((1, 4, t // span, t, 128), jnp.bfloat16)
     k = jax.ShapeDtypeStruct((1, t, 2, 128), jnp.bfloat16)
     log_f, seg = jax.ShapeDtypeStruct((1, t, 4), jnp.float32), jax.ShapeDtypeStruct((1, t), jnp.int32)
 
@@ -141,7 +170,7 @@ def test_compiles_for_tpu(topology):
     blocks of 1,024, bf16, head dimension 128, GQA, FoX gates, segment ids; on a v4 (16 MiB of
     VMEM) too, as the kernel keeps nothing of the whole sequence in VMEM."""
     t, span = 8192, 1024
-    qv = jax.ShapeDtypeStruct((1, t // span, t, 4, 128), jnp.bfloat16)
+    qv = jax.ShapeDtypeStruct((1, 4, t // span, t, 128), jnp.bfloat16)
     k = jax.ShapeDtypeStruct((1, t, 2, 128), jnp.bfloat16)
     log_f, seg = jax.ShapeDtypeStruct((1, t, 4), jnp.float32), jax.ShapeDtypeStruct((1, t), jnp.int32)
 
@@ -157,7 +186,7 @@ def test_bad_input_is_one_line_naming_the_field():
     qv, k, v, _, seg = inputs(21, 8, 16, 4, 2)
     cases = [
         (dict(span=0), r"^PaTH across_blocks span=0 must be a positive integer \(tokens per block\)$"),
-        (dict(span=4), r"^PaTH across_blocks: qv\(2, 3, 21, 4, 16\) must be \[B, ceil\(T / span\), T, H, D\]"),
+        (dict(span=4), r"^PaTH across_blocks: qv\(2, 4, 3, 21, 16\) must be \[B, H, ceil\(T / span\), T, D\]"),
         (dict(span=8, block_q=3, interpret=True), r"^PaTH across_blocks block_q=3 must divide span=8$"),
         (dict(span=8, bias_fn=lambda qi, kj: 0.0), r"^PaTH across_blocks: bias_fn must be a positional.logits.Bias"),
     ]
