@@ -62,6 +62,9 @@ flags.DEFINE_bool("check", True, "run the checks first", flag_values=FLAGS)
 flags.DEFINE_integer("checks", 6, "run the first this many of CHECKS", flag_values=FLAGS)
 flags.DEFINE_bool("fla", True, "include fla (needs torch and flash-linear-attention)", flag_values=FLAGS)
 flags.DEFINE_string("json", None, "also write the results to this JSON file", flag_values=FLAGS)
+flags.DEFINE_string("tpu", None, "instead of timing: compile each --blockwise setting's forward + backward for "
+                    "one chip of this TPU topology (v5e:1x1, ...) with libtpu and print the compiler's temporaries",
+                    flag_values=FLAGS)
 
 NAMES = ("q", "k", "v", "w", "beta", "log_forget")
 START = time.perf_counter()
@@ -302,16 +305,53 @@ def table(rows) -> str:
     return "\n".join(lines)
 
 
+def tpu_memory() -> list[dict]:
+    """Each --blockwise setting compiled for one chip of --tpu (nothing runs): the TPU
+    compiler's temporaries of forward + backward, bf16 q, k, v, one row, packed documents."""
+    from lab.lowering import compiled_for_tpu
+    rows = []
+    for d in (int(s) for s in FLAGS.head_dims.split(",")):
+        h = FLAGS.model_dim // d
+        for t in (int(s) for s in FLAGS.lengths.split(",")):
+            seg = jnp.asarray((np.arange(t) >= t // 3).astype(np.int32)[None])
+            x = {n: jax.ShapeDtypeStruct(a.shape, a.dtype) for n, a in to_jax(make_inputs(0, 1, 8, h, h, d),
+                                                                              jnp.bfloat16).items()}
+            x = {n: jax.ShapeDtypeStruct((1, t, *a.shape[2:]), a.dtype) for n, a in x.items()}
+            for gated in (bool(int(s)) for s in FLAGS.gates.split(",")):
+                for s in FLAGS.blockwise.split(","):
+                    n = 6 if gated else 5
+                    fn = jax_grads(ours("blockwise", gated, seg, blockwise=chunked(s)), n)
+                    start = time.perf_counter()
+                    compiled = compiled_for_tpu(fn, *x.values(), jax.ShapeDtypeStruct(x["q"].shape, jnp.float32),
+                                                topology=FLAGS.tpu)
+                    rows.append({"topology": FLAGS.tpu, "head_dim": d, "length": t, "gate": gated,
+                                 "impl": f"path/blockwise {s}", "temp_gib": compiled.memory_analysis().temp_size_in_bytes
+                                 / 2 ** 30, "compile_s": time.perf_counter() - start})
+                    log(rows[-1])
+    return rows
+
+
 def benchmark() -> dict:
-    log("device:", jax.devices()[0].device_kind, "jax", jax.__version__)
-    checks = check() if FLAGS.check else []
-    rows = bench()
-    print(table(rows))
-    result = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "checks": checks, "rows": rows}
+    if FLAGS.tpu:
+        rows = tpu_memory()
+        print("| head dim | tokens | gate | impl | TPU temporaries GiB | compile s |\n|---|---|---|---|---|---|")
+        print("\n".join(f"| {r['head_dim']} | {r['length']} | {'yes' if r['gate'] else 'no'} | {r['impl']} | "
+                        f"{r['temp_gib']:.2f} | {r['compile_s']:.0f} |" for r in rows))
+        result = {"topology": FLAGS.tpu, "jax": jax.__version__, "rows": rows}
+    else:
+        result = timings()
     if FLAGS.json:
         with open(FLAGS.json, "w") as f:
             json.dump(result, f, indent=1)
     return result
+
+
+def timings() -> dict:
+    log("device:", jax.devices()[0].device_kind, "jax", jax.__version__)
+    checks = check() if FLAGS.check else []
+    rows = bench()
+    print(table(rows))
+    return {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "checks": checks, "rows": rows}
 
 
 def main(argv):

@@ -156,6 +156,16 @@ def tpu_topology(name: str) -> list:
         raise ValueError(f"TPU topology {name!r}: {str(e).splitlines()[0]}") from None
 
 
+def compiled_for_tpu(fn, *args, topology: str = "v5e:1x1"):
+    """jit(fn)(*args) compiled by the TPU compiler (libtpu, no TPU) for one chip of `topology`,
+    args ShapeDtypeStructs placed on it; the kernels are sized for that chip."""
+    mesh = jax.sharding.Mesh(tpu_topology(topology)[:1], ("x",))
+    placed = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=jax.sharding.NamedSharding(
+        mesh, jax.sharding.PartitionSpec())) for a in args]
+    with target("tpu", mesh):
+        return jax.jit(fn).lower(*placed).compile()
+
+
 def tpu_hbm_per_device(name: str, devices: list) -> int:
     """HBM bytes of one device of the topology (a chip's, shared by its devices where a chip
     shows several)."""

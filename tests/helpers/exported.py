@@ -6,19 +6,9 @@ layouts and Mosaic's own checks, on the chip the topology names."""
 import jax
 import jax.numpy as jnp
 
-from lab.lowering import MOSAIC, TRITON, exported_text, simplified, target, tpu_topology
+from lab.lowering import MOSAIC, TRITON, compiled_for_tpu, exported_text, simplified
 
 __all__ = ["MOSAIC", "TRITON", "compiled_for_tpu", "excess_precision", "lowered", "simplified"]
-
-
-def compiled_for_tpu(fn, *args, topology: str = "v5e:1x1"):
-    """jit(fn)(*args) compiled by the TPU compiler (libtpu, no TPU) for one chip of `topology`,
-    args ShapeDtypeStructs placed on it; the kernels are sized for that chip."""
-    mesh = jax.sharding.Mesh(tpu_topology(topology)[:1], ("x",))
-    placed = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=jax.sharding.NamedSharding(
-        mesh, jax.sharding.PartitionSpec())) for a in args]
-    with target("tpu", mesh):
-        return jax.jit(fn).lower(*placed).compile()
 
 
 def lowered(fn, *args, platforms=("cuda",)) -> str:

@@ -136,6 +136,18 @@ def test_path_kernel_runs(capsys, tmp_path):
     assert "cudnn D16 T40: failed" in text and "| 16 | 40 | yes | path/blockwise 8 |" in text
 
 
+def test_path_kernel_compiles_for_tpu(capsys, tmp_path):
+    """--tpu: a two-level form by kernels (across="chunks") compiled for a v5e chip by libtpu,
+    nothing run: the compiler's temporaries in the table and the JSON."""
+    out = tmp_path / "tpu.json"
+    result = run("path_kernel", ["--tpu", "v5e:1x1", "--lengths", "512", "--head_dims", "64", "--model_dim", "128",
+                                 "--gates", "1", "--blockwise", "128/s256/bf16/k/a:chunks", f"--json={out}"])
+    (row,) = result["rows"]
+    assert row["impl"] == "path/blockwise 128/s256/bf16/k/a:chunks" and 0 < row["temp_gib"] < 1
+    assert json.loads(out.read_text())["rows"] == [row]
+    assert "| 64 | 512 | yes | path/blockwise 128/s256/bf16/k/a:chunks |" in capsys.readouterr().out
+
+
 def lowering_check(argv: list[str], monkeypatch) -> int:
     """benchmarks/lowering.py's exit status with these flags, in this process (ml_collections
     reads a config file's --config.x overrides from sys.argv, so they are the process's here)."""
