@@ -11,8 +11,8 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from positional.path.across import across_blocks, versions
 from positional.logits import Bias, at_positions
+from positional.path.across import across_blocks, versions
 from positional.path.kernel import blocks_as_rows, path_attention
 from positional.path.transport import (HIGHEST, apply_product, carry_to_chunk_end, check_transport, dense_product,
                                        exclusive_products, route_terms, to_chunks, ut_matrix)

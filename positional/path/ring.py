@@ -53,7 +53,8 @@ def ring_path_attention(q, k, v, w, beta, *, mesh, axis: str = "sequence", bias_
     `kernel` (a dict of `path_attention`'s options, e.g. interpret, platform, block_size): the
     own shard by PaTH's Pallas kernel instead, with `span` in two levels (the kernel inside
     blocks of span tokens, the chunked form across them, `outer_group` blocks a step, or with
-    `across` the across-blocks kernel (positional/path/chunked.py ACROSS): `chunked_attention` with_lse), the bias a `Bias` read at the tokens' global positions
+    `across` the across-blocks kernel (positional/path/chunked.py ACROSS): `chunked_attention`
+    with_lse), the bias a `Bias` read at the tokens' global positions
     (`positional.logits.at_positions`). Its backward is that of `chunked_attention`, given the
     cotangents the merge sends its (out, lse) (d out = dO e^(lse_own - lse), d lse_own =
     e^(lse_own - lse) <dO, out_own - O>); that recomputes the own shard's forward once.
