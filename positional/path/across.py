@@ -70,9 +70,11 @@ class _Static:
     num_warps: int = 4
     num_stages: int = 2
 
-    def tiles(self, t: int):
-        """(query tiles, key tiles, query tiles per block, key tiles per block) of t padded tokens."""
-        return t // self.block_q, t // self.block_k, self.span // self.block_q, self.span // self.block_k
+    def tiles(self, arrays: dict):
+        """(query tiles, key tiles, query tiles per block, key tiles per block) of the padded
+        arrays (the queries may be fewer than the keys)."""
+        tq, t = arrays["q"]["seg"].shape[2], arrays["k"]["k"].shape[2]
+        return tq // self.block_q, t // self.block_k, self.span // self.block_q, self.span // self.block_k
 
 
 def _dot(a, b, dims=(((1,), (0,)), ((), ()))):
@@ -134,8 +136,9 @@ def _axis(side: str, name: str) -> int:
 
 
 def _spec(st, x, axis: int, size: int, index: Callable | None):
-    """BlockSpec of x on a grid (B, H, ...): a tile of `size` along `axis` at index(*grid[2:]),
-    or the whole array (index None)."""
+    """BlockSpec of x on a grid (B, H, ...): a tile of `size` along `axis` at index(o,
+    *grid[2:]), o the queries' offset in query tiles (streamed, the scalar prefetched), or the
+    whole array (index None)."""
     shape = list(x.shape[2:])
     if index is not None:
         shape[axis - 2] = size
@@ -143,7 +146,8 @@ def _spec(st, x, axis: int, size: int, index: Callable | None):
     def index_map(b, h, *rest):
         pos = [0, 0]
         if index is not None:
-            pos[axis - 2] = index(*rest)
+            *rest, offset = rest if st.stream else (*rest, None)
+            pos[axis - 2] = index(0 if offset is None else offset[0], *rest)
         return (b, h // (st.heads // x.shape[1]), *pos)
 
     return pl.BlockSpec((None, None, *shape), index_map)
@@ -171,26 +175,33 @@ def _leaves(tree):
 
 
 def _call(st, body, grid, arrays, specs, outputs, out_specs, init):
-    """pallas_call of body(ins, outs, scratch); streamed, the running sums (init()'s shapes) in
-    VMEM scratch and the grid's last axis sequential."""
-    params = {}
+    """pallas_call of body(o, ins, outs, scratch), o the queries' offset in query tiles
+    (arrays["offset"], [1] int32: streamed a prefetched scalar the index maps read, else an
+    input); streamed, the running sums (init()'s shapes) in VMEM scratch and the grid's last
+    axis sequential."""
+    offset, arrays = arrays["offset"], {name: x for name, x in arrays.items() if name != "offset"}
+    params, specs = {}, _leaves(specs)
     if st.stream:
-        params["scratch_shapes"] = [pltpu.VMEM(x.shape, x.dtype) for x in jax.tree.leaves(jax.eval_shape(init))]
+        scratch = [pltpu.VMEM(x.shape, x.dtype) for x in jax.tree.leaves(jax.eval_shape(init))]
+        params["grid_spec"] = pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=1, grid=grid, in_specs=specs,
+                                                           out_specs=_leaves(out_specs), scratch_shapes=scratch)
         if not st.interpret:
             params["compiler_params"] = pltpu.CompilerParams(
                 dimension_semantics=("parallel",) * (len(grid) - 1) + ("arbitrary",))
-    elif not st.interpret and st.backend == "gpu":
-        params["compiler_params"] = plgpu.CompilerParams(num_warps=st.num_warps, num_stages=st.num_stages)
+    else:
+        params |= {"grid": grid, "in_specs": [pl.BlockSpec((1,), lambda *_: (0,))] + specs,
+                   "out_specs": _leaves(out_specs)}
+        if not st.interpret and st.backend == "gpu":
+            params["compiler_params"] = plgpu.CompilerParams(num_warps=st.num_warps, num_stages=st.num_stages)
     n_in, n_out = len(jax.tree.leaves(arrays)), len(jax.tree.leaves(outputs))
 
-    def kernel(*refs):
+    def kernel(offset, *refs):
         ins = jax.tree.unflatten(jax.tree.structure(arrays), refs[:n_in])
         outs = jax.tree.unflatten(jax.tree.structure(outputs), refs[n_in:n_in + n_out])
-        body(ins, outs, refs[n_in + n_out:])
+        body(offset[0], ins, outs, refs[n_in + n_out:])
 
-    out = pl.pallas_call(kernel, grid=grid, in_specs=_leaves(specs), out_specs=_leaves(out_specs),
-                         out_shape=jax.tree.leaves(outputs), interpret=st.interpret,
-                         **params)(*jax.tree.leaves(arrays))
+    out = pl.pallas_call(kernel, out_shape=jax.tree.leaves(outputs), interpret=st.interpret,
+                         **params)(offset, *jax.tree.leaves(arrays))
     return jax.tree.unflatten(jax.tree.structure(outputs), out)
 
 
@@ -228,9 +239,11 @@ def _zeros(tiles: dict):
 
 
 # ---- the three kernels -------------------------------------------------------------------------
+# The queries may be a run of whole blocks starting o query tiles into the keys' sequence (o
+# traced: one kernel for every run); query tile i is then the sequence's tile i + o.
 def _forward(st: _Static, arrays: dict):
-    b, h, t = arrays["q"]["seg"].shape[0], st.heads, arrays["k"]["k"].shape[2]
-    nq, nk, qper, kper = st.tiles(t)
+    b, h, tq = arrays["q"]["seg"].shape[0], st.heads, arrays["q"]["seg"].shape[2]
+    nq, nk, qper, kper = st.tiles(arrays)
     bq, bk, dv = st.block_q, st.block_k, arrays["k"]["v"].shape[-1]
     visible = lambda i: (i // qper) * kper  # noqa: E731  key tiles 0 .. visible - 1: the earlier blocks'
 
@@ -238,7 +251,7 @@ def _forward(st: _Static, arrays: dict):
         return (jnp.zeros((bq, dv), jnp.float32), jnp.full((bq, 1), MASKED, jnp.float32),
                 jnp.zeros((bq, 1), jnp.float32))
 
-    def body(ins, outs, scratch):
+    def body(o, ins, outs, scratch):
         i = pl.program_id(2)
         qb = _load(ins["q"], "q")
 
@@ -247,70 +260,71 @@ def _forward(st: _Static, arrays: dict):
                 q, kb = ins["qv"][...], _load(ins["k"], "k")
             else:
                 q, kb = _tile(ins["qv"], 2, ((j // kper) * nq + i) * bq, bq), _load(ins["k"], "k", j * bk, bk)
-            return _fwd_step(st, carry, q, qb, kb, i, j)
+            return _fwd_step(st, carry, q, qb, kb, i + o, j)
 
         def finish(carry):
-            o, m, row_sum = carry
+            out, m, row_sum = carry
             empty = m <= MASKED  # no key this row may see
-            outs["o"][...] = jnp.where(empty, 0.0, o / jnp.where(empty, 1.0, row_sum))
+            outs["o"][...] = jnp.where(empty, 0.0, out / jnp.where(empty, 1.0, row_sum))
             outs["lse"][...] = jnp.where(empty, -jnp.inf, m + jnp.log(row_sum))
 
-        _walk(st, scratch, init, step, finish, 0, visible(i), 3, nk)
+        _walk(st, scratch, init, step, finish, 0, visible(i + o), 3, nk)
 
     if st.stream:  # a key tile past the visible ones repeats the last visible (no copy)
-        seen = lambda i, s: jnp.minimum(s, jnp.maximum(visible(i) - 1, 0))  # noqa: E731
-        k_index, qv_index = seen, lambda i, s: (seen(i, s) // kper) * nq + i
+        seen = lambda o, i, s: jnp.minimum(s, jnp.maximum(visible(i + o) - 1, 0))  # noqa: E731
+        k_index, qv_index = seen, lambda o, i, s: (seen(o, i, s) // kper) * nq + i
     else:
         k_index = qv_index = None
-    specs = {"q": _side_specs(st, "q", arrays["q"], lambda i, *s: i), "k": _side_specs(st, "k", arrays["k"], k_index),
-             "qv": _spec(st, arrays["qv"], 2, bq, qv_index)}
-    outputs = {"o": jax.ShapeDtypeStruct((b, h, t, dv), jnp.float32), "lse": jax.ShapeDtypeStruct((b, h, t, 1), jnp.float32)}
+    specs = {"q": _side_specs(st, "q", arrays["q"], lambda o, i, *s: i),
+             "k": _side_specs(st, "k", arrays["k"], k_index), "qv": _spec(st, arrays["qv"], 2, bq, qv_index)}
+    outputs = {"o": jax.ShapeDtypeStruct((b, h, tq, dv), jnp.float32),
+               "lse": jax.ShapeDtypeStruct((b, h, tq, 1), jnp.float32)}
     out = _call(st, body, (b, h, nq) + ((nk,) if st.stream else ()), arrays, specs, outputs,
-                _side_specs(st, "q", outputs, lambda i, *s: i), init)
+                _side_specs(st, "q", outputs, lambda o, i, *s: i), init)
     return out["o"], out["lse"]
 
 
 def _dq(st: _Static, arrays: dict):
-    """d qv [B, H, N * T, D] and the bias values' gradients at query slots, per version."""
-    b, h, t = arrays["q"]["seg"].shape[0], st.heads, arrays["k"]["k"].shape[2]
-    nq, nk, qper, kper = st.tiles(t)
+    """d qv [B, H, N * Tq, D] and the bias values' gradients at query slots, per version."""
+    b, h, tq = arrays["q"]["seg"].shape[0], st.heads, arrays["q"]["seg"].shape[2]
+    nq, nk, qper, kper = st.tiles(arrays)
     bq, bk, d = st.block_q, st.block_k, arrays["qv"].shape[-1]
-    n = arrays["qv"].shape[2] // t
+    n = arrays["qv"].shape[2] // tq
     values = arrays["q"]["values"]
     init = _zeros({"q": (bq, d), "values": {name: (bq, 1) for name in values}})
 
-    def body(ins, outs, scratch):
+    def body(o, ins, outs, scratch):
         i, v = pl.program_id(2), pl.program_id(3)  # query tile, version (the key block)
         qb, q = _load(ins["q"], "q"), ins["qv"][...]
 
         def step(carry, s):
             j = v * kper + s
             kb = _load(ins["k"], "k") if st.stream else _load(ins["k"], "k", j * bk, bk)
-            return _dq_step(st, carry, q, qb, kb, i, j)
+            return _dq_step(st, carry, q, qb, kb, i + o, j)
 
-        _walk(st, scratch, init, step, _store(outs), 0, jnp.where(v < i // qper, kper, 0), 4, kper)
+        _walk(st, scratch, init, step, _store(outs), 0, jnp.where(v < (i + o) // qper, kper, 0), 4, kper)
 
-    k_index = (lambda i, v, s: jnp.where(v < i // qper, v * kper + s, 0)) if st.stream else None
-    version = lambda i, v, *s: v * nq + i  # noqa: E731
-    specs = {"q": _side_specs(st, "q", arrays["q"], lambda i, *r: i), "k": _side_specs(st, "k", arrays["k"], k_index),
-             "qv": _spec(st, arrays["qv"], 2, bq, version)}
-    outputs = {"q": jax.ShapeDtypeStruct((b, h, n * t, d), arrays["qv"].dtype),
-               "values": {name: jax.ShapeDtypeStruct((b, h, n * t, 1), jnp.float32) for name in values}}
+    k_index = (lambda o, i, v, s: jnp.where(v < (i + o) // qper, v * kper + s, 0)) if st.stream else None
+    version = lambda o, i, v, *s: v * nq + i  # noqa: E731
+    specs = {"q": _side_specs(st, "q", arrays["q"], lambda o, i, *r: i),
+             "k": _side_specs(st, "k", arrays["k"], k_index), "qv": _spec(st, arrays["qv"], 2, bq, version)}
+    outputs = {"q": jax.ShapeDtypeStruct((b, h, n * tq, d), arrays["qv"].dtype),
+               "values": {name: jax.ShapeDtypeStruct((b, h, n * tq, 1), jnp.float32) for name in values}}
     grid = (b, h, nq, n) + ((kper,) if st.stream else ())
     return _call(st, body, grid, arrays, specs, outputs, _side_specs(st, "q", outputs, version), init)
 
 
 def _dkv(st: _Static, arrays: dict):
     """dk, dv [B, H, T, .] per query head and the bias values' gradients at key slots."""
-    b, h, t = arrays["q"]["seg"].shape[0], st.heads, arrays["k"]["k"].shape[2]
-    nq, nk, qper, kper = st.tiles(t)
+    b, h = arrays["q"]["seg"].shape[0], st.heads
+    nq, nk, qper, kper = st.tiles(arrays)
     bq, bk = st.block_q, st.block_k
     ks = arrays["k"]
-    first = lambda j: (j // kper + 1) * qper  # noqa: E731  the query tiles of the later blocks
+    first = lambda o, j: jnp.maximum((j // kper + 1) * qper - o, 0)  # noqa: E731  the later blocks' query tiles
     init = _zeros({"k": (bk, ks["k"].shape[-1]), "v": (bk, ks["v"].shape[-1]),
                    "values": {name: (1, bk) for name in ks["values"]}})
 
-    def body(ins, outs, scratch):
+    def body(o, ins, outs, scratch):
         j = pl.program_id(2)
         kb = _load(ins["k"], "k")
 
@@ -319,21 +333,21 @@ def _dkv(st: _Static, arrays: dict):
                 q, qb = ins["qv"][...], _load(ins["q"], "q")
             else:
                 q, qb = _tile(ins["qv"], 2, ((j // kper) * nq + i) * bq, bq), _load(ins["q"], "q", i * bq, bq)
-            return _dkv_step(st, carry, q, qb, kb, i, j)
+            return _dkv_step(st, carry, q, qb, kb, i + o, j)
 
-        _walk(st, scratch, init, step, _store(outs), first(j), nq, 3, nq)
+        _walk(st, scratch, init, step, _store(outs), first(o, j), nq, 3, nq)
 
     if st.stream:  # a query tile before the visible ones repeats the first visible
-        seen = lambda j, s: jnp.minimum(jnp.maximum(s, first(j)), nq - 1)  # noqa: E731
-        q_index, qv_index = seen, lambda j, s: (j // kper) * nq + seen(j, s)
+        seen = lambda o, j, s: jnp.minimum(jnp.maximum(s, first(o, j)), nq - 1)  # noqa: E731
+        q_index, qv_index = seen, lambda o, j, s: (j // kper) * nq + seen(o, j, s)
     else:
         q_index = qv_index = None
-    specs = {"q": _side_specs(st, "q", arrays["q"], q_index), "k": _side_specs(st, "k", ks, lambda j, *s: j),
+    specs = {"q": _side_specs(st, "q", arrays["q"], q_index), "k": _side_specs(st, "k", ks, lambda o, j, *s: j),
              "qv": _spec(st, arrays["qv"], 2, bq, qv_index)}
     per_head = lambda x: jax.ShapeDtypeStruct((b, h, *x.shape[2:]), jnp.float32)  # noqa: E731
     outputs = {"k": per_head(ks["k"]), "v": per_head(ks["v"]), "values": jax.tree.map(per_head, ks["values"])}
     return _call(st, body, (b, h, nk) + ((nq,) if st.stream else ()), arrays, specs, outputs,
-                 _side_specs(st, "k", outputs, lambda j, *s: j), init)
+                 _side_specs(st, "k", outputs, lambda o, j, *s: j), init)
 
 
 # ---- custom VJP -------------------------------------------------------------------------------
@@ -352,15 +366,15 @@ def _across_bwd(st, res, cotangents):
     arrays, o, lse = res
     do, d_lse = cotangents
     lse = jnp.where(jnp.isfinite(lse), lse, -MASKED)  # a row with no key: every p = 0
-    full = {**backward_inputs(arrays, o, lse, do, d_lse), "qv": arrays["qv"]}
+    full = {**backward_inputs(arrays, o, lse, do, d_lse), "qv": arrays["qv"], "offset": arrays["offset"]}
     dq, dk = _dq(st, full), _dkv(st, full)
-    ks, (b, kh, t) = arrays["k"], arrays["k"]["k"].shape[:3]
+    ks, (b, kh), tq = arrays["k"], arrays["k"]["k"].shape[:2], arrays["q"]["seg"].shape[2]
 
     def group_sum(x, like):  # per query head -> per kv head
         return x.reshape(b, kh, st.heads // kh, *x.shape[2:]).sum(2).astype(like.dtype)
 
-    versions = lambda x: x.reshape(b, st.heads, -1, t, 1).sum(2)  # noqa: E731
-    return ({"qv": dq["q"],
+    versions = lambda x: x.reshape(b, st.heads, -1, tq, 1).sum(2)  # noqa: E731
+    return ({"qv": dq["q"], "offset": None,
              "q": {"seg": None, "values": jax.tree.map(versions, dq["values"])},
              "k": {"k": group_sum(dk["k"], ks["k"]), "v": group_sum(dk["v"], ks["v"]), "seg": None,
                    "values": dk["values"]}},)
@@ -371,25 +385,35 @@ _across.defvjp(_across_fwd, _across_bwd)
 
 # ---- the public function ------------------------------------------------------------------------
 def across_blocks(qv, k, v, *, span: int, bias_fn: Bias | None = None, segment_ids=None, scale: float | None = None,
-                  block_q: int | None = None, block_k: int | None = None, block_size: int | None = None,
-                  interpret: bool | None = None, stream: bool | None = None, platform: str | None = None,
-                  num_warps: int = 4, num_stages: int = 2):
+                  q_offset=0, block_q: int | None = None, block_k: int | None = None,
+                  block_size: int | None = None, interpret: bool | None = None, stream: bool | None = None,
+                  platform: str | None = None, num_warps: int = 4, num_stages: int = 2):
     """Attention from each query to the keys of the blocks of `span` tokens before its own:
-    qv [B, H, N, T, D], query i's version for key block J (N = ceil(T / span); read where
+    qv [B, H, N, Tq, D], query i's version for key block J (N = ceil(T / span); read where
     J < i // span; d qv comes in qv's dtype); k [B, T, K, D], v [B, T, K, Dv] (H % K == 0);
-    bias_fn a `Bias` or None;
-    segment_ids [B, T] -> (out [B, T, H, Dv], the rows' log-sum-exp [B, T, H]), fp32, both
-    differentiable in qv, k, v and the bias's values. `versions` makes qv and the keys from
-    PaTH's pieces. Tiles: block_q, block_k (dividing span; by default the platform's, or in the
+    bias_fn a `Bias` or None; segment_ids [B, T] -> (out [B, Tq, H, Dv], the rows'
+    log-sum-exp [B, Tq, H]), fp32, both differentiable in qv, k, v and the bias's values.
+    The queries are tokens q_offset .. q_offset + Tq - 1 of the keys' sequence: all of them
+    (Tq = T, q_offset 0), or a run of whole blocks (Tq a multiple of span, q_offset a multiple
+    of span with q_offset + Tq <= T; an int, or a traced int32 scalar whose run the caller
+    keeps in range: one kernel for every run), so that a caller can take the queries a run at
+    a time and hold the versions of one run only. `versions` makes qv and the keys from PaTH's
+    pieces. Tiles: block_q, block_k (dividing span; by default the platform's, or in the
     interpreter `block_size` where given, each made to divide span); interpret, stream,
     platform, num_warps, num_stages as positional/path/kernel.py's `path_attention`."""
     b, t, kh, d = k.shape
     n = -(-t // span) if isinstance(span, int) and span >= 1 else 0
     if not n:
         raise ValueError(f"PaTH across_blocks span={span!r} must be a positive integer (tokens per block)")
-    if qv.ndim != 5 or (qv.shape[0], *qv.shape[2:]) != (b, n, t, d) or qv.shape[1] % kh:
-        raise ValueError(f"PaTH across_blocks: qv{tuple(qv.shape)} must be [B, H, ceil(T / span), T, D] = "
-                         f"[{b}, a multiple of {kh}, {n}, {t}, {d}] for k{tuple(k.shape)} and span {span}")
+    tq = qv.shape[3] if qv.ndim == 5 else 0
+    if qv.ndim != 5 or (qv.shape[0], qv.shape[2], qv.shape[4]) != (b, n, d) or qv.shape[1] % kh or not (
+            tq == t or (tq % span == 0 and 0 < tq <= t)):
+        raise ValueError(f"PaTH across_blocks: qv{tuple(qv.shape)} must be [B, H, ceil(T / span), Tq, D] = "
+                         f"[{b}, a multiple of {kh}, {n}, {t} or a multiple of {span} up to it, {d}] "
+                         f"for k{tuple(k.shape)} and span {span}")
+    if isinstance(q_offset, int) and (q_offset % span or q_offset < 0 or q_offset + tq > t or (tq == t and q_offset)):
+        raise ValueError(f"PaTH across_blocks q_offset={q_offset} must be a multiple of span={span} with "
+                         f"q_offset + Tq <= T (Tq {tq}, T {t})")
     if v.shape[:3] != k.shape[:3]:
         raise ValueError(f"PaTH across_blocks: v{tuple(v.shape)} must be [B, T, K, Dv] with k{tuple(k.shape)}'s B, T, K")
     if bias_fn is not None and (not isinstance(bias_fn, Bias) or bias_fn.tables):
@@ -416,13 +440,17 @@ def across_blocks(qv, k, v, *, span: int, bias_fn: Bias | None = None, segment_i
                        interpret=interpret, backend=backend, num_warps=num_warps, num_stages=num_stages)
 
     seg = jnp.zeros((b, t), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
-    return per_platform(settings, _padded, (qv.astype(dtype), k.astype(dtype), v, values, seg), interpret, platform)
+    offset = jnp.asarray(q_offset, jnp.int32)
+    return per_platform(settings, _padded, (qv.astype(dtype), k.astype(dtype), v, values, seg, offset), interpret,
+                        platform)
 
 
-def _padded(st: _Static, qv, k, v, values, seg):
-    """The kernel on inputs padded to whole blocks (head dimensions to a power of two >= 16)."""
-    b, h, n, t, d = qv.shape
-    tp = n * st.span
+def _padded(st: _Static, qv, k, v, values, seg, offset):
+    """The kernel on inputs padded to whole blocks (head dimensions to a power of two >= 16),
+    the query side read from `offset` (tokens) on."""
+    b, h, n, tq, d = qv.shape
+    t, tp = k.shape[1], n * st.span
+    tqp = tp if tq == t else tq
 
     def pad(x, axis, size, value=0):  # (no copy where nothing is added)
         if x.shape[axis] == size:
@@ -433,40 +461,46 @@ def _padded(st: _Static, qv, k, v, values, seg):
     def layout(x):  # [B, T, heads, d] -> [B, heads, T_padded, d_padded]
         return jnp.swapaxes(pad(pad(x, 1, tp), 3, max(16, pl.next_power_of_2(x.shape[-1]))), 1, 2)
 
-    qv = pad(pad(qv, 3, tp), 4, max(16, pl.next_power_of_2(d)))  # [B, H, N, T_p, D_p]
+    qv = pad(pad(qv, 3, tqp), 4, max(16, pl.next_power_of_2(d)))  # [B, H, N, Tq_p, D_p]
     seg = pad(seg, 1, tp, -1)  # padding: a segment of its own
     vals = {name: jnp.swapaxes(pad(x, 1, tp), 1, 2) for name, x in values.items()}  # [B, H, T_p]
-    arrays = {"q": {"seg": seg[:, None, :, None], "values": {name: x[..., None] for name, x in vals.items()}},
+    run = lambda x, axis: lax.dynamic_slice_in_dim(x, offset, tqp, axis)  # noqa: E731  the queries' tokens
+    arrays = {"q": {"seg": run(seg, 1)[:, None, :, None],
+                    "values": {name: run(x, 2)[..., None] for name, x in vals.items()}},
               "k": {"k": layout(k), "v": layout(v), "seg": seg[:, None, None, :],
                     "values": {name: x[:, :, None] for name, x in vals.items()}},
-              "qv": qv.reshape(b, h, n * tp, qv.shape[-1])}
+              "qv": qv.reshape(b, h, n * tqp, qv.shape[-1]), "offset": (offset // st.block_q).reshape(1)}
     o, lse = _across(st, arrays)
-    return jnp.swapaxes(o, 1, 2)[:, :t, :, :v.shape[-1]], jnp.swapaxes(lse[..., 0], 1, 2)[:, :t]
+    return jnp.swapaxes(o, 1, 2)[:, :tq, :, :v.shape[-1]], jnp.swapaxes(lse[..., 0], 1, 2)[:, :tq]
 
 
 # ---- the versions, in plain JAX -------------------------------------------------------------------
-def versions(q_start, whole, dtype=jnp.float32):
-    """Every query carried back to the end of each earlier block: q_start [..., N, span, D] (the
-    queries of each block at its start), whole [..., N, D, D] (each block's product, as rows
-    take it: x -> x @ whole; leading axes broadcast) -> [..., N (J), N (I), span, D] in `dtype`,
-    block I's queries at the end of block J for J < I (0 for J >= I). By a scan over J from the
-    last block, fp32, N steps of one [N * span, D] x [D, D] product; the backward (a scan the
-    other way) keeps only this output (in `dtype`) and `whole`."""
-    return _versions(q_start, whole, jnp.dtype(dtype), q_start.dtype)
+def versions(q_start, whole, dtype=jnp.float32, first=0):
+    """Every query carried back to the end of each earlier block: q_start [..., G, span, D] (the
+    queries of blocks first .. first + G - 1 at their start; G = N and first 0 by default),
+    whole [..., N, D, D] (each block's product, as rows take it: x -> x @ whole; leading axes
+    broadcast) -> [..., N (J), G (I), span, D] in `dtype`, block I's queries at the end of
+    block J for J < I (0 for J >= I). `first` may be traced. By a scan over J from the last
+    block, fp32, N steps of one [G * span, D] x [D, D] product; the backward (a scan the other
+    way) keeps only this output (in `dtype`) and `whole`."""
+    return _versions(q_start, whole, jnp.asarray(first, jnp.int32), jnp.dtype(dtype), q_start.dtype)
 
 
 def _stacked(out):
     return jnp.moveaxis(out, 0, -4)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _versions(q_start, whole, dtype, q_dtype):
-    return _versions_fwd(q_start, whole, dtype, q_dtype)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _versions(q_start, whole, first, dtype, q_dtype):
+    return _versions_fwd(q_start, whole, first, dtype, q_dtype)[0]
 
 
-def _versions_fwd(q_start, whole, dtype, q_dtype):
-    n = whole.shape[-3]
-    blocks = jnp.arange(n)[:, None, None]
+def _blocks(q_start, first):
+    return first + jnp.arange(q_start.shape[-3])[:, None, None]
+
+
+def _versions_fwd(q_start, whole, first, dtype, q_dtype):
+    n, blocks = whole.shape[-3], _blocks(q_start, first)
 
     def step(x, j):  # x: the versions for block j + 1 -> for block j
         past = jnp.matmul(x, jnp.take(whole, jnp.minimum(j + 1, n - 1), axis=-3)[..., None, :, :], precision=HIGHEST)
@@ -474,15 +508,14 @@ def _versions_fwd(q_start, whole, dtype, q_dtype):
         return x, x.astype(dtype)
 
     _, out = lax.scan(step, jnp.zeros(q_start.shape, jnp.float32), jnp.arange(n), reverse=True)
-    return _stacked(out), (out, whole)
+    return _stacked(out), (out, whole, first)
 
 
 def _versions_bwd(dtype, q_dtype, res, g):
     """The scan the other way: the cotangent of version j flows into version j + 1 through the
     product of block j + 1, whose gradient reads version j + 1 (the forward's output)."""
-    out, whole = res
-    n = whole.shape[-3]
-    blocks = jnp.arange(n)[:, None, None]
+    out, whole, first = res
+    n, blocks = whole.shape[-3], _blocks(g, first)
     g = jnp.moveaxis(g, -4, 0)
 
     def step(carry, j):
@@ -500,7 +533,7 @@ def _versions_bwd(dtype, q_dtype, res, g):
 
     zeros = jnp.zeros(g.shape[1:], jnp.float32)
     (_, dq, dw), _ = lax.scan(step, (zeros, zeros, jnp.zeros(whole.shape, jnp.float32)), jnp.arange(n))
-    return dq.astype(q_dtype), dw.astype(whole.dtype)
+    return dq.astype(q_dtype), dw.astype(whole.dtype), None
 
 
 _versions.defvjp(_versions_fwd, _versions_bwd)

@@ -92,6 +92,41 @@ def test_equals_attention_over_the_versions(t, span, d, kh, stream, tiles):
         assert rel(g, w) < 1e-6, name
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_queries_a_run_at_a_time_equal_attention_over_the_versions(stream):
+    """The queries taken a run of whole blocks at a time (q_offset traced: one kernel under a
+    lax.map over the runs, each run's versions alone) give the whole attention: values, lse and
+    the gradients of qv, k, v and the gates; 40 tokens in blocks of 8, runs of 16 (the last
+    run holds the padded tail only as far as its blocks)."""
+    t, span, run = 40, 8, 16
+    qv, k, v, log_f, seg = inputs(t, span, 16, 4, 2)
+
+    def runs(qv, k, v, bias, seg):
+        padded = jnp.pad(qv, [(0, 0), (0, 0), (0, 1), (0, 48 - t), (0, 0)])  # 6 blocks
+
+        def one(offset):
+            part = jax.lax.dynamic_slice_in_dim(padded, offset, run, 3)
+            return across_blocks(part, jnp.pad(k, [(0, 0), (0, 48 - t), (0, 0), (0, 0)]),
+                                 jnp.pad(v, [(0, 0), (0, 48 - t), (0, 0), (0, 0)]), span=span, q_offset=offset,
+                                 bias_fn=Bias(bias.fn, {n: jnp.pad(x, [(0, 0), (0, 48 - t), (0, 0)])
+                                                        for n, x in bias.values.items()}),
+                                 segment_ids=jnp.pad(seg, [(0, 0), (0, 48 - t)], constant_values=-1),
+                                 interpret=True, stream=stream, block_q=4, block_k=8)
+
+        o, lse = jax.lax.map(one, jnp.arange(0, 48, run))  # [runs, B, run, H, ...]
+        return (jnp.moveaxis(x, 0, 1).reshape(x.shape[1], -1, *x.shape[3:])[:, :t] for x in (o, lse))
+
+    got_o, got_lse, got_grads = value_and_grads(runs, qv, k, v, log_f, seg)
+    want_o, want_lse, want_grads = value_and_grads(lambda *a: dense(*a[:3], span, *a[3:], 16 ** -0.5),
+                                                   qv, k, v, log_f, seg)
+    np.testing.assert_array_equal(np.isfinite(got_lse), np.isfinite(want_lse))
+    finite = np.isfinite(want_lse)
+    np.testing.assert_allclose(np.where(finite, got_lse, 0), np.where(finite, want_lse, 0), atol=2e-6)
+    assert rel(got_o, want_o) < 1e-6
+    for name, g, w in zip(("qv", "k", "v", "gates"), got_grads, want_grads):
+        assert rel(g, w) < 1e-6, name
+
+
 def test_versions_are_the_queries_carried_back_to_each_earlier_block():
     """versions(q_start, whole)[J, I] = block I's queries times the products of blocks I - 1 ..
     J + 1, against route_products (the dense H_i ... H_{j+1}): 3 blocks of 4 tokens."""
@@ -144,6 +179,25 @@ def test_versions_gradients_equal_autodiff_of_the_products_written_out():
         np.testing.assert_allclose(g, w, atol=1e-5)
 
 
+def test_versions_of_a_run_of_blocks_are_those_blocks_of_all_the_versions():
+    """versions(blocks 1 .. 2, first=1 traced) = versions(all)[:, :, 1:3] in value and in the
+    gradients of q_start and the products: 4 blocks of 3 tokens."""
+    n, span, d = 4, 3, 5
+    ks = jax.random.split(jax.random.key(4), 3)
+    q_start, whole = normal(ks[0], (2, n, span, d)), normal(ks[1], (2, n, d, d)) / d ** 0.5
+    weights = normal(ks[2], (2, n, 2, span, d))
+
+    def run(q_start, whole, first):
+        return versions(jax.lax.dynamic_slice_in_dim(q_start, first, 2, 1), whole, first=first)
+
+    whole_run = lambda q_start, whole, first: versions(q_start, whole)[:, :, 1:3]  # noqa: E731
+    np.testing.assert_allclose(jax.jit(run)(q_start, whole, 1), whole_run(q_start, whole, 1), atol=1e-6)
+    got, want = (jax.grad(lambda a, b, f=f: jnp.sum(f(a, b, 1) * weights), (0, 1))(q_start, whole)
+                 for f in (jax.jit(run), whole_run))
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, atol=1e-5)
+
+
 @pytest.mark.parametrize("platform,call", [("cuda", TRITON), ("tpu", MOSAIC)])
 def test_lowers_for_gpu_and_tpu(platform, call):
     """Forward (1 kernel) and forward + backward (3: forward, dq, dk-dv) exported for an
@@ -186,7 +240,10 @@ def test_bad_input_is_one_line_naming_the_field():
     qv, k, v, _, seg = inputs(21, 8, 16, 4, 2)
     cases = [
         (dict(span=0), r"^PaTH across_blocks span=0 must be a positive integer \(tokens per block\)$"),
-        (dict(span=4), r"^PaTH across_blocks: qv\(2, 4, 3, 21, 16\) must be \[B, H, ceil\(T / span\), T, D\]"),
+        (dict(span=4), r"^PaTH across_blocks: qv\(2, 4, 3, 21, 16\) must be \[B, H, ceil\(T / span\), Tq, D\] = "
+                       r"\[2, a multiple of 2, 6, 21 or a multiple of 4 up to it, 16\]"),
+        (dict(span=8, q_offset=8), r"^PaTH across_blocks q_offset=8 must be a multiple of span=8 with "
+                                   r"q_offset \+ Tq <= T \(Tq 21, T 21\)$"),
         (dict(span=8, block_q=3, interpret=True), r"^PaTH across_blocks block_q=3 must divide span=8$"),
         (dict(span=8, bias_fn=lambda qi, kj: 0.0), r"^PaTH across_blocks: bias_fn must be a positional.logits.Bias"),
     ]
