@@ -42,6 +42,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as plgpu
@@ -51,6 +52,9 @@ from positional.logits import Bias
 from positional.path.transport import HIGHEST
 from positional.softmax import MASKED
 
+# The kernel's outputs by name, for a caller's jax.checkpoint policy to keep (and not run the
+# forward kernel again in the backward).
+ACROSS_OUT = ("path_across_out", "path_across_lse")
 DEFAULT_TILES = {"gpu": (64, 64), "tpu": (128, 128), "interpret": (64, 64)}
 NT = (((1,), (1,)), ((), ()))  # a . b^T
 TN = (((0,), (0,)), ((), ()))  # a^T . b
@@ -358,7 +362,7 @@ def _across(st, arrays):
 
 
 def _across_fwd(st, arrays):
-    o, lse = _forward(st, arrays)
+    o, lse = (checkpoint_name(x, name) for x, name in zip(_forward(st, arrays), ACROSS_OUT))
     return (o, lse), (arrays, o, lse)
 
 

@@ -10,9 +10,10 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from positional.logits import Bias, at_positions
-from positional.path.across import across_blocks, versions
+from positional.path.across import ACROSS_OUT, across_blocks, versions
 from positional.path.kernel import blocks_as_rows, path_attention
 from positional.path.transport import (HIGHEST, apply_product, carry_to_chunk_end, check_transport, dense_product,
                                        exclusive_products, route_terms, to_chunks, ut_matrix)
@@ -117,7 +118,7 @@ def _two_levels(q, k, v, w, beta, bias_fn, segment_ids, c: int, span: int, group
     b, t, h, d = q.shape
     kh, per = k.shape[2], span // c
     blocks = -(-t // span)
-    g2 = 1 if across != "scan" else min(outer_group, blocks)
+    g2 = -(-blocks // -(-blocks // min(outer_group, blocks)))  # at most outer_group, the runs as even as can be
     blocks = -(-blocks // g2) * g2
     n = blocks * per
     (q_start, near, k_end, vc, wc, u), seg = chunk_pieces(q, k, v, w, beta, c, n), chunk_rows(segment_ids, b, t, c, n)
@@ -147,7 +148,7 @@ def _two_levels(q, k, v, w, beta, bias_fn, segment_ids, c: int, span: int, group
                                   **kernel)
         o1, lse1 = chunk_heads(o1.astype(jnp.float32), kh, span, blocks), chunk_heads(lse1, kh, span, blocks)
     if across != "scan":
-        o2, lse2 = _across_kernel(q_outer, k_outer, vc, whole, bias_fn, seg, t, span, scale, tiles, kernel)
+        o2, lse2 = _across_kernel(q_outer, k_outer, vc, whole, bias_fn, seg, t, g2, span, scale, tiles, kernel)
         o, lse = (unchunked(x, t) for x in merged(o1, lse1, o2, lse2))
         return o.astype(q.dtype), lse
     bias, consts = _bias_hook(bias_fn, span)
@@ -160,24 +161,38 @@ def _two_levels(q, k, v, w, beta, bias_fn, segment_ids, c: int, span: int, group
     return o.astype(q.dtype), lse
 
 
-def _across_kernel(q_outer, k_outer, vc, whole, bias_fn, seg, t: int, span: int, scale: float, tiles: str,
-                   kernel: dict):
-    """The outer level by the across-blocks kernel: (o, lse) as [B, K, G, blocks, span, ...]."""
+def _across_kernel(q_outer, k_outer, vc, whole, bias_fn, seg, t: int, g2: int, span: int, scale: float,
+                   tiles: str, kernel: dict):
+    """The outer level by the across-blocks kernel: (o, lse) as [B, K, G, blocks, span, ...].
+    The queries go g2 blocks at a time (a lax.map over the runs, each run's versions made,
+    used and, in the backward, made again: T / span versions of g2 * span queries live at
+    once, not of all T; the kernel's outputs are kept)."""
     b, kh, g, blocks = q_outer.shape[:4]
-    d = q_outer.shape[-1]
-    qv = versions(q_outer.reshape(b, kh, g, blocks, span, d), whole[:, :, None], TILES[tiles])  # [B,K,G,J,I,span,D]
-    qv = qv.reshape(b, kh * g, blocks, blocks * span, d)[..., :t, :]
-    k_outer, vc = (jnp.swapaxes(x.reshape(b, kh, -1, x.shape[-1]), 1, 2)[:, :t] for x in (k_outer, vc))
-    o, lse = _across_call(qv, k_outer, vc, span, bias_fn, seg.reshape(b, -1)[:, :t], scale, tiles, kernel)
+    d, tp = q_outer.shape[-1], blocks * span
+    runs = q_outer.reshape(b, kh, g, blocks // g2, g2, span, d)
+    k_outer, vc = (jnp.swapaxes(x.reshape(b, kh, -1, x.shape[-1]), 1, 2) for x in (k_outer, vc))  # [B, T_p, K, .]
+    if bias_fn is not None:  # its values over the padded blocks (the padding is a segment of its own)
+        bias_fn = Bias(bias_fn.fn, {name: jnp.pad(x, [(0, 0), (0, tp - x.shape[1]), (0, 0)])
+                                    for name, x in bias_fn.per_slot(b, t, kh * g).items()})
+
+    @functools.partial(jax.checkpoint, policy=jax.checkpoint_policies.save_only_these_names(*ACROSS_OUT))
+    def run(r):
+        qv = versions(lax.dynamic_index_in_dim(runs, r, 3, keepdims=False), whole[:, :, None], TILES[tiles],
+                      first=r * g2)  # [B, K, G, blocks (J), g2 (I), span, D]
+        return _across_call(qv.reshape(b, kh * g, blocks, g2 * span, d), k_outer, vc, span, bias_fn,
+                            seg.reshape(b, tp), scale, tiles, kernel, q_offset=r * g2 * span)
+
+    o, lse = lax.map(run, jnp.arange(blocks // g2))  # [runs, B, g2 * span, H, ...]
+    o, lse = (jnp.moveaxis(x, 0, 1).reshape(b, tp, *x.shape[3:]) for x in (o, lse))
     return chunk_heads(o, kh, span, blocks), chunk_heads(lse, kh, span, blocks)
 
 
-def _across_call(qv, k, v, span, bias_fn, seg, scale, tiles, kernel):
+def _across_call(qv, k, v, span, bias_fn, seg, scale, tiles, kernel, q_offset=0):
     """across_blocks on the `tiles` dtype with the kernels' options (interpret, stream, platform, block_size)."""
     low = TILES[tiles]
     options = {name: kernel[name] for name in ("interpret", "stream", "platform", "block_size") if name in kernel}
     return across_blocks(qv.astype(low), k.astype(low), v.astype(low), span=span, bias_fn=bias_fn, segment_ids=seg,
-                         scale=scale, **options)
+                         scale=scale, q_offset=q_offset, **options)
 
 
 def _inside_by_across(q_start, near, k_end, vc, wc, u, seg, bias_fn, t: int, span: int, scale: float, tiles: str,
@@ -201,7 +216,8 @@ def _inside_by_across(q_start, near, k_end, vc, wc, u, seg, bias_fn, t: int, spa
     blocked = None
     if bias_fn is not None:
         placed = at_positions(bias_fn, jnp.arange(t)[None, :, None])
-        blocked = Bias(placed.fn, {name: blocks_as_rows(x, span) for name, x in placed.per_slot(b, t, h).items()})
+        blocked = Bias(placed.fn, {name: blocks_as_rows(x, span, blocks)
+                                   for name, x in placed.per_slot(b, t, h).items()})
     o, lse = _across_call(qv, rows(k_end), rows(vc), c, blocked, seg.reshape(b * blocks, span), scale, tiles, kernel)
     o2, lse2 = chunk_heads(o.reshape(b, blocks * span, h, -1), kh, span, blocks), chunk_heads(
         lse.reshape(b, blocks * span, h), kh, span, blocks)

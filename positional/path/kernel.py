@@ -615,11 +615,12 @@ def path_attention(q, k, v, w, beta, *, bias_fn: Bias | None = None, segment_ids
     return tuple(x.reshape(b, -1, *x.shape[2:])[:, :t] for x in out)
 
 
-def blocks_as_rows(x, span: int):
-    """[B, T, ...] -> [B * blocks, span, ...], T padded with zeros (beta 0: no step; padded keys
-    come after every real query of their block, so the causal mask drops them)."""
+def blocks_as_rows(x, span: int, blocks: int | None = None):
+    """[B, T, ...] -> [B * blocks, span, ...], T padded with zeros to whole blocks, or to
+    `blocks` of them (beta 0: no step; padded keys come after every real query of their block,
+    so the causal mask drops them)."""
     b, t = x.shape[:2]
-    n = -(-t // span)
+    n = blocks or -(-t // span)
     x = jnp.pad(x, [(0, 0), (0, n * span - t)] + [(0, 0)] * (x.ndim - 2))
     return x.reshape(b * n, span, *x.shape[2:])
 

@@ -99,10 +99,10 @@ def test_grouped_backward_equals_reference():
     check(11, 16, 2, False, kh=2, gated=True, packed=True, groups=4)
 
 
-def two_level_grads(impl, args, seg, span, chunk, stream=False, across="scan"):
+def two_level_grads(impl, args, seg, span, chunk, stream=False, across="scan", outer_group=8):
     """(output, gradients of q, k, v, w, beta and a bias's values) of PaTH with a bias that
     reads absolute key positions and the FoX gates, by the reference or by two levels with
-    kernels (chunked_attention's `across`)."""
+    kernels (chunked_attention's `across`, `outer_group`)."""
     d = args[0].shape[-1]
 
     def attend(q, k, v, w, beta, log_f):
@@ -112,7 +112,8 @@ def two_level_grads(impl, args, seg, span, chunk, stream=False, across="scan"):
             return reference_attention(q, k, v, bias_fn=bias, segment_ids=seg,
                                        score_fn=reference.dense_score_fn(w, beta, d ** -0.5))
         return chunked.chunked_attention(q, k, v, w, beta, bias_fn=bias, segment_ids=seg, chunk=chunk, span=span,
-                                         kernel={"interpret": True, "stream": stream}, across=across)
+                                         kernel={"interpret": True, "stream": stream}, across=across,
+                                         outer_group=outer_group)
 
     def loss(*args):
         out = attend(*args)
@@ -121,28 +122,29 @@ def two_level_grads(impl, args, seg, span, chunk, stream=False, across="scan"):
     return jax.jit(jax.value_and_grad(loss, argnums=range(6), has_aux=True))(*args)
 
 
-@pytest.mark.parametrize("t,d,chunk,span,stream,kh,across", [
-    (21, 16, 2, 8, False, 2, "scan"),  # 3 blocks (the last padded), documents across their boundaries
-    (21, 16, 2, 8, False, 2, "blocks"),  # the across-blocks kernel between the blocks
-    (21, 16, 2, 8, False, 2, "chunks"),  # ... and between the chunks inside them
-    pytest.param(21, 48, 4, 8, True, 1, "scan", marks=SLOW),  # the streamed form; D padded to 64; one kv head
-    (21, 48, 4, 8, True, 1, "blocks"),
-    pytest.param(21, 48, 4, 8, True, 1, "chunks", marks=SLOW),
-    pytest.param(200, 64, 16, 64, False, 2, "blocks", marks=SLOW),  # 4 blocks, chunk 16
-    pytest.param(200, 64, 16, 64, False, 2, "chunks", marks=SLOW),
-    (7, 128, 2, 4, False, 4, "chunks"),  # 2 blocks of 2 chunks, no GQA
-    pytest.param(1000, 128, 32, 256, False, 2, "chunks", marks=SLOW),  # 4 blocks of 8 chunks, the last short
+@pytest.mark.parametrize("t,d,chunk,span,stream,kh,across,runs", [
+    (21, 16, 2, 8, False, 2, "scan", 8),  # 3 blocks (the last padded), documents across their boundaries
+    (21, 16, 2, 8, False, 2, "blocks", 8),  # the across-blocks kernel between the blocks
+    (21, 16, 2, 8, False, 2, "chunks", 8),  # ... and between the chunks inside them
+    (21, 16, 2, 4, False, 2, "blocks", 2),  # 6 blocks, the queries 2 blocks a call (3 runs)
+    pytest.param(21, 48, 4, 8, True, 1, "scan", 8, marks=SLOW),  # the streamed form; D padded to 64; one kv head
+    (21, 48, 4, 8, True, 1, "blocks", 8),
+    (21, 48, 4, 8, True, 1, "chunks", 2),  # 3 blocks: runs of 2 blocks (the last of padding and one block)
+    pytest.param(200, 64, 16, 64, False, 2, "blocks", 8, marks=SLOW),  # 4 blocks, chunk 16
+    pytest.param(200, 64, 16, 64, False, 2, "chunks", 8, marks=SLOW),
+    (7, 128, 2, 4, False, 4, "chunks", 8),  # 2 blocks of 2 chunks, no GQA
+    pytest.param(1000, 128, 32, 256, False, 2, "chunks", 3, marks=SLOW),  # 4 blocks of 8 chunks, the last short
 ])
-def test_kernel_inside_blocks_chunked_across_equals_reference(t, d, chunk, span, stream, kh, across):
+def test_kernel_inside_blocks_chunked_across_equals_reference(t, d, chunk, span, stream, kh, across, runs):
     """`span` with `kernel`: the kernel runs each block of span tokens as a sequence of its own
     (its rows' log-sum-exp differentiable), the chunked form (or with across="blocks" the
     across-blocks kernel over the queries carried back to each earlier block) scores the routes
     between blocks, merged by log-sum-exp; with across="chunks" the in-chunk tiles and that
     kernel over each block's chunks replace PaTH's kernel: values and every gradient as the
     reference, the bias read at the tokens' own positions (it adds 0.03 x the key's absolute
-    position)."""
+    position); the across-blocks kernel takes the queries `runs` blocks a call (outer_group)."""
     args, seg = inputs(t, d, kh=kh), segments(t)
-    (_, got), got_grads = two_level_grads("kernel", args, seg, span, chunk, stream, across)
+    (_, got), got_grads = two_level_grads("kernel", args, seg, span, chunk, stream, across, runs)
     (_, want), want_grads = two_level_grads("reference", args, seg, span, chunk)
     assert rel(got, want) < 1e-5
     for name, g, w in zip(NAMES, got_grads, want_grads):
