@@ -26,8 +26,8 @@ Modules, bottom up (each imports only those above it in this list):
              `span` tokens where asked; it imports no other scheme file;
   across     the routes between blocks as plain flash attention (a Pallas kernel, forward and
              dq / dk-dv kernels parallel over tiles) once each query is carried back to the end
-             of every earlier block (`versions`, plain JAX): the outer level of two, or with
-             blocks of one chunk the level between a block's chunks;
+             of every earlier block (`versions`, plain JAX), a run of query blocks a call: the
+             outer level of two, or with blocks of one chunk the level between a block's chunks;
   chunked    flash-style in plain JAX: keys carried to the end of their chunk, queries carried
              back one chunk at a time, online softmax; O(T * D) memory and a recomputing
              backward (a custom VJP). With `span`, in two levels: the same (or the kernel)

@@ -20,8 +20,10 @@ inside the blocks. Three kernels, each parallel over (batch, query head, tiles),
            version J, writing dk, dv and the bias values' gradient at key slots.
 
 The versions cost memory: qv and d qv hold T / span copies of the queries, [B, H, T / span, T,
-D] each (the authors' kernels keep every query carried to each 512-token boundary so); the
-caller picks span for that. A row with no key it may see (the first block's, or one whose
+D] each (the authors' kernels keep every query carried to each 512-token boundary so), quadratic
+in T. A caller may instead pass a run of whole query blocks at a time (`q_offset`, which may be
+traced, so one kernel serves every run under a lax.map): the versions of one run live at once,
+linear in T. A row with no key it may see (the first block's, or one whose
 document starts in its own block) gets out 0 and lse -inf.
 
 Two loop structures as in positional/kernels/flash.py: on GPU (Triton) and in the interpreter a

@@ -66,9 +66,10 @@ def chunked_attention(q, k, v, w, beta, *, bias_fn=None, segment_ids=None, chunk
     block_size, platform); without span (or span >= T) the kernel does it all. `across` (ACROSS),
     with `kernel` and span: the outer level by the chunked form ("scan") or by the across-blocks
     kernel ("blocks", positional/path/across.py: each query carried back to the end of every
-    earlier block, then flash attention over those versions; T / span copies of the queries
-    kept); "chunks": that kernel across the chunks inside each block too (span / chunk copies
-    more), so no PaTH kernel runs, only the in-chunk tiles in plain JAX.
+    earlier block, then flash attention over those versions, the queries `outer_group` blocks a
+    call, so T / span versions of outer_group x span queries live at once: linear in T);
+    "chunks": that kernel across the chunks inside each block too (span / chunk versions of
+    every query, linear in T too), so no PaTH kernel runs, only the in-chunk tiles in plain JAX.
     """
     check_shapes(q, k, v, segment_ids)
     check_transport(k, w, beta)

@@ -47,12 +47,15 @@ class Path(Scheme):
     # 0: one level): the chunked form (or the kernel, each block its own sequence) inside the
     # blocks, the chunked form across them (`chunked_attention`).
     span: int = 0
-    # two levels: blocks per step of the outer scan; its backward keeps about T x outer_group x D
-    # numbers per head of query chains (fewer: less memory, more steps)
+    # two levels: query blocks at a time across the blocks: per step of the outer scan (its backward
+    # keeps about T x outer_group x D numbers per head of query chains), or per call of the
+    # across-blocks kernel (which holds T / span versions of outer_group x span queries at once);
+    # fewer: less memory, more steps
     outer_group: int = 8
     tiles: str = "fp32"  # the chunked form's q.k and P.V tiles' operands, "fp32" or "bf16" (TILES)
     # two levels with the kernel inside the blocks: across them the chunked form's scan ("scan"), or
-    # the across-blocks kernel ("blocks": T / span copies of the queries kept; positional/path/across.py),
+    # the across-blocks kernel ("blocks": T / span copies of outer_group blocks' queries at a time;
+    # positional/path/across.py),
     # or that kernel across each block's chunks too, no PaTH kernel ("chunks"; chunked.ACROSS)
     across: str = "scan"
 

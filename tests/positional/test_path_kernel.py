@@ -6,6 +6,7 @@ runs impl "pallas" for path and path_fox at the layer."""
 
 import functools
 import logging
+import math
 import re
 
 import jax
@@ -311,6 +312,29 @@ def test_kernel_inside_blocks_lowers_for_gpu_and_tpu(platform, call, across, cal
 
     text = simplified(lowered(jax.grad(loss, (0, 1, 2)), x, x, x, platforms=[platform]))
     assert text.count(call) == calls and t_by_t(text, 2048) == []
+
+
+@pytest.mark.parametrize("across", ["blocks", "chunks"])
+def test_across_kernel_holds_one_run_of_query_versions(across):
+    """Forward + backward lowered for TPU at 4,096 tokens in 16 blocks of 256: with
+    outer_group=16 (every query block in one call) the step holds the versions of all the
+    queries, 16 x 4,096 x 64 numbers per head; with outer_group=2 no tensor of the step holds
+    more than those of a run of 2 blocks (1/8), so the versions grow linearly in T."""
+    t, span, heads, d = 4096, 256, 4, 64
+    x = jax.ShapeDtypeStruct((1, t, heads, d), jnp.bfloat16)
+    pos = jnp.broadcast_to(jnp.arange(t), (1, t))
+    every = heads * (t // span) * t * d
+
+    def largest(outer_group):
+        scheme = make_scheme("path_fox", num_heads=heads, head_dim=d, span=span, across=across,
+                             outer_group=outer_group)
+        grad = jax.grad(lambda q, k, v: scheme.attend(q, k, v, positions=pos, impl="pallas", block_size=128,
+                                                      key=jax.random.key(0)).astype(jnp.float32).sum(), (0, 1, 2))
+        types = re.findall(r"tensor<((?:\d+x)+)[a-z]\w*>", simplified(lowered(grad, x, x, x, platforms=["tpu"])))
+        return max(math.prod(int(n) for n in dims.split("x")[:-1]) for dims in types)
+
+    whole, runs = largest(16), largest(2)
+    assert whole >= every and runs <= every // 8, (whole, runs)
 
 
 @pytest.mark.parametrize("chip", ["TPU_V4", "TPU_V5E"])
