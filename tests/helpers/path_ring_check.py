@@ -16,7 +16,7 @@ bias), "fox" (FoX gates, F_i - F_j at global indices, as `Path.attention` passes
 ending in "/kernel" runs the own shard by PaTH's kernel (interpreted, 4-token chunks), one in
 "/span" the same in two levels (the kernel inside blocks of 8 tokens: a shard of 12 in a whole
 block and a part), one in "/across" the two levels with the across-blocks kernel between the
-blocks. Prints
+blocks (the queries one block a call). Prints
 JSON: per mesh and case the largest difference of the output and of the gradients of
 sum(sin(out)) in q, k, v, w, beta and the log-gates, each relative to the largest reference
 value; and the shapes of the arrays the compiled program all-gathers (only the n shards' D x D
@@ -75,7 +75,7 @@ def ring(mesh):
         return ring_path_attention(q, k, v, w, beta, mesh=mesh, bias_fn=bias(case, log_forget),
                                    segment_ids=segment_ids, chunk=CHUNK, group=2, kernel=kernel,
                                    span=8 if own in ("span", "across") else None,
-                                   across="blocks" if own == "across" else "scan")
+                                   across="blocks" if own == "across" else "scan", outer_group=1)
     return attend
 
 
