@@ -29,9 +29,10 @@ from absl import app, flags
 from flax import nnx
 
 from data.grid2d import grid_batch
-from models.features import EsprFeatures
+from models.features import SchemeFeatures
 from models.lm import DecoderLM, ModelConfig
 from positional import espr
+from positional.espr import Espr
 
 
 METHODS = {  # name: (scheme, options, which positions)
@@ -78,7 +79,7 @@ def commutators(model) -> jax.Array:
     """sum over layers and pairs (a, b) of |[L_a, L_b]|_F^2 of a relaxed model's generators."""
     total = jnp.zeros(())
     for _, m in nnx.iter_graph(model):
-        if isinstance(m, EsprFeatures) and m.scheme.relaxed:
+        if isinstance(m, SchemeFeatures) and isinstance(m.scheme, Espr) and m.scheme.relaxed:
             total += jnp.sum(espr.commutators(m(None, tokens=None, index=None)["generators"]) ** 2)
     return total
 
@@ -108,7 +109,7 @@ def generator_stats(model: DecoderLM) -> dict:
     generators; {} for other schemes."""
     comm, drift = [], []
     for _, m in nnx.iter_graph(model):
-        if isinstance(m, EsprFeatures) and m.scheme.relaxed:
+        if isinstance(m, SchemeFeatures) and isinstance(m.scheme, Espr) and m.scheme.relaxed:
             comm.append(float(m(None, tokens=None, index=None)["commutator_norm"]))
             e = m.drift[...]
             drift.append(float(jnp.linalg.norm((e - jnp.swapaxes(e, -1, -2)) / 2, ord=2, axis=(-2, -1)).max()))

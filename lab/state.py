@@ -106,9 +106,9 @@ def make_optimizer(cfg) -> tuple[optax.GradientTransformation, optax.Schedule]:
 
 def decayed(params, position: bool = True):
     """Which parameters weight decay pulls towards 0 (a tree of bools): matrices only, not norms'
-    scales or other 1-D parameters; and, only with `position`, the matrices of the position
-    schemes' features modules (learned step tables, FoX gate and PaTH projections, ESPR
-    generators: the `features` of an attention layer), which decay would pull towards a fixed
+    scales or other 1-D parameters; and, only with `position`, the position schemes' learned
+    matrices (step tables, FoX gate and PaTH projections, ESPR generators: the `features` of
+    an attention layer), which decay would pull towards a fixed
     scheme (a step table towards RoPE's constant angles)."""
     def decay(path, x):
         names = {getattr(k, "key", getattr(k, "name", None)) for k in path}

@@ -1,9 +1,10 @@
 """The layers of the decoder LM and the Sessa macro-block: the model config, the attention
 layer under any registered position scheme, the SwiGLU MLP and the pre-norm block.
 
-The attention layer builds its scheme and the scheme's features module from the registry
-(models/registry.py); `project` gives the queries, keys, values and features the scheme's
-hooks read, for the layer itself and for the probes (models.lm.attention_internals).
+The attention layer builds its scheme from the registry (models/registry.py) and holds the
+scheme's learned parameters (models/features.py); `project` gives the queries, keys, values
+and features the scheme's hooks read, for the layer itself and for the probes
+(models.lm.attention_internals).
 """
 
 from __future__ import annotations
@@ -122,7 +123,7 @@ class Attention(nnx.Module):
         self.k = linear(cfg.d_model, kh * d, cfg, rngs, cfg.qkv_bias)
         self.v = linear(cfg.d_model, kh * d, cfg, rngs, cfg.qkv_bias)
         self.o = linear(h * d, cfg.d_model, cfg, rngs)
-        self.features = make_features(cfg.scheme, self.scheme, cfg, rngs=rngs)
+        self.features = make_features(self.scheme, cfg, rngs=rngs)
 
     def project(self, x, tokens, index, segment_ids=None, rng=None, past=None):
         """(q [B, T, H, D], k, v [B, T, K, D], features) of the layer input x [B, T, d_model];
@@ -135,7 +136,7 @@ class Attention(nnx.Module):
         features = None
         if self.features is not None:
             # Features that read earlier tokens (a short convolution) get the cache when decoding.
-            extra = {"past": past} if getattr(self.features, "reads_past", False) else {}
+            extra = {"past": past} if self.features.reads_past else {}
             features = self.features(x, tokens=tokens, index=index, segment_ids=segment_ids, rng=rng, **extra)
         return q, k, v, features
 

@@ -1,23 +1,21 @@
 """The scheme registry: the one place every part of the codebase looks a scheme up by name.
 
-An entry names the pure `Scheme` class from `positional/`, the options it fixes, and the NNX
-module (if any) that computes the scheme's per-token features (see models/features.py for
-how it is built and called); a scheme whose learned parts are parameters alone declares them
-itself (`Scheme.init_parameters`) and needs no module.
+An entry names the pure `Scheme` class from `positional/` and the options it fixes. A scheme's
+learned parts are its own (`Scheme.init_parameters` and `Scheme.features`); a layer holds them in
+models/features.py's one adapter.
 
 A name may add score-bias schemes to a scheme with "+": "so2_learned_qkv+alibi" is the SO(2)
 transport with ALiBi's bias on its logits. User options apply to the first scheme.
 
-Adding a scheme: one file in `positional/`, a features module if it learns functions of the
-input, and one `register(...)` line here. The conformance suite in `tests/` then covers it.
+Adding a scheme: one file in `positional/` and one `register(...)` line here. The conformance suite in `tests/` then covers it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Any
 
-from models.features import EsprFeatures, ForgetGate, HouseholderVectors, MergedFeatures, Parameters, StepAngles
+from models.features import MergedFeatures, SchemeFeatures
 from positional.alibi import Alibi
 from positional.espr import Espr, EsprRF
 from positional.fox import Fox
@@ -37,14 +35,14 @@ from positional.tapa import Tapa
 class Entry:
     scheme_cls: type[Scheme]
     fixed: dict[str, Any] = dataclasses.field(default_factory=dict)
-    features: Callable[..., Any] | None = None
     doc: str = ""
     compose: tuple = ()  # score-bias schemes always added, as if written "name+bias"
     compose_fixed: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)  # their fixed options
-    # Whether the scheme's default features (none given) are its features module's at
-    # initialisation on a zero input (the conformance suite checks every scheme that says so);
+    # Whether the scheme's default features (none given) are its features at initialisation on a
+    # zero input (the conformance suite checks the values of every scheme that says so, the
+    # names, shapes and dtypes of every one);
     # False where the defaults are drawn from the call's key instead (PaTH's directions, KERPLE's r1 and
-    # r2, each drawn as the module draws them).
+    # r2, each drawn as its parameters are).
     features_at_init: bool = True
 
 
@@ -164,11 +162,10 @@ def make_scheme(name: str, *, num_heads: int, head_dim: int, **options) -> Schem
                             **entry.fixed, **{k: v for k, v in options.items() if k in fields})
 
 
-def make_features(name: str, scheme: Scheme, cfg, *, rngs):
-    """The features module of a layer: the first part's and each added bias's, one dict out (a
-    part whose scheme declares learned parameters holds them in a `Parameters`)."""
-    modules = [features(s, cfg, rngs=rngs) for e, s in zip(parts(name), (scheme, *scheme.biases))
-               if (features := e.features or (Parameters if s.has_parameters else None))]
+def make_features(scheme: Scheme, cfg, *, rngs):
+    """The learned features of a layer: the scheme's and each added bias's, one dict out (None
+    where no part reads features)."""
+    modules = [SchemeFeatures(s, cfg, rngs=rngs) for s in (scheme, *scheme.biases) if s.needs_features]
     if len(modules) <= 1:
         return modules[0] if modules else None
     return MergedFeatures(modules)
@@ -186,18 +183,18 @@ register("rope_qkv", Entry(Rope, fixed={"rotate_values": True}, doc="rotary q/k/
 for _steps in ("random", "learned", "hidden"):
     for _qkv in (False, True):
         register(f"so2_{_steps}_{'qkv' if _qkv else 'qk'}",
-                 Entry(SO2, fixed={"steps": _steps, "rotate_values": _qkv}, features=StepAngles,
+                 Entry(SO2, fixed={"steps": _steps, "rotate_values": _qkv},
                        doc=f"accumulated SO(2) transport of {'q/k/v' if _qkv else 'q/k'}, {STEP_DOCS[_steps]}"))
 register("tapa", Entry(Tapa, doc="token-aware phase attention: (q_A.k_A) cos(2 pi |i-j|^alpha q_P.k_P), no "
                                  "rotation"))
 register("tapa_linear", Entry(Tapa, fixed={"phase": "linear"}, doc="TAPA with the paper's linear-phase ablation"))
-register("espr", Entry(Espr, features=EsprFeatures,
+register("espr", Entry(Espr,
                        doc="ESPR / STRING: learned commuting generators (shared orthogonal basis, per-plane "
                            "frequencies) over 1-, 2- or 3-axis positions (`positions` [B, T, d_c]), Cayley "
                            "post-rotation"))
-register("espr_rf", Entry(EsprRF, features=EsprFeatures,
+register("espr_rf", Entry(EsprRF,
                           doc="`espr` with positive-random-feature (linear-time) attention"))
-register("path", Entry(Path, features=HouseholderVectors, features_at_init=False,
+register("path", Entry(Path, features_at_init=False,
                        doc="PaTH: each key carried forward by the Householder steps I - beta_t w_t w_t^T of the "
                            "tokens after it (w from a rank-`rank` projection + short causal convolution, beta = "
                            "2 sigmoid in (0, 2)); impl `reference` materialises the logits with one UT solve per "
@@ -209,10 +206,10 @@ register("path", Entry(Path, features=HouseholderVectors, features_at_init=False
                            "across-blocks kernel, positional/path/across.py; `across` = chunks: that kernel between "
                            "chunks too, no PaTH kernel) (positional/path/kernel.py; what `auto` "
                            "picks on TPU; on GPU it picks `blockwise`, measured faster)"))
-register("fox", Entry(Fox, features=ForgetGate,
+register("fox", Entry(Fox,
                       doc="Forgetting Transformer gate: sum of log forget gates between key and query added to "
                           "the logits; a bias like ALiBi, so `scheme+fox` works for any scheme"))
-register("path_fox", Entry(Path, features=HouseholderVectors, compose=("fox",), features_at_init=False,
+register("path_fox", Entry(Path, compose=("fox",), features_at_init=False,
                            compose_fixed={"fox": {"logit_scale": True}},
                            doc="`path` with FoX gates on the PaTH authors' scale: (q^T P k + F_i - F_j) / sqrt(D) "
                                "(`path+fox`: FoX's, q^T P k / sqrt(D) + F_i - F_j)"))

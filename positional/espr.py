@@ -357,7 +357,14 @@ def rf_blockwise(q, k, v, w, *, segment_ids=None, chunk_size: int = 512) -> jax.
 
 @dataclasses.dataclass(frozen=True)
 class Espr(Scheme):
-    """ESPR / STRING transport of q and k; `features` from models/features.py (EsprFeatures).
+    """ESPR / STRING transport of q and k.
+
+    Learned per layer, shared by the heads: beta [m, d_c], starting at axial RoPE frequencies; the
+    basis U = Cayley(skew(A_U)) and the post-rotation P = Cayley(skew(A_P)), starting at I
+    (A = 0), so the layer starts as axial RoPE; with `relaxed`, the generators' free skew parts
+    skew(E_k), starting at 0. With `learned` False nothing is learned: axial RoPE, U = P = I.
+    EsprRF also draws w [n_rf, 2m] ~ N(0, I): from `rng` every forward pass, or fixed by
+    `draw_seed` >= 0.
 
     features: 'beta' [m, d_c] and 'readin' W [2m, D]; with `relaxed`, also 'generators'
     [d_c, D, D], 'post' = P Pi_act [D, D], 'basis' = U_a [D, 2m] and 'commutator_norm'.
@@ -399,11 +406,33 @@ class Espr(Scheme):
             out["w"] = draw_features(self.draw_key(key), self.num_features, 2 * m)
         return out
 
+    def init_parameters(self, keys, model):
+        d = self.head_dim
+        out = {}
+        if self.learned:
+            out = {"beta": jnp.asarray(self._axial_beta()), "basis_skew": jnp.zeros((d, d), jnp.float32),
+                   "post_skew": jnp.zeros((d, d), jnp.float32)}
+        if self.relaxed:
+            out["drift"] = jnp.zeros((self.num_axes, d, d), jnp.float32)
+        return out
+
+    def features(self, params, x, *, tokens, index, segment_ids=None, rng=None, past=None):
+        if self.learned:
+            beta = params["beta"]
+            basis, post = (cayley(skew(params[name])) for name in ("basis_skew", "post_skew"))
+        else:
+            beta = jnp.asarray(self._axial_beta())
+            basis = post = jnp.eye(self.head_dim, dtype=jnp.float32)
+        return self.features_from(beta, basis, post, params.get("drift"), rng)
+
     def default_features(self, q, k, *, positions, key=None, segment_ids=None):
-        """Axial RoPE frequencies, U = P = I, no drift: the features module at its initialisation."""
+        """Axial RoPE frequencies, U = P = I, no drift: the parameters at initialisation."""
         eye = jnp.eye(self.head_dim, dtype=jnp.float32)
-        return self.features_from(jnp.asarray(axial_beta(self.planes, self.num_axes, self.base), jnp.float32),
-                                  eye, eye, jnp.zeros((self.num_axes,) + eye.shape, jnp.float32), key)
+        return self.features_from(jnp.asarray(self._axial_beta()), eye, eye,
+                                  jnp.zeros((self.num_axes,) + eye.shape, jnp.float32), key)
+
+    def _axial_beta(self) -> np.ndarray:
+        return np.asarray(axial_beta(self.planes, self.num_axes, self.base), np.float32)
 
     def carry(self, x, features, positions):
         """Active U coordinates of the transported x: [B, T, H, 2m] fp32."""

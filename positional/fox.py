@@ -18,7 +18,10 @@ kernels and decoding; `path_fox` does the same (`logit_scale=True`, fixed by its
 entry). With the gate bias at 0 the initial per-token log-decay is then log(1/2) / sqrt(D)
 (-0.12 at D = 32) instead of log(1/2) = -0.69; `path+fox` keeps the FoX scale.
 
-features = {'log_forget': [B, T, H] float32}.
+features = {'log_forget': [B, T, H] float32}: log f_t = log sigmoid(W_f x_t + b_f), one gate per
+query head; b_f starts at the `gate_bias` option: 0 by default, as in the public FoX layer (f near
+1/2: the model starts local and learns how far each head should remember); b_f = 5 starts at
+f = 0.993, a memory of about 150 tokens.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from positional.logits import Bias
-from positional.scheme import Scheme
+from positional.scheme import Scheme, dense, linear_parameters
 
 
 def forget_bias(log_forget, scale: float = 1.0) -> Bias:
@@ -40,13 +43,19 @@ def forget_bias(log_forget, scale: float = 1.0) -> Bias:
 
 @dataclasses.dataclass(frozen=True)
 class Fox(Scheme):
-    gate_bias: float = 0.0  # initial b_f of the gates (models/features.py): 0 gives f near 1/2
+    gate_bias: float = 0.0  # initial b_f of the gates: 0 gives f near 1/2
     logit_scale: bool = False  # gate term times head_dim^-1/2, like the dots (PaTH authors' PaTH-FoX)
 
     has_bias = bias_only = needs_features = True
 
     def bias_fn(self, features, positions):  # the gates between key and query: by slot, not position
         return forget_bias(features["log_forget"], self.head_dim ** -0.5 if self.logit_scale else 1.0)
+
+    def init_parameters(self, keys, model):
+        return {"proj": linear_parameters(keys, model.d_model, self.num_heads, model.d_model ** -0.5, self.gate_bias)}
+
+    def features(self, params, x, *, tokens, index, segment_ids=None, rng=None, past=None):
+        return {"log_forget": jax.nn.log_sigmoid(dense(x.astype(jnp.float32), params["proj"]))}
 
     def default_features(self, q, k, *, positions, key=None, segment_ids=None):
         """Every gate at its initial bias: log f = log sigmoid(gate_bias) (ALiBi-like decay)."""

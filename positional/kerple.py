@@ -27,9 +27,9 @@ R_MIN = 0.01
 class KerpleLog(Scheme):
     has_bias = bias_only = needs_features = has_parameters = default_key = True
 
-    def init_parameters(self, key) -> dict:
+    def init_parameters(self, keys, model) -> dict:
         """r1 ~ U(0, 2), r2 ~ U(0, 1) per head (before the clamp)."""
-        k1, k2 = jax.random.split(key)
+        k1, k2 = jax.random.split(keys())
         return {"kerple_r1": jax.random.uniform(k1, (self.num_heads,), jnp.float32, 0.0, 2.0),
                 "kerple_r2": jax.random.uniform(k2, (self.num_heads,), jnp.float32, 0.0, 1.0)}
 

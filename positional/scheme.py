@@ -11,14 +11,19 @@ on an NNX module as static data). Its hooks, all pure:
                                                          at key positions (FoX's gates), zeros
   default_features(q, k, *, positions, key, segment_ids) -> dict
                                                          features a notebook can use without a
-                                                         model: the features module's at its
-                                                         initialisation (random draws from `key`)
-  init_parameters(key) -> dict                           learned parameters that are not functions
-                                                         of the input (per-head tables, scalars):
-                                                         their values at initialisation, named
-                                                         after the scheme; a model holds them
-                                                         (models/features.py `Parameters`) and
-                                                         passes them as features
+                                                         model: its features at initialisation
+                                                         (random draws from `key`)
+  init_parameters(keys, model) -> dict                   the scheme's learned parameters at
+                                                         initialisation, a nested dict of arrays
+                                                         (`keys()` a fresh key per call: a model's
+                                                         `rngs.params`; `model` the layer's sizes:
+                                                         d_model, vocab_size, resolved_kv_heads)
+  features(params, x, *, tokens, index, segment_ids, rng, past) -> dict
+                                                         the per-token features the hooks read,
+                                                         from those parameters and the layer input
+                                                         x [B, T, d_model]; a model holds the
+                                                         parameters per layer in one NNX adapter
+                                                         (models/features.py) and calls this
 
 Biases and scores are `positional.logits.Bias` and `Score`: a function of a few numbers per
 slot, which every implementation evaluates (the fused kernel inside its tiles, with their
@@ -36,9 +41,11 @@ What a scheme can do is declared on its class (never inferred elsewhere), as cla
   has_score        score_fn returns a score function (it is None otherwise)
   bias_only        a pure score-bias scheme (has_bias, no other hook overridden): it may be
                    added to another with "+"
-  needs_features   its hooks read the per-token features (a features module in models/)
-  has_parameters   its features are the learned parameters `init_parameters` declares (no
-                   features module of its own: the scheme's file is the whole scheme)
+  needs_features   its hooks read the per-token features (`features`, from the parameters
+                   `init_parameters` declares: both on the scheme, so its file is the whole scheme)
+  has_parameters   its features are its learned parameters themselves, no function of the input
+                   (the base `features` and `default_features` then serve: KERPLE, T5)
+  reads_past       `features` reads the layer cache when decoding (`past`: PaTH's convolution)
   random_features  its features hold a random draw, taken each forward pass from the key the
                    caller passes (or from the `draw_seed` option, where that is >= 0)
   default_key      its `default_features` draw from a key (as random_features schemes do)
@@ -98,6 +105,7 @@ class Scheme:
     bias_only = False
     needs_features = False
     has_parameters = False
+    reads_past = False
     random_features = False
     default_key = False
     relative = True
@@ -115,6 +123,9 @@ class Scheme:
                             f"valid: {', '.join(PROBE_FAMILIES)}")
         if cls.has_parameters and not cls.needs_features:
             raise TypeError(f"{cls.__name__}.has_parameters: its hooks read them as features, so it needs_features")
+        if cls.needs_features and not cls.has_parameters and cls.features is Scheme.features:
+            raise TypeError(f"{cls.__name__}.needs_features: define `features(params, x, ...)`, the features "
+                            "its hooks read (or set has_parameters where they are its parameters)")
         if "attention" in vars(cls):  # the method's name before it was renamed
             raise TypeError(f"{cls.__name__} defines `attention`, which is called `transformed_attention` now "
                             "(attention on q, k, v after `transform`): rename the method")
@@ -147,10 +158,17 @@ class Scheme:
         return {}
 
     def default_features(self, q, k, *, positions, key=None, segment_ids=None) -> dict:
-        return self.init_parameters(self.draw_key(key) if self.default_key else None) if self.has_parameters else {}
+        if not self.has_parameters:
+            return {}
+        key = self.draw_key(key) if self.default_key else None
+        return self.init_parameters(lambda: key, None)
 
-    def init_parameters(self, key) -> dict:
+    # ---- learned parameters ------------------------------------------------------------------
+    def init_parameters(self, keys, model) -> dict:
         return {}
+
+    def features(self, params, x, *, tokens, index, segment_ids=None, rng=None, past=None) -> dict:
+        return dict(params)  # has_parameters: the features are the parameters
 
     # ---- derived -----------------------------------------------------------------------------
     @property
@@ -162,8 +180,8 @@ class Scheme:
         """This scheme's bias plus those of `biases`, as one Bias (or None); positions [B, S]
         of every key slot (None: the slot indices themselves).
 
-        Every part reads the same features dict: the layer merges the dicts of all the parts'
-        features modules (see models/registry.py).
+        Every part reads the same features dict: the layer merges all the parts' features
+        (see models/registry.py).
         """
         if not self.adds_bias:
             return None
@@ -336,3 +354,22 @@ def check_cache_room(cache_len: int, index: int, n: int) -> None:
     if index + n > cache_len:
         raise ValueError(f"sequence too long for the cache: {index} cached + {n} new tokens > "
                          f"cache length {cache_len}; create the cache with a larger max_len")
+
+
+def linear_parameters(keys, n: int, m: int, stddev: float, bias: float | None = None) -> dict:
+    """A learned linear map n -> m: {'kernel' [n, m] ~ N(0, stddev^2) (stddev 0: zeros)}, with
+    `bias` also {'bias' [m]} of that constant; one key drawn for each, as flax's nnx.Linear draws
+    them (so a model's later draws, and its parameters' names, are those of an nnx.Linear)."""
+    key = keys()
+    kernel = jax.nn.initializers.normal(stddev)(key, (n, m), jnp.float32) if stddev else jnp.zeros((n, m), jnp.float32)
+    if bias is None:
+        return {"kernel": kernel}
+    keys()
+    return {"kernel": kernel, "bias": jnp.full((m,), bias, jnp.float32)}
+
+
+def dense(x, p: dict) -> jax.Array:
+    """x [..., n] through the linear map `linear_parameters` made, as nnx.Linear computes it."""
+    dtype = jnp.result_type(x, *p.values())  # as nnx.Linear promotes its operands
+    y = jax.lax.dot_general(jnp.asarray(x, dtype), jnp.asarray(p["kernel"], dtype), (((x.ndim - 1,), (0,)), ((), ())))
+    return y + jnp.asarray(p["bias"], dtype).reshape((1,) * (y.ndim - 1) + (-1,)) if "bias" in p else y

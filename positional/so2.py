@@ -25,7 +25,7 @@ import numpy as np
 
 from positional.angles import wrap, wrapped_add
 from positional.rope import rope_frequencies, rotate_out, rotate_qkv
-from positional.scheme import Scheme
+from positional.scheme import Scheme, dense, linear_parameters
 from positional.softmax import segment_starts
 
 
@@ -84,10 +84,21 @@ def uniform_steps(key: jax.Array, draw_index: jax.Array, frequencies: jax.Array)
 class SO2(Scheme):
     """Rotation of q, k (and v, out) by accumulated angles; `features` = {'psi', 'theta'}.
 
-    The features module supplies psi [B, T, nb] and theta = accumulate(psi, segment_ids);
-    the decode form keeps the running angle after the last cached token.
+    Per layer, the step angles psi [B, T, nb] come from `steps`:
+      "random":  psi ~ Uniform(-f_b, f_b), f_b the RoPE frequencies (base 10^4), i.i.d. per
+                 token and block, shared by the heads, a fresh draw for every forward pass from
+                 the `rng` the caller passes (training step, evaluation window); with
+                 draw_seed >= 0 the draw is fixed instead.
+      "learned": psi_t = omega + g[token_t], g a learned vocab x nb table (as in the paper).
+                 omega = f_b, fixed: a learned omega would be redundant with adding the same
+                 vector to every row of g. g starts at 0, so the model starts as RoPE-like
+                 position-only transport and learns how much each token advances each block.
+      "hidden":  psi_t = omega + W h_t, a projection of the layer input (not in the paper: the
+                 step reads the context, not only the token id); W starts at 0, as g does.
+    and theta = accumulate(psi, segment_ids); the decode form keeps the running angle after the
+    last cached token.
     """
-    steps: str = "learned"  # where psi comes from: "random" | "learned" | "hidden" (models/features.py)
+    steps: str = "learned"  # where psi comes from: "random" | "learned" | "hidden"
     rotate_values: bool = False
     layout: str = "half"
     draw_seed: int = -1  # random steps: >= 0 fixes the draw instead of a fresh one per forward pass
@@ -115,8 +126,24 @@ class SO2(Scheme):
         """psi ~ Uniform(-f_b, f_b) for tokens at index [B, T], from `key` (or `draw_seed`)."""
         return uniform_steps(self.draw_key(key), index_in_segment(index, segment_ids), self.frequencies)
 
+    def init_parameters(self, keys, model):
+        if self.steps == "learned":
+            return {"table": jnp.zeros((model.vocab_size, self.head_dim // 2), jnp.float32)}
+        if self.steps == "hidden":
+            return {"proj": linear_parameters(keys, model.d_model, self.head_dim // 2, 0.0)}
+        return {}
+
+    def features(self, params, x, *, tokens, index, segment_ids=None, rng=None, past=None):
+        if self.steps == "random":
+            psi = self.random_steps(rng, index, segment_ids)
+        elif self.steps == "learned":
+            psi = self.frequencies + params["table"][tokens]
+        else:
+            psi = self.frequencies + dense(x, params["proj"]).astype(jnp.float32)
+        return {"psi": psi, "theta": accumulate(psi, segment_ids)}
+
     def default_features(self, q, k, *, positions, key=None, segment_ids=None):
-        """The features module's steps at its initialisation: a random draw, or (learned, hidden:
+        """The steps at initialisation: a random draw, or (learned, hidden:
         a zero table or projection) the position-only psi = omega = f_b."""
         b, t = q.shape[:2]
         index = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))

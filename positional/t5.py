@@ -44,7 +44,8 @@ class T5Bias(Scheme):
             raise ValueError(f"T5 bias needs 4 <= num_buckets and num_buckets / 2 < max_distance; got "
                              f"num_buckets={self.num_buckets}, max_distance={self.max_distance}")
 
-    def init_parameters(self, key) -> dict:
+    def init_parameters(self, keys, model) -> dict:
+        keys()  # a draw it does not use (the table starts at 0): the model's later draws stay those of sweep.md's runs
         return {"t5_table": jnp.zeros((self.num_heads, self.num_buckets), jnp.float32)}
 
     def bias_fn(self, features, positions):

@@ -16,12 +16,18 @@ from positional.path.reference import dense_score_fn
 from positional.path.ring import ring_path_attention
 from positional.path.transport import HIGHEST, check_transport, transport_to_end
 from positional.ring import active_mesh, ring_active
-from positional.scheme import Scheme
+from positional.scheme import Scheme, dense, linear_parameters
 
 
 @dataclasses.dataclass(frozen=True)
 class Path(Scheme):
     """PaTH transport of keys; `features` = {'w': [B, T, K, D] unit, 'beta': [B, T, K] in (0, 2)}.
+
+    Learned per layer: w_t = normalise(conv(W_up W_down x_t)) per kv head, a rank-`rank`
+    projection, as in the public PaTH layer, then (`conv` > 0) a causal depthwise convolution of
+    that width with SiLU, restarted at document starts; beta_t = 2 sigmoid(W_b x_t + b) in (0, 2)
+    per kv head, starting near 1 (b = 0). Decoding, the convolution reads the previous
+    projections from the layer cache (`past`), where `feature_cache` stores them.
 
     impl "reference" materialises the T x T logits (`path_scores`, one UT solve per
     `solve_chunk` tokens), "blockwise" is the flash-style chunked form with `block_size` tokens
@@ -88,9 +94,33 @@ class Path(Scheme):
         w, beta = features["w"], features["beta"]
         return dense_score_fn(w, beta, self.head_dim ** -0.5, self.solve_chunk or None)
 
+    @property
+    def reads_past(self) -> bool:
+        return bool(self.conv)
+
+    def init_parameters(self, keys, model):
+        kv, d = model.resolved_kv_heads, model.d_model
+        out = {"down": linear_parameters(keys, d, self.rank, d ** -0.5),
+               "up": linear_parameters(keys, self.rank, kv * self.head_dim, self.rank ** -0.5),
+               "gain": linear_parameters(keys, d, kv, d ** -0.5, bias=0.0)}
+        if self.conv:
+            out["kernel"] = jax.nn.initializers.normal(self.conv ** -0.5)(keys(), (self.conv, kv * self.head_dim))
+        return out
+
+    def features(self, params, x, *, tokens, index, segment_ids=None, rng=None, past=None):
+        x = x.astype(jnp.float32)
+        u = dense(dense(x, params["down"]), params["up"])  # [B, T, K * D]
+        out = {"beta": 2 * jax.nn.sigmoid(dense(x, params["gain"]))}
+        if self.conv:
+            out["w_in"] = u
+            u = causal_conv(u, params["kernel"], segment_ids, past)
+        w = u.reshape(*out["beta"].shape, -1)  # [B, T, K, D]
+        out["w"] = w * jax.lax.rsqrt(jnp.sum(w * w, -1, keepdims=True) + 1e-12)
+        return out
+
     def default_features(self, q, k, *, positions, key=None, segment_ids=None):
         """Steps of random directions (uniform on the sphere, drawn from `key`) with beta = 1,
-        the gain of the features module at its initialisation."""
+        the gain at initialisation."""
         w = jax.random.normal(self.draw_key(key), k.shape, jnp.float32)
         return {"w": w * jax.lax.rsqrt(jnp.sum(w * w, -1, keepdims=True)), "beta": jnp.ones(k.shape[:3], jnp.float32)}
 
@@ -153,7 +183,7 @@ class Path(Scheme):
     def init_cache(self, batch, max_len, num_kv_heads, dtype=jnp.float32):
         # Keys are carried by every new token, so they stay fp32 whatever the model dtype.
         cache = super().init_cache(batch, max_len, num_kv_heads, dtype)
-        if self.conv:  # the projections the convolution of w reads (models/features.py)
+        if self.conv:  # the projections the convolution of w reads (`features`)
             cache["features"]["w_in"] = jnp.zeros((batch, max_len, num_kv_heads * self.head_dim), jnp.float32)
         return {**cache, "k": cache["k"].astype(jnp.float32)}
 
@@ -189,3 +219,27 @@ class Path(Scheme):
             out = jax.lax.dynamic_slice_in_dim(out, index, n, axis=1)
             ck = transport_to_end(ck, ws, betas)
         return out, {**cache, "k": ck, "v": cv, "index": index + n}
+
+
+def causal_conv(u, kernel, segment_ids=None, past=None):
+    """Causal depthwise convolution of width c = len(kernel), then SiLU: silu(sum_s kernel[s] u_{t-s})
+    over u [B, T, n]; in the parallel form (`past` None) zeros before the start and none across
+    documents; decoding, the c - 1 projections before the cache index (`past`, the layer cache),
+    zeros before token 0."""
+    c, t = kernel.shape[0], u.shape[1]
+    if past is None:
+        seg = jnp.zeros(u.shape[:2], jnp.int32) if segment_ids is None else segment_ids
+        hist = jnp.pad(u, ((0, 0), (c - 1, 0), (0, 0)))
+        hist_seg = jnp.pad(seg, ((0, 0), (c - 1, 0)), constant_values=-1)
+    else:
+        start = past["index"] - (c - 1)
+        padded = jnp.pad(past["features"]["w_in"], ((0, 0), (c - 1, 0), (0, 0)))
+        prev = jax.lax.dynamic_slice_in_dim(padded, start + c - 1, c - 1, axis=1)
+        hist = jnp.concatenate([prev, u], axis=1)
+        hist_seg = jnp.where(start + jnp.arange(t + c - 1) >= 0, 0, -1)[None]
+        seg = jnp.zeros(u.shape[:2], jnp.int32)
+    acc = 0.0
+    for s in range(c):  # tap s reads token t - s
+        same = (hist_seg[:, c - 1 - s:c - 1 - s + t] == seg)[..., None]
+        acc = acc + kernel[s] * jnp.where(same, hist[:, c - 1 - s:c - 1 - s + t], 0.0)
+    return jax.nn.silu(acc)

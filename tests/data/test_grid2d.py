@@ -10,7 +10,8 @@ import numpy as np
 from flax import nnx
 
 from data.grid2d import grid_batch
-from models.features import EsprFeatures
+from models.features import SchemeFeatures
+from positional.espr import Espr
 from helpers.tiny_setup import load_benchmark as load
 
 bench = load("grid2d")  # benchmarks/grid2d.py
@@ -44,7 +45,7 @@ def _tiny(method, seed=0):
     model = bench.make_model(method, seed, d_model=32, num_layers=2, num_heads=2)
     key = jax.random.key(seed + 1)
     for _, m in nnx.iter_graph(model):
-        if isinstance(m, EsprFeatures):
+        if isinstance(m, SchemeFeatures) and isinstance(m.scheme, Espr):
             for name in ("basis_skew", "post_skew", "drift"):
                 if hasattr(m, name):
                     key, sub = jax.random.split(key)
@@ -117,7 +118,7 @@ def test_the_commutator_penalty_is_the_squared_commutators_and_one_step_with_it_
     model = _tiny("espr_relaxed_2d")
     want = 0.0
     for _, m in nnx.iter_graph(model):
-        if isinstance(m, EsprFeatures):
+        if isinstance(m, SchemeFeatures) and isinstance(m.scheme, Espr):
             g = np.asarray(m(None, tokens=None, index=None)["generators"], np.float64)
             want += sum(np.sum((g[a] @ g[b] - g[b] @ g[a]) ** 2) for a in range(len(g)) for b in range(len(g)))
     got = float(bench.commutators(model))

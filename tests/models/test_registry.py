@@ -60,8 +60,6 @@ def test_declared_flags_agree_with_behaviour(name):
     scheme, features = layer_features(name)
     assert not mismatches(scheme, features)
     assert set(scheme.probes) <= set(PROBE_FAMILIES)
-    assert scheme.needs_features == (get_entry(name).features is not None or scheme.has_parameters)
-    assert not (scheme.has_parameters and get_entry(name).features), "parameters and a module: one or the other"
     assert scheme.needs_features == bool(features)
 
 
@@ -152,3 +150,32 @@ def test_no_composition_of_registered_schemes_has_two_features_of_one_name():
             continue
         assert not names[first] & names[added], (first, added, names[first] & names[added])  # first: with its composed parts
     layer_features("path_fox+kerple_log+t5")  # three parts merged: no clash raised
+
+
+# The learned schemes' parameters as runs saved them (names under an attention layer's `features`,
+# shapes for d_model 32, vocabulary 16, 4 heads of 8, 2 kv heads), from the models/features.py
+# where each scheme had an NNX module of its own (nnx.Linear's kernel and bias): a checkpoint of
+# such a run loads into the adapter that holds them now.
+PATH_SAVED = {"down/kernel": (32, 32), "up/kernel": (32, 16), "gain/kernel": (32, 2), "gain/bias": (2,),
+              "kernel": (3, 16)}
+FOX_SAVED = {"proj/kernel": (32, 4), "proj/bias": (4,)}
+ESPR_SAVED = {"beta": (4, 1), "basis_skew": (8, 8), "post_skew": (8, 8)}
+SAVED = [  # (scheme, options, names and shapes)
+    ("so2_learned_qkv", {}, {"table": (16, 4)}), ("so2_hidden_qk", {}, {"proj/kernel": (32, 4)}),
+    ("so2_random_qk", {}, {}), ("espr", {}, ESPR_SAVED), ("espr_rf", {}, ESPR_SAVED),
+    ("espr", {"relaxed": True}, {**ESPR_SAVED, "drift": (1, 8, 8)}), ("espr", {"learned": False}, {}),
+    ("path", {}, PATH_SAVED), ("path", {"conv": 0}, {k: v for k, v in PATH_SAVED.items() if k != "kernel"}),
+    ("path_fox", {}, {**{f"parts/0/{k}": v for k, v in PATH_SAVED.items()},
+                      **{f"parts/1/{k}": v for k, v in FOX_SAVED.items()}}),
+    ("fox", {}, FOX_SAVED), ("rope+fox", {}, FOX_SAVED),
+    ("kerple_log", {}, {"kerple_r1": (4,), "kerple_r2": (4,)}), ("t5", {}, {"t5_table": (4, 32)}),
+]
+
+
+@pytest.mark.parametrize("scheme, options, saved", SAVED)
+def test_learned_parameters_keep_the_names_runs_saved(scheme, options, saved):
+    cfg = ModelConfig(vocab_size=16, d_model=32, num_heads=H, num_kv_heads=2, scheme=scheme, head_dim=D,
+                      scheme_options=tuple(options.items()))
+    state = nnx.state(Attention(cfg, rngs=nnx.Rngs(0)), nnx.Param)
+    got = {"/".join(map(str, path[1:])): x[...].shape for path, x in nnx.to_flat_state(state) if path[0] == "features"}
+    assert got == saved

@@ -284,17 +284,25 @@ def test_notebook_call_needs_no_model(scheme):
         np.testing.assert_allclose(s.attend(q, k, v, positions=pos), out, atol=1e-6)
 
 
-# Every registered scheme with a features module whose entry says that module at its
-# initialisation, on a zero input, gives exactly the default features (those whose defaults are
-# drawn from a key say so: PaTH, KERPLE), and a composition.
-AT_INIT = [name for name, entry in REGISTRY.items()
-           if (entry.features or entry.scheme_cls.has_parameters) and entry.features_at_init] + ["rope+fox"]
+# Every registered scheme that reads features, and a composition: the default features (none
+# given: a notebook call) have the names, shapes and dtypes of the layer's features at
+# initialisation; and, where its entry says so, the same values on a zero input (those whose
+# defaults are drawn from the call's key say not: PaTH's directions, KERPLE's r1 and r2).
+WITH_FEATURES = [name for name, entry in REGISTRY.items() if entry.scheme_cls.needs_features] + ["rope+fox"]
 
 
-@pytest.mark.parametrize("scheme", AT_INIT)
-def test_default_features_are_the_features_module_at_initialisation(scheme):
+def _shapes(tree):
+    return jax.tree.map(lambda x: (jnp.shape(x), jnp.result_type(x)), tree)
+
+
+@pytest.mark.parametrize("scheme", WITH_FEATURES)
+def test_default_features_are_the_layers_at_initialisation(scheme):
     layer = make_layer(scheme)
     q, k, v, pos = qkv()
     features = layer.project(jnp.zeros((2, T, 32)), pos % 16, pos, rng=RNG)[3]
-    np.testing.assert_allclose(layer.scheme.attend(q, k, v, positions=pos, key=RNG),
-                               layer.scheme.attend(q, k, v, features, positions=pos), atol=1e-6)
+    default = layer.scheme.features_or_default(None, q, k, positions=pos, key=RNG)
+    internal = {"w_in"}  # PaTH's convolution input, kept for the decode cache only
+    assert _shapes(default) == _shapes({name: x for name, x in features.items() if name not in internal})
+    if REGISTRY[scheme.split("+")[0]].features_at_init:
+        np.testing.assert_allclose(layer.scheme.attend(q, k, v, positions=pos, key=RNG),
+                                   layer.scheme.attend(q, k, v, features, positions=pos), atol=1e-6)
