@@ -90,6 +90,9 @@ def test_a_wrong_declaration_is_caught():
     assert mismatches(AddableRope(H, D), None) == ["bias_only", "probes (rope_pairs)"]
     with pytest.raises(TypeError, match="unknown probe families"):
         type("Odd", (Scheme,), {"probes": ("spectra",)})
+    with pytest.raises(TypeError, match=r"Reads\.needs_features: define `features\(params, x, \.\.\.\)`") as err:
+        type("Reads", (Scheme,), {"needs_features": True})  # features read, none computed
+    assert "\n" not in str(err.value)
 
 
 def test_only_bias_only_schemes_follow_a_plus():
