@@ -122,6 +122,18 @@ CLAIMS = [
     ("espr.md", "espr-penalised-string-larger", "larger grids than trained (not a translation): relaxed ESPR with the "
      "penalty less accurate than STRING", "espr_shift_penalty.json", "espr_relaxed_2d_penalised", "string_2d", "acc",
      "larger_12x10_14", None, "negative"),
+    ("accumulated.md", "acc-learned-qkv-qk-64x-5", "learned Q/K/V degrade less than learned Q/K at 64x (5 new seeds, 8 "
+     "documents)", "accumulated_sweep5b.json", "so2_learned_qkv", "so2_learned_qk", "ratio", 8192, 128, "negative"),
+    ("accumulated.md", "acc-learned-qkv-qk-train-5", "learned Q/K/V: lower perplexity than learned Q/K at the training "
+     "length (5 new seeds, 8 documents)", "accumulated_sweep5b.json", "so2_learned_qkv", "so2_learned_qk", "ppl", 128,
+     None, "negative"),
+    ("accumulated.md", "acc-random-qkv-qk-64x-5", "random Q/K/V degrade less than random Q/K at 64x (5 new seeds, 8 "
+     "documents)", "accumulated_sweep5b.json", "so2_random_qkv", "so2_random_qk", "ratio", 8192, 128, "negative"),
+    ("accumulated.md", "acc-rope-qkv-rope-64x-5", "RoPE on Q/K/V degrades less than RoPE at 64x (5 new seeds, 8 "
+     "documents)", "accumulated_sweep5b.json", "rope_qkv", "rope", "ratio", 8192, 128, "negative"),
+    ("accumulated.md", "acc-learned-qkv-rope-64x-5b", "learned Q/K/V rotations degrade less than RoPE at 64x (the 5 "
+     "seeds trained again, today's install, 8 documents)", "accumulated_sweep5b.json", "so2_learned_qkv", "rope", "ratio",
+     8192, 128, "negative"),
 ]
 
 
