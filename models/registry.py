@@ -7,7 +7,8 @@ models/features.py's one adapter.
 A name may add score-bias schemes to a scheme with "+": "so2_learned_qkv+alibi" is the SO(2)
 transport with ALiBi's bias on its logits. User options apply to the first scheme.
 
-Adding a scheme: one file in `positional/` and one `register(...)` line here. The conformance suite in `tests/` then covers it.
+Adding a scheme: one file in `positional/` and one `register(...)` line here. The conformance
+suite in `tests/` then covers it.
 """
 
 from __future__ import annotations
