@@ -131,6 +131,14 @@ CLAIMS = [
      "documents)", "accumulated_sweep5b.json", "so2_random_qkv", "so2_random_qk", "ratio", 8192, 128, "negative"),
     ("accumulated.md", "acc-rope-qkv-rope-64x-5", "RoPE on Q/K/V degrades less than RoPE at 64x (5 new seeds, 8 "
      "documents)", "accumulated_sweep5b.json", "rope_qkv", "rope", "ratio", 8192, 128, "negative"),
+    ("accumulated.md", "acc-alibi-rope-train-5", "ALiBi: higher perplexity than RoPE at the training length (5 new "
+     "seeds, 8 documents)", "accumulated_sweep5b.json", "alibi", "rope", "ppl", 128, None, "positive"),
+    ("accumulated.md", "acc-learned-alibi-train-5", "learned Q/K/V + ALiBi: lower perplexity than learned Q/K/V at the "
+     "training length (5 new seeds, 8 documents)", "accumulated_sweep5b.json", "so2_learned_qkv+alibi", "so2_learned_qkv",
+     "ppl", 128, None, "negative"),
+    ("accumulated.md", "acc-learned-alibi-64x-5", "learned Q/K/V + ALiBi degrade less than learned Q/K/V at 64x (5 new "
+     "seeds, 8 documents)", "accumulated_sweep5b.json", "so2_learned_qkv+alibi", "so2_learned_qkv", "ratio", 8192, 128,
+     "negative"),
     ("accumulated.md", "acc-learned-qkv-rope-64x-5b", "learned Q/K/V rotations degrade less than RoPE at 64x (the 5 "
      "seeds trained again, today's install, 8 documents)", "accumulated_sweep5b.json", "so2_learned_qkv", "rope", "ratio",
      8192, 128, "negative"),
