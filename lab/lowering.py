@@ -26,6 +26,7 @@ from jax._src.cudnn import fused_attention_stablehlo
 from jax._src.interpreters import mlir as jax_mlir
 from jax._src.lib.mlir import ir, passmanager
 from jax._src.pallas.triton import gpu_info
+from jax._src.pallas.triton import lowering as triton_lowering
 from jax.experimental import topologies
 
 try:
@@ -67,7 +68,7 @@ def target(platform: str, mesh: jax.sharding.Mesh | None = None, chip: str | Non
     """While the block runs, Pallas kernels lower for the chip of `mesh`'s devices where they are
     the platform's (a TPU topology), else for `chip` (default H100 for cuda, TPU_V5E for tpu),
     stood in for this host's device kind; on cuda jax's cuDNN version query answers 9.10 and its
-    compute capability queries the chip's."""
+    compute capability queries the chip's, and each Triton module is verified as it is lowered."""
     if platform not in ("cuda", "tpu"):
         yield
         return
@@ -79,12 +80,25 @@ def target(platform: str, mesh: jax.sharding.Mesh | None = None, chip: str | Non
             info = _chip_info(platform, chip or ("H100" if platform == "cuda" else "TPU_V5E"))
             stack.enter_context(mock.patch.dict(registry, {jax.devices()[0].device_kind: lambda: info}))
         if platform == "cuda":
+            stack.enter_context(mock.patch.object(triton_lowering, "lower_jaxpr_to_triton_module",
+                                                  _verified(triton_lowering.lower_jaxpr_to_triton_module)))
             capability = _chip_info("cuda", chip or "H100").compute_capability  # 90 for 9.0
             stack.enter_context(mock.patch.object(fused_attention_stablehlo, "check_cudnn_version", lambda: 91000))
             for name, test in (("check_compute_capability", lambda c: capability >= _capability(c)),
                                ("is_cuda_compute_capability_equal", lambda c: capability == _capability(c))):
                 stack.enter_context(mock.patch.object(fused_attention_stablehlo, name, test))
         yield
+
+
+def _verified(lower):
+    """lower (Pallas' jaxpr -> Triton module), then the module through MLIR's verifier, as XLA
+    runs it when it parses the module on a GPU: a kernel that lowers but would not compile
+    there (loop bounds of two types, say) fails here, on this host."""
+    def run(*args, **kwargs):
+        result = lower(*args, **kwargs)
+        result.module.operation.verify()
+        return result
+    return run
 
 
 def _capability(text: str) -> int:

@@ -308,7 +308,9 @@ def _dq(st: _Static, arrays: dict):
             kb = _load(ins["k"], "k") if st.stream else _load(ins["k"], "k", j * bk, bk)
             return _dq_step(st, carry, q, qb, kb, i + o, j)
 
-        _walk(st, scratch, init, step, _store(outs), 0, jnp.where(v < (i + o) // qper, kper, 0), 4, kper)
+        # (the bound as a product: Pallas-Triton lowers `jnp.where(c, kper, 0)`, two literals, to
+        # a select of two i1 `false` constants, an invalid loop bound)
+        _walk(st, scratch, init, step, _store(outs), 0, kper * (v < (i + o) // qper).astype(jnp.int32), 4, kper)
 
     k_index = (lambda o, i, v, s: jnp.where(v < (i + o) // qper, v * kper + s, 0)) if st.stream else None
     version = lambda o, i, v, *s: v * nq + i  # noqa: E731
