@@ -16,8 +16,9 @@ the bias and score hooks):
                bias_fn only per key (positional/vendor.py);
   "auto"       the fastest of them that can take the call, for the platform being lowered for
                (`choose`): ring on a sequence mesh; on CPU reference up to REFERENCE_MAX keys,
-               blockwise past it; on GPU cuDNN for plain softmax and per-key biases (packed
-               rows in its packed form, Hopper on), on TPU splash, else the fused kernel, else
+               blockwise past it; on GPU cuDNN for plain softmax and fixed per-key biases
+               (ALiBi; packed rows in its packed form, Hopper on), on TPU splash, else the fused
+               kernel (learned per-key biases, FoX: `FACTS["channel_gradient"]`), else
                blockwise. Each choice is logged once (logger "positional.attention");
                `per_platform_choice` does the same for a scheme with its own attention (PaTH,
                whose kernel `choose` weighs as an `OwnKernel`). `choose` is the one place auto
@@ -70,6 +71,10 @@ FACTS = {
     "path_kernel_gpu": Fact("its forward + backward took 5.5x (head dim 64) and 7.8x (128) the time of the "
                             "chunked form at 8,192 tokens", "NVIDIA H100", "2026-11-24",
                             "benchmarks/RESULTS.md, PaTH on an NVIDIA H100"),
+    "channel_gradient": Fact("a learned per-key bias's gradient through the q.k channels (cuDNN's bf16 dk) was "
+                             "18-31x the bf16 reference's error (FoX's gates: 8.7e-2 and 5.1e-2 against 2.8e-3)",
+                             "NVIDIA H200", "2026-11-28",
+                             "benchmarks/RESULTS.md, The GPU check and PaTH against fla on an NVIDIA H200"),
 }
 
 
@@ -125,6 +130,8 @@ def choose(q, k, v, *, platform: str, bias_fn=None, score_fn=None, segment_ids=N
     if why_not is None and bound and bound > CHANNEL_BOUND:
         why_not = (f"its per-key bias reaches {bound:,.0f} at {k.shape[1]} keys, past {CHANNEL_BOUND:,.0f}, where "
                    f"q.k channels round it more than the kernel's own bias")
+    if why_not is None and getattr(bias_fn, "learned", False):
+        why_not = f"its per-key bias is learned: {FACTS['channel_gradient']}"
     if why_not is None and bias_fn is not None:
         wide = widened_head_dim(q, k, bias_fn, 8 if vendor == "cudnn" else 64)
         why = f"{why}, the per-key bias in q.k channels (head dim {q.shape[-1]} -> {wide})"

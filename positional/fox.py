@@ -38,7 +38,7 @@ from positional.scheme import Scheme, dense, linear_parameters
 def forget_bias(log_forget, scale: float = 1.0) -> Bias:
     """The Bias scale * (F_i - F_j) (F the cumulative sum of log f over slots), fp32."""
     cum = scale * jnp.cumsum(log_forget.astype(jnp.float32), axis=1)  # scale * F [B, T, H]
-    return Bias(lambda q, k, qi, kj: q["F"] - k["F"], {"F": cum}, key=lambda k, kj: -k["F"])
+    return Bias(lambda q, k, qi, kj: q["F"] - k["F"], {"F": cum}, key=lambda k, kj: -k["F"], learned=True)
 
 
 @dataclasses.dataclass(frozen=True)

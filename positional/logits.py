@@ -55,6 +55,9 @@ class Bias:
     key_bound: Callable[[int], float] | None = None
     # Per-head tables [B|1, H|1, n] fn reads with `lookup`, as q[name] (not per slot: no key form).
     tables: dict = dataclasses.field(default_factory=dict)
+    # Whether the values are learned (FoX's gates), so their gradient matters: auto keeps such a
+    # bias off the vendor kernels' q.k channels, which carry its gradient in bf16 (positional/vendor.py).
+    learned: bool = False
 
     def __post_init__(self):
         for name, x in self.values.items():
@@ -126,7 +129,8 @@ def at_positions(bias: Bias | None, positions) -> Bias | None:
         q, k = dict(q), dict(k)
         return bias.fn(q, k, q.pop(POSITION).astype(jnp.int32), k.pop(POSITION).astype(jnp.int32))
 
-    return Bias(fn, {**bias.values, POSITION: jnp.asarray(positions, jnp.float32)}, tables=bias.tables)
+    return Bias(fn, {**bias.values, POSITION: jnp.asarray(positions, jnp.float32)}, tables=bias.tables,
+                learned=bias.learned)
 
 
 def sum_of(biases: list[Bias]) -> Bias:
@@ -150,7 +154,8 @@ def sum_of(biases: list[Bias]) -> Bias:
 
     per_key = all(b.key is not None for b in biases)
     bounded = per_key and any(b.key_bound is not None for b in biases)
-    return Bias(fn, values, key if per_key else None, key_bound if bounded else None, tables)
+    return Bias(fn, values, key if per_key else None, key_bound if bounded else None, tables,
+                any(b.learned for b in biases))
 
 
 def dot_tile(a, b, contract: str):

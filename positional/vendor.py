@@ -10,16 +10,25 @@ the implementation raises ValueError with that line. A chooser calls the refusal
 platform being lowered for.
 
 Per-key biases through q.k (`key_bias_channels`)
-  In a causal softmax row a bias c_i + e_j loses c_i (a constant of the row), so the logit is
-  scale * q.k + e_j: each key gets CHANNELS more head dims holding e_j / scale split into bf16
-  hi + mid + lo (fp32's 24 bits, `split_float`; one bf16 number is not enough), each query ones in the
-  channels of its own head (CHANNELS per query head sharing a key head under GQA), the kernel's
-  fp32 accumulation adds them, and autodiff gives e's gradient through the key's hi channel.
-  e is rebased per document (e_j minus e at the first key of j's document: a constant of every
-  row that reads j), so its size is that of one document's, as an in-kernel fp32 bias computes
-  it; auto uses the channels only while a bias's static `key_bound` stays within CHANNEL_BOUND
-  (below). Head dims are zero-padded to a multiple of 8 (cuDNN) or 64 (splash); v keeps its own on
-  splash, and is padded to q's on cuDNN (jax.nn's call takes one head dim).
+  In a causal softmax row a bias c_i + e_j may take any c_i (a constant of the row), so the
+  logit is scale * q.k + e_j - e_i (0 on the diagonal): each key gets CHANNELS more head dims
+  holding e_j / scale split into bf16 hi + mid + lo (fp32's 24 bits, `split_float`; one bf16
+  number is not enough), each query ones in the channels of its own head (CHANNELS per query
+  head sharing a key head under GQA), and CHANNELS more with -e_i / scale at the query's own
+  slot against ones in every key; the kernel's fp32 accumulation adds them, and autodiff gives
+  e's gradient through the hi channels. The query's term changes no value; it is there for the
+  gradient: the kernels take D = rowsum(dO * O) from the bf16 output and round dS to bf16, so a
+  row's dS no longer sums to 0, and e_j's gradient (dS summed down column j) carries those
+  residues; through the query's channel each row's residue comes back with the other sign
+  (dS summed along row i), and FoX's gates, a sum of e's gradient over later slots, see the
+  rows' residues cancel. In an emulation of those roundings (tests/helpers/flash_rounding.py)
+  the gates' error fell 3x; what is left is dk's own bf16 rounding, 5-9x the bf16 reference's,
+  so auto keeps a `learned` bias (FoX) off the channels. e is rebased per document (e minus e
+  at the first key of its document: a constant of every row that reads it), so its size is that
+  of one document's, as an in-kernel fp32 bias computes it; auto uses the channels only while a
+  bias's static `key_bound` stays within CHANNEL_BOUND (below). Head dims are zero-padded to a
+  multiple of 8 (cuDNN) or 64 (splash); v keeps its own on splash, and is padded to q's on
+  cuDNN (jax.nn's call takes one head dim).
 
 cudnn (`cudnn_attention`)
   bf16 or fp16 q, k, v of one dtype; head_dim a multiple of 8 and at most 128 (256 where this
@@ -136,10 +145,11 @@ CHANNEL_BOUND = 2.0 ** 15
 
 
 def widened_head_dim(q, k, bias_fn, multiple: int) -> int:
-    """q's and k's head dim in the channel form (q's own without a bias), padded to `multiple`."""
+    """q's and k's head dim in the channel form (q's own without a bias), padded to `multiple`:
+    CHANNELS per query head sharing a key head for the key term, CHANNELS for the query term."""
     if bias_fn is None:
         return q.shape[-1]
-    return -(-(q.shape[-1] + CHANNELS * (q.shape[2] // k.shape[2])) // multiple) * multiple
+    return -(-(q.shape[-1] + CHANNELS * (q.shape[2] // k.shape[2] + 1)) // multiple) * multiple
 
 
 def split_float(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -151,9 +161,10 @@ def split_float(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array, jax.Array]:
     return (x + jax.lax.stop_gradient(hi - x)).astype(dtype), mid.astype(dtype), lo.astype(dtype)
 
 
-def key_bias_channels(q, k, bias: Bias, *, segment_ids=None, scale: float, multiple: int):
-    """(q', k') with q' . k' * scale = q . k * scale + e_j (bias's per-key term, rebased per
-    document), in head dims padded to `multiple` (the module doc)."""
+def key_bias_channels(q, k, bias: Bias, *, segment_ids=None, q_offset=0, scale: float, multiple: int):
+    """(q', k') with q' . k' * scale = q . k * scale + e_j - e_i (bias's per-key term at the key's
+    slot and at the query's, q_offset + i, rebased per document), in head dims padded to
+    `multiple` (the module doc)."""
     b, t, h, d = q.shape
     s, kh = k.shape[1], k.shape[2]
     g = h // kh
@@ -163,14 +174,15 @@ def key_bias_channels(q, k, bias: Bias, *, segment_ids=None, scale: float, multi
         first = jax.lax.cummax(jnp.where(segment_starts(segment_ids), jnp.arange(s), 0), axis=1)
     term = term - jnp.take_along_axis(term, jnp.broadcast_to(first[:, None], term.shape), axis=2)
     x = (term / scale).reshape(b, kh, g, s).transpose(0, 3, 1, 2)  # [B, S, K, G]
-    hi, mid, lo = split_float(x, k.dtype)
-    width = widened_head_dim(q, k, bias, multiple)
-    pad = width - d - CHANNELS * g
-    kc = jnp.stack([hi, mid, lo], axis=-1).reshape(b, s, kh, CHANNELS * g)
+    own = -jax.lax.dynamic_slice_in_dim(term, q_offset, t, axis=2) / scale  # [B, H, T]
+    keys = jnp.stack(split_float(x, k.dtype), axis=-1).reshape(b, s, kh, CHANNELS * g)
+    queries = jnp.stack(split_float(own.transpose(0, 2, 1), q.dtype), axis=-1)  # [B, T, H, CHANNELS]
+    pad = widened_head_dim(q, k, bias, multiple) - d - CHANNELS * (g + 1)
     ones = jnp.repeat(jnp.eye(g, dtype=q.dtype), CHANNELS, axis=1)  # query head (kappa, i): ones at its own
     qc = jnp.broadcast_to(ones, (b, t, kh, g, CHANNELS * g)).reshape(b, t, h, CHANNELS * g)
-    q = jnp.concatenate([q, qc, jnp.zeros((b, t, h, pad), q.dtype)], axis=-1)
-    k = jnp.concatenate([k, kc, jnp.zeros((b, s, kh, pad), k.dtype)], axis=-1)
+    q = jnp.concatenate([q, qc, queries, jnp.zeros((b, t, h, pad), q.dtype)], axis=-1)
+    k = jnp.concatenate([k, keys, jnp.ones((b, s, kh, CHANNELS), k.dtype), jnp.zeros((b, s, kh, pad), k.dtype)],
+                        axis=-1)
     return q, k
 
 
@@ -271,7 +283,7 @@ def cudnn_call(q, k, v, *, bias: Bias | None = None, segment_ids=None, q_offset=
     if bias is not None:
         d, dv = q.shape[-1], v.shape[-1]
         scale = d ** -0.5 if scale is None else scale
-        q, k = key_bias_channels(q, k, bias, segment_ids=segment_ids, scale=scale, multiple=8)
+        q, k = key_bias_channels(q, k, bias, segment_ids=segment_ids, q_offset=q_offset, scale=scale, multiple=8)
         v = jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, q.shape[-1] - dv)))  # jax.nn takes one head dim
         if overflow is not None:  # it takes the inputs as they came (and the bias), gives v's width back
             def overflow(q, k, v, *, segment_ids, given=overflow):

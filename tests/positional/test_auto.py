@@ -129,7 +129,8 @@ def test_other_platforms_residuals_cost_no_memory():
 def test_a_long_alibi_stays_on_the_fused_kernel(cudnn):
     """ALiBi's key term (slope x position) grows with the length; past 2^15 (16 heads, steepest
     slope 0.71: from 46K keys) q.k channels would round it more than the kernel's own bias, so
-    auto keeps it on the fused kernel, saying so; FoX (data-dependent, as precise either way) not."""
+    auto keeps it on the fused kernel, saying so. FoX (learned) stays on the fused kernel at
+    any length: its gates' gradient through the channels is bf16's (FACTS["channel_gradient"])."""
     alibi = make_scheme("alibi", num_heads=16, head_dim=128).bias_fn(None, None)
     fox = make_scheme("fox", num_heads=16, head_dim=128).bias_fn(
         {"log_forget": jnp.zeros((1, 65536, 16))}, None)
@@ -138,7 +139,9 @@ def test_a_long_alibi_stays_on_the_fused_kernel(cudnn):
         assert choose(short, short, short, platform=platform, bias_fn=alibi)[0] in ("cudnn", "splash")
         impl, why = choose(long, long, long, platform=platform, bias_fn=alibi)
         assert impl == "pallas" and "its per-key bias reaches 46,340 at 65536 keys, past 32,768" in why, why
-        assert choose(long, long, long, platform=platform, bias_fn=fox)[0] in ("cudnn", "splash")
+        for x in (short, long):
+            impl, why = choose(x, x, x, platform=platform, bias_fn=fox)
+            assert impl == "pallas" and "its per-key bias is learned: a learned per-key bias's gradient" in why, why
 
 
 PER_DEVICE_CHECK = """
