@@ -6,14 +6,16 @@ with compiling, that checks every fused path on the device and times what matter
     python benchmarks/gpu_check.py --tiny            # each kind of path at toy sizes (this CPU; the test)
 
 The work, in order of value; an item whose estimate (scaled by how long the finished ones took
-against theirs) does not fit in what is left of --budget_s is skipped and named:
+against theirs) does not fit in what is left of --budget_s is skipped and named, as is one
+that --only does not name:
   1. checks: each fused path on this device against the fp32 reference on the same bf16
      inputs, values and gradients (q, k, v, and the gates where a bias has them): 2 rows of
      1,000 tokens (no tile divides it), 4 query heads on 2 kv heads of 64, 3 packed documents
      per row; it passes within twice the error of the reference itself on the bf16 inputs
      (at least 5e-3). cuDNN plain, packed, packed over its segment maximum (the overflow branch), the
-     per-key bias channels (FoX with its gates, ALiBi), auto for fox+packed rows, the fused
-     hook kernel (KERPLE, TAPA), PaTH-FoX's kernel, the Sessa feedback solve (run last: `LAST`).
+     per-key bias channels (FoX with its gates, ALiBi), auto for fox+packed rows (the fused kernel: its gates are learned), the fused
+     hook kernel (KERPLE, T5's table, TAPA), PaTH-FoX's kernel, the Sessa feedback solve (T5
+     and Sessa run last, `LAST`: their Triton compiles take minutes).
   2. attention: forward + backward of one call, 1 x 16 heads x 128 bf16, 4 packed documents
      per row, at 8,192 then 32,768 tokens: each scheme's auto path against cuDNN plain causal
      softmax without packing (the ceiling); PaTH-FoX's chunked form at 8,192 in one level and
@@ -66,14 +68,18 @@ flags.DEFINE_string("json", "", "write every row here ('' : $OUT/gpu_check.json 
                     flag_values=FLAGS)
 flags.DEFINE_bool("tiny", False, "toy sizes: the whole script in a minute or two on a CPU", flag_values=FLAGS)
 flags.DEFINE_integer("repeats", 10, "timed calls per case (the median is reported)", flag_values=FLAGS)
+flags.DEFINE_list("only", [], "run only the items whose 'section: item' contains one of these (e.g. "
+                  "'attention: path_fox,train'); the rest are skipped and named", flag_values=FLAGS)
 
 # A fused path passes when its error against the fp32 reference is at most SLACK times the
 # reference's own on the same bf16 inputs (or FLOOR): the rounding of bf16, not a wrong mask or tile.
 SLACK, FLOOR = 2.0, 5e-3
 TRAIN_SCHEMES = ("rope", "alibi", "fox", "tapa", "path_fox")
-# Run after everything else: on an H200 (jax 0.11.2, 2026-11-27) the Sessa solve's Triton
-# compile ran past 5 minutes and the device call's limit took every later item with it.
-LAST = ("pallas Sessa solve",)  # now at the kernel's GPU block, 64 (it was 128)
+# Checks whose Triton compile is slow, in seconds on an H200 (jax 0.11.2, commit 7561e56,
+# 2026-11-28; every other check took 4-13 s): run after everything else, as on 2026-11-27 the
+# Sessa solve at block 128 compiled past 5 minutes and the device call's limit took every later
+# item with it.
+LAST = {"pallas T5 table (hook kernel)": 240, "pallas Sessa solve": 120}
 ATTENTION_SCHEMES = ("rope", "alibi", "fox", "rope+fox", "so2_learned_qkv+alibi", "tapa", "kerple_log", "path_fox")
 
 
@@ -269,7 +275,7 @@ def plan(tiny: bool) -> list[tuple[str, str, float, object]]:
     """(section, item, estimated seconds on an H100 with compiling, run() -> row), by value."""
     s = sizes(tiny)
     reps = 1 if tiny else FLAGS.repeats
-    items = [("checks", name, 20 if "PaTH" in name else 10,
+    items = [("checks", name, LAST.get(name, 20 if "PaTH" in name else 10),
               lambda c=case, n=name: run_check(n, *c, s["check"]))
              for name, case in check_cases(*s["check"]).items()]
     last = [x for x in items if x[1] in LAST]
@@ -300,8 +306,9 @@ def plan(tiny: bool) -> list[tuple[str, str, float, object]]:
             + [x for t in longer for x in attention_items(t)] + train_items(s["train"][3:]) + plans + last)
 
 
-def run(budget_s: float, tiny: bool, path: str = "") -> dict:
-    """Every item that fits, in order; the json at `path` is rewritten after each (a run cut off keeps its rows)."""
+def run(budget_s: float, tiny: bool, path: str = "", only: tuple[str, ...] = ()) -> dict:
+    """Every item that fits (and that `only` names, where given), in order; the json at `path`
+    is rewritten after each (a run cut off keeps its rows)."""
     start = time.perf_counter()
     rows, skipped, spent, guessed = [], [], 0.0, 0.0
 
@@ -311,6 +318,9 @@ def run(budget_s: float, tiny: bool, path: str = "") -> dict:
                 "elapsed_s": round(time.perf_counter() - start, 1), "rows": rows, "skipped": skipped}
 
     for section, item, estimate, fn in plan(tiny):
+        if only and not any(x in f"{section}: {item}" for x in only):
+            skipped.append(f"{section}: {item} (not in --only)")
+            continue
         scale = min(max(spent / guessed, 0.5), 3.0) if guessed else 1.0
         left = budget_s - (time.perf_counter() - start)
         if estimate * scale > left:
@@ -419,7 +429,7 @@ def tables(result: dict) -> str:
 
 def benchmark() -> dict:
     path = FLAGS.json or (os.path.join(os.environ["OUT"], "gpu_check.json") if os.environ.get("OUT") else "")
-    result = run(FLAGS.budget_s, FLAGS.tiny, path)
+    result = run(FLAGS.budget_s, FLAGS.tiny, path, tuple(FLAGS.only))
     print("\n" + tables(result))
     if path:
         save(result, path)

@@ -249,6 +249,8 @@ def test_gpu_check_skips_what_does_not_fit(monkeypatch):
     assert [r["item"] for r in result["rows"]] == ["a", "c"]
     assert result["rows"][1]["failed"] == "ZeroDivisionError: division by zero"
     assert result["skipped"] == ["attention: b (about 500 s, 50 s left)"]
+    result = gpu_check.run(1000, tiny=True, only=("train", "checks: a"))
+    assert [r["item"] for r in result["rows"]] == ["a", "c"] and result["skipped"] == ["attention: b (not in --only)"]
 
 
 def test_gpu_check_cut_off_keeps_its_rows(monkeypatch, tmp_path):
