@@ -12,10 +12,11 @@ that --only does not name:
      inputs, values and gradients (q, k, v, and the gates where a bias has them): 2 rows of
      1,000 tokens (no tile divides it), 4 query heads on 2 kv heads of 64, 3 packed documents
      per row; it passes within twice the error of the reference itself on the bf16 inputs
-     (at least 5e-3). cuDNN plain, packed, packed over its segment maximum (the overflow branch), the
-     per-key bias channels (FoX with its gates, ALiBi), auto for fox+packed rows (the fused kernel: its gates are learned), the fused
-     hook kernel (KERPLE, T5's table, TAPA), PaTH-FoX's kernel, the Sessa feedback solve (T5
-     and Sessa run last, `LAST`: their Triton compiles take minutes).
+     (at least 5e-3). cuDNN plain, packed, packed over its segment maximum (the overflow
+     branch), the per-key bias channels (FoX with its gates, ALiBi), auto for fox+packed rows
+     (the fused kernel: its gates are learned), the fused hook kernel (KERPLE, T5's table,
+     TAPA), PaTH-FoX's kernel, the Sessa feedback solve (T5 and Sessa run last, `LAST`: their
+     Triton compiles take minutes).
   2. attention: forward + backward of one call, 1 x 16 heads x 128 bf16, 4 packed documents
      per row, at 8,192 then 32,768 tokens: each scheme's auto path against cuDNN plain causal
      softmax without packing (the ceiling); PaTH-FoX's chunked form at 8,192 in one level and
