@@ -424,7 +424,7 @@ def tables(result: dict) -> str:
         out += [f"| {r['item']} ({r['params'] / 1e9:.2f} B) | {x['length']:,} | {x['arguments_gib']:.2f} | "
                 f"{x['temp_gib']:.2f} | {x['total_gib']:.2f} | {device} | {x['fits']} |" for x in r["lengths"]]
     if result["skipped"]:
-        out += ["", "skipped (over the budget): " + "; ".join(result["skipped"])]
+        out += ["", "skipped: " + "; ".join(result["skipped"])]
     return "\n".join(out)
 
 

@@ -232,6 +232,20 @@ def test_per_key_bias_channels_equal_reference(impl, name):
             assert_close(got[3], want[3], gate_rel)
 
 
+@pytest.mark.parametrize("q_offset", [6, "traced"])
+def test_per_key_bias_channels_while_decoding(q_offset):
+    """Queries 6 .. 8 of 10 keys (a static or traced offset, cuDNN's mask form): the channels
+    read each query's own term at its slot and give the reference's values, FoX + ALiBi, fp32."""
+    t, s, h = 3, 10, 4
+    q, k, v = inputs(11, t=t, s=s, h=h, dtype=jnp.float32)
+    log_forget, biases = per_key_biases(2, s, h)
+    bias = biases["fox+alibi"](log_forget)
+    traced = q_offset == "traced"
+    got = jax.jit(lambda q, k, v, off: vendor.cudnn_call(q, k, v, bias=bias, q_offset=off if traced else 6,
+                                                         implementation="xla"))(q, k, v, jnp.int32(6))
+    assert_close(got, reference_attention(q, k, v, bias_fn=bias, q_offset=6), 1e-5)
+
+
 def test_per_key_bias_overflow_takes_the_inputs_as_they_came():
     """A batch over max_segments with a bias: the overflow function gets the original q, k, v
     (and computes the bias itself: here the reference), and the result is still exact."""
