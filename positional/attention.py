@@ -71,8 +71,8 @@ FACTS = {
     "path_kernel_gpu": Fact("its forward + backward took 5.5x (head dim 64) and 7.8x (128) the time of the "
                             "chunked form at 8,192 tokens", "NVIDIA H100", "2026-11-24",
                             "benchmarks/RESULTS.md, PaTH on an NVIDIA H100"),
-    "channel_gradient": Fact("a learned per-key bias's gradient through the q.k channels (cuDNN's bf16 dk) was "
-                             "18-31x the bf16 reference's error (FoX's gates: 8.7e-2 and 5.1e-2 against 2.8e-3)",
+    "channel_gradient": Fact("a learned per-key bias's gradient through the q.k channels (cuDNN's bf16 dS and dk) "
+                             "was 18-31x the bf16 reference's error (FoX's gates: 8.7e-2 and 5.1e-2 against 2.8e-3)",
                              "NVIDIA H200", "2026-11-28",
                              "benchmarks/RESULTS.md, The GPU check and PaTH against fla on an NVIDIA H200"),
 }
