@@ -114,6 +114,33 @@ def exported_text(fn, *args, platform: str) -> str:
     return exported.mlir_module()
 
 
+def triton_kernels(text: str) -> list[dict]:
+    """The Triton kernels of an exported module's text (Pallas on GPU), in the module's order:
+    each one's name, num_warps, num_stages and Triton IR (the `tt` dialect, as text), read from
+    its custom call's backend config, for a Triton compiler to take on this host."""
+    from jax._src.lib.triton import dialect as tt_dialect
+
+    kernels = []
+    with jax_mlir.make_ir_context() as ctx:
+        tt_dialect.register_dialect(ctx)
+
+        def walk(op):
+            for region in op.regions:
+                for block in region:
+                    for inner in block:
+                        if (inner.name == "stablehlo.custom_call"
+                                and ir.StringAttr(inner.attributes["call_target_name"]).value == TRITON):
+                            config = ir.DictAttr(inner.attributes["mhlo.backend_config"])
+                            kernels.append({"name": ir.StringAttr(config["name"]).value,
+                                            "num_warps": ir.IntegerAttr(config["num_warps"]).value,
+                                            "num_stages": ir.IntegerAttr(config["num_stages"]).value,
+                                            "ttir": str(ir.Module.parse(ir.StringAttr(config["ir"]).value_bytes))})
+                        walk(inner)
+
+        walk(ir.Module.parse(text).operation)
+    return kernels
+
+
 def simplified(text: str) -> str:
     """The module after MLIR's canonicalize, symbol-dce and cse. Differentiating a
     `jax.lax.platform_dependent` joins the branches' residuals, so the branch lowered returns

@@ -12,6 +12,7 @@ import pytest
 
 from helpers.draws import normal
 from helpers.exported import MOSAIC, TRITON, compiled_for_tpu, lowered
+from lab.lowering import triton_kernels
 from models.registry import REGISTRY, Entry, make_scheme
 from positional import kernels
 from positional.kernels.flash import fused_attention
@@ -166,6 +167,21 @@ LOWERED = {"plain": lambda t: (None, None),
            "tapa+alibi": lambda t: (make_scheme("alibi", num_heads=4, head_dim=128).bias_fn(None, None),
                                     tapa_score_fn(128)),
            "table": lambda t: (distance_table(jnp.ones((1, 4, 32))), None)}
+
+
+def test_triton_kernels_are_read_back_from_the_exported_module():
+    """`lab.lowering.triton_kernels` (benchmarks/triton_compile.py compiles what it returns):
+    the forward + backward's three Triton kernels, in the module's order, each with the
+    kernel's num_warps / num_stages and its Triton IR as text, one function of the tt dialect."""
+    q = jax.ShapeDtypeStruct((1, 256, 4, 64), jnp.bfloat16)
+    grad = jax.grad(lambda q, k, v: fused_attention(q, k, v, num_warps=8, num_stages=3).astype(jnp.float32).sum(),
+                    (0, 1, 2))
+    text = lowered(grad, q, q, q)
+    found = triton_kernels(text)
+    assert len(found) == text.count(TRITON) == 3
+    assert {(x["num_warps"], x["num_stages"]) for x in found} == {(8, 3)}
+    for x in found:
+        assert x["ttir"].count("tt.func public @") == 1 and "tt.dot" in x["ttir"], x["ttir"][:300]
 
 
 @pytest.mark.parametrize("platform,call", [("cuda", TRITON), ("tpu", MOSAIC)])
