@@ -33,8 +33,9 @@ from models.registry import make_scheme
 from positional.attention import attention
 
 FLAGS = flags.FLAGS if __name__ == "__main__" else flags.FlagValues()
-flags.DEFINE_list("schemes", ["plain", "kerple_log", "t5"], "registered schemes ('plain': no bias)",
-                  flag_values=FLAGS)
+flags.DEFINE_list("schemes", ["plain", "kerple_log", "t5"], "registered schemes ('plain': no bias), each "
+                  "with its options after slashes (block_size: attend's), e.g. "
+                  "path_fox/span=512/across=blocks/block_size=64", flag_values=FLAGS)
 flags.DEFINE_integer("tokens", 1000, "sequence length", flag_values=FLAGS)
 flags.DEFINE_integer("heads", 4, "query heads", flag_values=FLAGS)
 flags.DEFINE_integer("kv_heads", 2, "key / value heads", flag_values=FLAGS)
@@ -42,18 +43,23 @@ flags.DEFINE_integer("head_dim", 64, "head dimension", flag_values=FLAGS)
 flags.DEFINE_integer("capability", 90, "the GPU's compute capability, major * 10 + minor", flag_values=FLAGS)
 
 
-def kernels(name: str, t: int, h: int, kh: int, d: int) -> list[dict]:
-    """The Triton kernels of one fused attention call's forward + backward, lowered for cuda."""
+def kernels(spec: str, t: int, h: int, kh: int, d: int) -> list[dict]:
+    """The Triton kernels of one fused attention call's forward + backward, lowered for cuda;
+    spec: a scheme's name and its options, "name/option=value/..."."""
+    name, *options = spec.split("/")
+    options = {k: int(v) if v.isdigit() else v for k, v in (x.split("=", 1) for x in options)}
+    block_size = options.pop("block_size", 512)  # attend's (PaTH's chunk); the rest are the scheme's
     q = jax.ShapeDtypeStruct((1, t, h, d), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((1, t, kh, d), jnp.bfloat16)
     seg, positions = jnp.ones((1, t), jnp.int32), jnp.arange(t)[None]
-    scheme = None if name == "plain" else make_scheme(name, num_heads=h, head_dim=d)
+    scheme = None if name == "plain" else make_scheme(name, num_heads=h, head_dim=d, **options)
 
     def loss(q, k, v):
         if scheme is None:
             out = attention(q, k, v, impl="pallas", segment_ids=seg)
         else:
-            out = scheme.attend(q, k, v, positions=positions, segment_ids=seg, impl="pallas", key=jax.random.key(0))
+            out = scheme.attend(q, k, v, positions=positions, segment_ids=seg, impl="pallas", key=jax.random.key(0),
+                                block_size=block_size)
         return out.astype(jnp.float32).sum()
 
     return triton_kernels(exported_text(jax.grad(loss, (0, 1, 2)), q, kv, kv, platform="cuda"))

@@ -277,3 +277,14 @@ def test_lowering_check_takes_a_measured_choice_as_intended(capsys, monkeypatch)
     assert lowering_check(argv, monkeypatch) == 0
     out = capsys.readouterr().out
     assert "note: Path runs 'blockwise' on cuda by a measured choice" in out and "(NVIDIA H100, 2026-11-24)" in out
+
+
+def test_triton_compile_finds_each_forms_kernels():
+    """benchmarks/triton_compile.py's kernels (what it compiles where the triton package is
+    installed): a scheme spec's options reach the scheme and attend (block_size), and every
+    Triton kernel of the forward + backward comes back: the fused kernel's 3, PaTH's two-level
+    form across blocks 5 (its kernel inside the blocks 2, the across-blocks kernel 3)."""
+    triton_compile = load_benchmark("triton_compile")
+    assert len(triton_compile.kernels("plain", 256, 4, 2, 64)) == 3
+    found = triton_compile.kernels("path_fox/span=128/across=blocks/tiles=bf16/block_size=32", 512, 4, 4, 64)
+    assert len(found) == 5 and all("tt.func public @" in x["ttir"] for x in found)
