@@ -12,6 +12,7 @@ its step have been read and found finite.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import fcntl
 import json
@@ -428,9 +429,13 @@ class _BackgroundOutput:
         self._keep(self.handler.format(record) + "\n")
         return False
 
+    def _files(self):
+        """Where the output goes, in order of preference: the file written so far, the run's, a
+        temporary one (a full disk)."""
+        return filter(None, (self.written, self.path, os.path.join(tempfile.gettempdir(), f"errors-{os.getpid()}.log")))
+
     def _keep(self, text: str) -> None:
-        for path in filter(None, (self.written, self.path, os.path.join(tempfile.gettempdir(),
-                                                                         f"errors-{os.getpid()}.log"))):
+        for path in self._files():
             try:
                 files.append_lines(path, [text])
                 self.written = path
@@ -443,10 +448,27 @@ class _BackgroundOutput:
 
     def close(self, keep_filter: bool = False) -> None:
         """Back to the terminal; with `keep_filter` (after a failure) the logs of the writers'
-        futures, which Python reports when it frees them at exit, still go to the file."""
+        futures, which Python reports when it frees them at exit, still go to the file, and so
+        do the warnings Python gives as it exits (a write cut off leaves a coroutine never
+        awaited: once, after the error line, it was the terminal's last line)."""
         sys.stderr, self.everything = self.stream, False
         if not keep_filter:
             self.handler.removeFilter(self.filter)
+            return
+        atexit.register(self._exit_to_file)
+
+    def _exit_to_file(self) -> None:
+        """As Python exits (after the error line), file descriptor 2 to the file: Python puts its
+        own stderr back before it frees what is left, so only the descriptor catches that."""
+        sys.stderr.flush()
+        for path in self._files():
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            except OSError:
+                continue
+            os.dup2(fd, 2)
+            os.close(fd)
+            return
 
     def __getattr__(self, name):
         return getattr(self.stream, name)

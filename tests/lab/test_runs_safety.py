@@ -228,6 +228,27 @@ def test_a_failed_metrics_write_is_one_line_after_an_emergency_save(tmp_path, ca
     assert step == 2
 
 
+def test_warnings_at_exit_after_a_failure_go_to_the_file(tmp_path):
+    """After a failed run, what Python warns as it exits (here a coroutine freed unawaited, as
+    a write cut off by a full disk leaves) goes to the run's errors file, not after the error
+    line on the terminal; before the failure was closed, warnings still reach the terminal."""
+    errors = tmp_path / "errors.log"
+    script = (
+        "import sys, warnings\n"
+        "from lab.training import _BackgroundOutput\n"
+        "async def write(): pass\n"
+        f"out = _BackgroundOutput({str(errors)!r})\n"
+        "out.close(keep_filter=True)\n"
+        "warnings.warn('while running', UserWarning)\n"
+        "print('error: the one line', file=sys.stderr)\n"
+        "pending = write()  # freed at exit, never awaited\n")
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.strip().splitlines()[-1] == "error: the one line", done.stderr
+    assert "while running" in done.stderr
+    assert "coroutine 'write' was never awaited" in errors.read_text()
+
+
 def test_a_failed_save_is_one_line_naming_the_last_checkpoint(tmp_path, monkeypatch):
     config = tiny_config(tmp_path, steps=12)
     real = training.save
