@@ -19,6 +19,10 @@ LIBTPU = $(1)/bin/python -m pip install --quiet --no-deps --target $(1)/libtpu \
 # flag, JAX version) misses it and compiles anew. Tests that must compile fresh turn it off.
 export JAX_COMPILATION_CACHE_DIR ?= $(HOME)/.cache/positional/jax
 export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS ?= 0
+# A size limit turns on the cache's file lock: without one, jax writes an entry in place and
+# reads it unlocked, so one worker can read what the other is still writing (a worker of
+# `make test` died reading an executable, 2026-11-28). 4 GiB; the least recently used go first.
+export JAX_COMPILATION_CACHE_MAX_SIZE ?= 4294967296
 # What `make test-min` runs on the oldest releases: kernels, dispatch, vendor calls, lowering and
 # compiling for the accelerators, precision, the conformance suite, packaging.
 MIN_TESTS := $(addprefix tests/positional/,test_flash.py test_path_kernel.py test_feedback.py test_vendor.py \
