@@ -41,6 +41,8 @@ flags.DEFINE_integer("heads", 4, "query heads", flag_values=FLAGS)
 flags.DEFINE_integer("kv_heads", 2, "key / value heads", flag_values=FLAGS)
 flags.DEFINE_integer("head_dim", 64, "head dimension", flag_values=FLAGS)
 flags.DEFINE_integer("capability", 90, "the GPU's compute capability, major * 10 + minor", flag_values=FLAGS)
+flags.DEFINE_integer("maxnreg", None, "registers per thread a kernel may use (Triton's option, PTX's .maxnreg); "
+                     "default: none set, as Pallas-Triton and XLA leave it", flag_values=FLAGS)
 
 
 def kernels(spec: str, t: int, h: int, kh: int, d: int) -> list[dict]:
@@ -65,7 +67,7 @@ def kernels(spec: str, t: int, h: int, kh: int, d: int) -> list[dict]:
     return triton_kernels(exported_text(jax.grad(loss, (0, 1, 2)), q, kv, kv, platform="cuda"))
 
 
-def compiled(kernel: dict, capability: int) -> dict:
+def compiled(kernel: dict, capability: int, maxnreg: int | None = None) -> dict:
     """Compile one kernel with the triton package; ptxas -v reads its registers and spills."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -78,7 +80,8 @@ def compiled(kernel: dict, capability: int) -> dict:
             f.write(kernel["ttir"])
         start = time.perf_counter()
         out = triton.compile(path, target=GPUTarget("cuda", capability, 32),
-                             options={"num_warps": kernel["num_warps"], "num_stages": kernel["num_stages"]})
+                             options={"num_warps": kernel["num_warps"], "num_stages": kernel["num_stages"],
+                                      **({"maxnreg": maxnreg} if maxnreg else {})})
         seconds = time.perf_counter() - start
         ptx = os.path.join(tmp, "kernel.ptx")
         with open(ptx, "w") as f:
@@ -116,10 +119,11 @@ def main(argv):
             rows.append({"scheme": name, "kernel": f"{i + 1} of {len(found)}", "num_warps": kernel["num_warps"],
                          "num_stages": kernel["num_stages"], "lines": len(kernel["ttir"].splitlines()),
                          "reductions": len(re.findall(r"\btt\.reduce\b(?!\.)", kernel["ttir"])),
-                         **compiled(kernel, FLAGS.capability)})
+                         **compiled(kernel, FLAGS.capability, FLAGS.maxnreg)})
             print(rows[-1], flush=True)
     print(f"\njax {jax.__version__}, triton {__import__('triton').__version__}, sm_{FLAGS.capability}, "
-          f"{FLAGS.tokens} tokens, {FLAGS.heads} heads on {FLAGS.kv_heads}, head dim {FLAGS.head_dim}, bf16\n")
+          f"{FLAGS.tokens} tokens, {FLAGS.heads} heads on {FLAGS.kv_heads}, head dim {FLAGS.head_dim}, bf16"
+          + (f", maxnreg {FLAGS.maxnreg}" if FLAGS.maxnreg else "") + "\n")
     print(table(rows))
 
 
