@@ -37,6 +37,7 @@ import numpy as np
 from absl import app, flags
 
 from benchmarks.attention import timed
+from lab.lowering import max_registers
 from positional.fox import forget_bias
 from positional.path.chunked import chunked_attention
 from positional.path.kernel import TRANSPORT, path_attention
@@ -50,7 +51,8 @@ flags.DEFINE_string("head_dims", "64,128", "head dimensions, comma-separated", f
 flags.DEFINE_integer("model_dim", 2048, "heads = model_dim / head_dim", flag_values=FLAGS)
 flags.DEFINE_string("gates", "0,1", "without (0) and with (1) the PaTH-FoX gate", flag_values=FLAGS)
 flags.DEFINE_string("tiles", "16", "our kernel's settings ('none': no kernel), comma-separated: chunk[/w<warps>][/s<stages>][/g<groups>]"
-                    "[/<transport>], warps and stages one number or forward.backward (16/w4.8/s2.1/g4/tf32x3)",
+                    "[/r<registers>][/<transport>], warps and stages one number or forward.backward, r a limit of "
+                    "registers per thread (16/w4.8/s2.1/g4/r255/tf32x3)",
                     flag_values=FLAGS)
 flags.DEFINE_integer("blockwise_max", 8192, "longest length for our plain-JAX chunked form", flag_values=FLAGS)
 flags.DEFINE_string("blockwise", "64", "the chunked form's settings, comma-separated: chunk[/s<span>][/o<outer "
@@ -85,8 +87,9 @@ def make_inputs(seed, b, t, h, kh, d) -> dict:
 
 
 def tile(spec: str) -> dict:
-    """'64/w4.8/s2/g4/tf32x3' -> {'chunk': 64, 'num_warps': (4, 8), 'num_stages': (2, 2), 'groups': 4,
-    'transport': 'tf32x3'}; '' -> {} (the kernel's defaults)."""
+    """'64/w4.8/s2/g4/r255/tf32x3' -> {'chunk': 64, 'num_warps': (4, 8), 'num_stages': (2, 2), 'groups': 4,
+    'maxnreg': 255, 'transport': 'tf32x3'}; '' -> {} (the kernel's defaults). 'maxnreg' is not the
+    kernel's: the caller lowers under lab.lowering.max_registers."""
     if not spec:
         return {}
     chunk, *rest = spec.split("/")
@@ -95,8 +98,8 @@ def tile(spec: str) -> dict:
         if part in TRANSPORT:
             out["transport"] = part
             continue
-        if part[0] == "g":
-            out["groups"] = int(part[1:])
+        if part[0] in "gr":
+            out[{"g": "groups", "r": "maxnreg"}[part[0]]] = int(part[1:])
             continue
         numbers = tuple(int(x) for x in part[1:].split("."))
         out[{"w": "num_warps", "s": "num_stages"}[part[0]]] = numbers * (3 - len(numbers))
@@ -248,8 +251,9 @@ def bench() -> list[dict]:
             xj, c = tuple(to_jax(x, jnp.bfloat16).values()), jnp.asarray(weights(x["q"].shape))
             for i, gated in enumerate(bool(int(s)) for s in FLAGS.gates.split(",")):
                 n = 6 if gated else 5
-                contenders = {f"path/pallas {s}": ours("pallas", gated, **tile(s)) for s in FLAGS.tiles.split(",")
-                              if FLAGS.tiles != "none"}
+                kernels = {f"path/pallas {s}": tile(s) for s in FLAGS.tiles.split(",") if FLAGS.tiles != "none"}
+                limits = {name: kernel.pop("maxnreg", None) for name, kernel in kernels.items()}
+                contenders = {name: ours("pallas", gated, **kernel) for name, kernel in kernels.items()}
                 if t <= FLAGS.blockwise_max:
                     contenders |= {f"path/blockwise {s}": ours("blockwise", gated, blockwise=chunked(s))
                                    for s in FLAGS.blockwise.split(",")}
@@ -258,8 +262,9 @@ def bench() -> list[dict]:
                         q, k, v, is_causal=True, implementation="cudnn")
                 for name, fn in contenders.items():
                     try:
-                        fwd, _ = timed(fn, xj, FLAGS.repeats)
-                        both, temp = timed(jax_grads(fn, 3 if name == "cudnn" else n), (*xj, c), FLAGS.repeats)
+                        with max_registers(limits.get(name)):
+                            fwd, _ = timed(fn, xj, FLAGS.repeats)
+                            both, temp = timed(jax_grads(fn, 3 if name == "cudnn" else n), (*xj, c), FLAGS.repeats)
                     except Exception as e:  # noqa: BLE001 - report and go on (OOM, unsupported shape)
                         log(f"{name} D{d} T{t}: failed: {type(e).__name__}: {str(e)[:300]}")
                         continue

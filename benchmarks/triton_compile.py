@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from absl import app, flags
 
-from lab.lowering import exported_text, triton_kernels
+from lab.lowering import exported_text, max_registers, triton_kernels
 from models.registry import make_scheme
 from positional.attention import attention
 
@@ -41,8 +41,9 @@ flags.DEFINE_integer("heads", 4, "query heads", flag_values=FLAGS)
 flags.DEFINE_integer("kv_heads", 2, "key / value heads", flag_values=FLAGS)
 flags.DEFINE_integer("head_dim", 64, "head dimension", flag_values=FLAGS)
 flags.DEFINE_integer("capability", 90, "the GPU's compute capability, major * 10 + minor", flag_values=FLAGS)
-flags.DEFINE_integer("maxnreg", None, "registers per thread a kernel may use (Triton's option, PTX's .maxnreg); "
-                     "default: none set, as Pallas-Triton and XLA leave it", flag_values=FLAGS)
+flags.DEFINE_integer("maxnreg", None, "registers per thread a kernel may use, set on each lowered module "
+                     "(lab.lowering.max_registers: Triton's ttg.maxnreg, PTX's .maxnreg); default none, as "
+                     "Pallas-Triton leaves it", flag_values=FLAGS)
 
 
 def kernels(spec: str, t: int, h: int, kh: int, d: int) -> list[dict]:
@@ -67,7 +68,7 @@ def kernels(spec: str, t: int, h: int, kh: int, d: int) -> list[dict]:
     return triton_kernels(exported_text(jax.grad(loss, (0, 1, 2)), q, kv, kv, platform="cuda"))
 
 
-def compiled(kernel: dict, capability: int, maxnreg: int | None = None) -> dict:
+def compiled(kernel: dict, capability: int) -> dict:
     """Compile one kernel with the triton package; ptxas -v reads its registers and spills."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -80,8 +81,7 @@ def compiled(kernel: dict, capability: int, maxnreg: int | None = None) -> dict:
             f.write(kernel["ttir"])
         start = time.perf_counter()
         out = triton.compile(path, target=GPUTarget("cuda", capability, 32),
-                             options={"num_warps": kernel["num_warps"], "num_stages": kernel["num_stages"],
-                                      **({"maxnreg": maxnreg} if maxnreg else {})})
+                             options={"num_warps": kernel["num_warps"], "num_stages": kernel["num_stages"]})
         seconds = time.perf_counter() - start
         ptx = os.path.join(tmp, "kernel.ptx")
         with open(ptx, "w") as f:
@@ -114,12 +114,13 @@ def main(argv):
                  "the release the GPU machine has")
     rows = []
     for name in FLAGS.schemes:
-        found = kernels(name, FLAGS.tokens, FLAGS.heads, FLAGS.kv_heads, FLAGS.head_dim)
+        with max_registers(FLAGS.maxnreg):
+            found = kernels(name, FLAGS.tokens, FLAGS.heads, FLAGS.kv_heads, FLAGS.head_dim)
         for i, kernel in enumerate(found):
             rows.append({"scheme": name, "kernel": f"{i + 1} of {len(found)}", "num_warps": kernel["num_warps"],
                          "num_stages": kernel["num_stages"], "lines": len(kernel["ttir"].splitlines()),
                          "reductions": len(re.findall(r"\btt\.reduce\b(?!\.)", kernel["ttir"])),
-                         **compiled(kernel, FLAGS.capability, FLAGS.maxnreg)})
+                         **compiled(kernel, FLAGS.capability)})
             print(rows[-1], flush=True)
     print(f"\njax {jax.__version__}, triton {__import__('triton').__version__}, sm_{FLAGS.capability}, "
           f"{FLAGS.tokens} tokens, {FLAGS.heads} heads on {FLAGS.kv_heads}, head dim {FLAGS.head_dim}, bf16"

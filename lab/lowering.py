@@ -101,6 +101,29 @@ def _verified(lower):
     return run
 
 
+@contextlib.contextmanager
+def max_registers(count: int | None):
+    """While the block runs, every Triton module Pallas lowers carries `ttg.maxnreg` = count,
+    Triton's limit on registers per thread (PTX's .maxnreg), which Pallas-Triton's CompilerParams
+    does not expose; None: none, as Pallas leaves it. Without a limit ptxas gave PaTH's kernel
+    backward 32 registers and 19.6 KB of spills, with 255 it spills 3.8 KB (benchmarks/RESULTS.md).
+    It acts when a function is lowered: jit's cache keeps what was lowered before."""
+    if not count:
+        yield
+        return
+    lower = triton_lowering.lower_jaxpr_to_triton_module
+
+    def run(*args, **kwargs):
+        result = lower(*args, **kwargs)
+        with result.module.context:
+            result.module.operation.attributes["ttg.maxnreg"] = ir.IntegerAttr.get(ir.IntegerType.get_signless(32),
+                                                                                   count)
+        return result
+
+    with mock.patch.object(triton_lowering, "lower_jaxpr_to_triton_module", run):
+        yield
+
+
 def _capability(text: str) -> int:
     major, minor = text.split(".")
     return 10 * int(major) + int(minor)

@@ -12,7 +12,7 @@ import pytest
 
 from helpers.draws import normal
 from helpers.exported import MOSAIC, TRITON, compiled_for_tpu, lowered
-from lab.lowering import triton_kernels
+from lab.lowering import max_registers, triton_kernels
 from models.registry import REGISTRY, Entry, make_scheme
 from positional import kernels
 from positional.kernels.flash import fused_attention
@@ -182,6 +182,11 @@ def test_triton_kernels_are_read_back_from_the_exported_module():
     assert {(x["num_warps"], x["num_stages"]) for x in found} == {(8, 3)}
     for x in found:
         assert x["ttir"].count("tt.func public @") == 1 and "tt.dot" in x["ttir"], x["ttir"][:300]
+
+    with max_registers(168):  # a fresh function: jit's cache would keep the kernels lowered above
+        limited = triton_kernels(lowered(lambda *x: grad(*x), q, q, q))
+    assert ["ttg.maxnreg = 168 : i32" in x["ttir"] for x in limited] == [True] * 3
+    assert not any("maxnreg" in x["ttir"] for x in found)
 
 
 @pytest.mark.parametrize("platform,call", [("cuda", TRITON), ("tpu", MOSAIC)])

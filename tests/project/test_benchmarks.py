@@ -126,9 +126,9 @@ def test_path_kernel_runs(capsys, tmp_path):
     cuDNN fails and is reported), and the JSON it writes."""
     out = tmp_path / "path.json"
     result = run("path_kernel", ["--lengths", "40", "--head_dims", "16", "--model_dim", "32", "--repeats", "1",
-                                 "--tiles", "16/w8/s1.3/g2/tf32x3", "--blockwise_max", "64", "--gates", "1", "--nocheck", "--nofla",
+                                 "--tiles", "16/w8/s1.3/g2/r255/tf32x3", "--blockwise_max", "64", "--gates", "1", "--nocheck", "--nofla",
                                  "--blockwise", "8,8/s16/o2/bf16/k", f"--json={out}"])
-    rows, kernel = result["rows"], "path/pallas 16/w8/s1.3/g2/tf32x3"
+    rows, kernel = result["rows"], "path/pallas 16/w8/s1.3/g2/r255/tf32x3"
     assert {(r["impl"], r["gate"]) for r in rows} == {(kernel, True), ("path/blockwise 8", True),
                                                         ("path/blockwise 8/s16/o2/bf16/k", True)}
     assert all(r["ms"] > 0 for r in rows) and json.loads(out.read_text())["rows"] == rows
