@@ -142,6 +142,18 @@ CLAIMS = [
     ("accumulated.md", "acc-learned-qkv-rope-64x-5b", "learned Q/K/V rotations degrade less than RoPE at 64x (the 5 "
      "seeds trained again, today's install, 8 documents)", "accumulated_sweep5b.json", "so2_learned_qkv", "rope", "ratio",
      8192, 128, "negative"),
+    ("sessa.md", "sessa-ss-curriculum-scratch", "SymbolSoup at 400-600 tokens: the length curriculum more accurate than "
+     "an equal-cost run from scratch (Sessa, the project's initialisation)", "sessa_symbolsoup_curriculum.json",
+     "sessa_normal", "sessa_scratch", "acc", "all", None, "positive"),
+    ("sessa.md", "sessa-ss-curriculum-scratch-transformer", "SymbolSoup at 400-600 tokens: the length curriculum more "
+     "accurate than an equal-cost run from scratch (the Transformer, the project's initialisation)",
+     "sessa_symbolsoup_curriculum.json", "transformer_normal", "transformer_scratch", "acc", "all", None, "positive"),
+    ("sessa.md", "sessa-ss-curriculum-transformer", "SymbolSoup at 400-600 tokens after the length curriculum: Sessa more "
+     "accurate than the Transformer", "sessa_symbolsoup_curriculum.json", "sessa_normal", "transformer_normal", "acc",
+     "all", None, "positive"),
+    ("sessa.md", "sessa-ss-scratch-transformer", "SymbolSoup at 400-600 tokens, equal-cost runs from scratch: Sessa more "
+     "accurate than the Transformer", "sessa_symbolsoup_curriculum.json", "sessa_scratch", "transformer_scratch", "acc",
+     "all", None, "positive"),
 ]
 
 
