@@ -80,8 +80,10 @@ def target(platform: str, mesh: jax.sharding.Mesh | None = None, chip: str | Non
             info = _chip_info(platform, chip or ("H100" if platform == "cuda" else "TPU_V5E"))
             stack.enter_context(mock.patch.dict(registry, {jax.devices()[0].device_kind: lambda: info}))
         if platform == "cuda":
-            stack.enter_context(mock.patch.object(triton_lowering, "lower_jaxpr_to_triton_module",
-                                                  _verified(triton_lowering.lower_jaxpr_to_triton_module)))
+            # The module through MLIR's verifier, as XLA runs it when it parses the module on a
+            # GPU: a kernel that lowers but would not compile there (loop bounds of two types,
+            # say) fails here, on this host.
+            stack.enter_context(_after_lowering(lambda module: module.operation.verify()))
             capability = _chip_info("cuda", chip or "H100").compute_capability  # 90 for 9.0
             stack.enter_context(mock.patch.object(fused_attention_stablehlo, "check_cudnn_version", lambda: 91000))
             for name, test in (("check_compute_capability", lambda c: capability >= _capability(c)),
@@ -90,15 +92,17 @@ def target(platform: str, mesh: jax.sharding.Mesh | None = None, chip: str | Non
         yield
 
 
-def _verified(lower):
-    """lower (Pallas' jaxpr -> Triton module), then the module through MLIR's verifier, as XLA
-    runs it when it parses the module on a GPU: a kernel that lowers but would not compile
-    there (loop bounds of two types, say) fails here, on this host."""
+def _after_lowering(hook):
+    """A patch of Pallas' jaxpr -> Triton module lowering that calls hook(module) on each module
+    it lowers (to check it, or to set an attribute), while the patch is entered."""
+    lower = triton_lowering.lower_jaxpr_to_triton_module
+
     def run(*args, **kwargs):
         result = lower(*args, **kwargs)
-        result.module.operation.verify()
+        hook(result.module)
         return result
-    return run
+
+    return mock.patch.object(triton_lowering, "lower_jaxpr_to_triton_module", run)
 
 
 @contextlib.contextmanager
@@ -111,16 +115,12 @@ def max_registers(count: int | None):
     if not count:
         yield
         return
-    lower = triton_lowering.lower_jaxpr_to_triton_module
 
-    def run(*args, **kwargs):
-        result = lower(*args, **kwargs)
-        with result.module.context:
-            result.module.operation.attributes["ttg.maxnreg"] = ir.IntegerAttr.get(ir.IntegerType.get_signless(32),
-                                                                                   count)
-        return result
+    def limit(module):
+        with module.context:
+            module.operation.attributes["ttg.maxnreg"] = ir.IntegerAttr.get(ir.IntegerType.get_signless(32), count)
 
-    with mock.patch.object(triton_lowering, "lower_jaxpr_to_triton_module", run):
+    with _after_lowering(limit):
         yield
 
 
