@@ -17,7 +17,12 @@ LIBTPU = $(1)/bin/python -m pip install --quiet --no-deps --target $(1)/libtpu \
 	"$$($(1)/bin/python -c 'from importlib.metadata import requires; print(next(r.split(";")[0] for r in requires("jax") if r.startswith("libtpu")))')"
 # JAX's persistent compilation cache, outside the clone; a changed program (kernel, shape,
 # flag, JAX version) misses it and compiles anew. Tests that must compile fresh turn it off.
-export JAX_COMPILATION_CACHE_DIR ?= $(HOME)/.cache/positional/jax
+# One directory per CPU model and feature set: JAX's cache key names the platform only ("cpu"),
+# and an XLA:CPU executable is built for the features of the CPU that compiled it, so a cache
+# copied to, or shared with, another kind of machine could hand a worker instructions its CPU
+# lacks (a CI worker crashed in a cache-hit test, 2026-11-28).
+CPU_TAG := $(shell grep -m2 -E '^(model name|flags)' /proc/cpuinfo 2>/dev/null | cksum | cut -d' ' -f1)
+export JAX_COMPILATION_CACHE_DIR ?= $(HOME)/.cache/positional/jax-$(CPU_TAG)
 export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS ?= 0
 # A size limit turns on the cache's file lock: without one, jax writes an entry in place and
 # reads it unlocked, so one worker can read what the other is still writing (a worker of

@@ -1,9 +1,11 @@
 """Shared test set-up: a private data dir and tiny configs for the training / eval tests, for every
 folder below (a test file sits in the folder of the package it mainly tests: tests/README.md)."""
 
+import faulthandler
 import os
 import shutil
 import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -25,9 +27,35 @@ def tiny_run(tmp_path_factory):
     return config, train(config)
 
 
+# A pytest-xdist worker that dies on a signal (a segfault, an illegal instruction) leaves only
+# "node down" in the report: each worker writes its fault trace to a file of the directory the
+# controlling process made, and the controller prints the traces it finds in its summary.
+FAULT_DIR = None
+if "POSITIONAL_TEST_FAULTS" not in os.environ:
+    FAULT_DIR = os.environ["POSITIONAL_TEST_FAULTS"] = tempfile.mkdtemp(prefix="positional-test-faults-")
+_fault_file = None
+
+
+@pytest.hookimpl(trylast=True)  # after pytest's own faulthandler, which writes to the lost stderr
+def pytest_configure(config):
+    global _fault_file
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker:
+        _fault_file = open(Path(os.environ["POSITIONAL_TEST_FAULTS"]) / f"{worker}.txt", "w")
+        faulthandler.enable(file=_fault_file, all_threads=False)
+
+
+def pytest_terminal_summary(terminalreporter):
+    for trace in sorted(Path(FAULT_DIR).glob("*.txt")) if FAULT_DIR else ():
+        if text := trace.read_text().strip():
+            terminalreporter.write_sep("=", f"fault trace of worker {trace.stem}")
+            terminalreporter.write_line(text)
+
+
 def pytest_unconfigure(config):
-    if DATA_DIR:
-        shutil.rmtree(DATA_DIR, ignore_errors=True)
+    for made in (DATA_DIR, FAULT_DIR):
+        if made:
+            shutil.rmtree(made, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)
