@@ -110,6 +110,10 @@ CLAIMS = [
      "extension length", "tapa_fair_extended.json", "yarn", "rope", "ppl", 768, None, "negative"),
     ("tapa.md", "tapa-fair-zeroshot-8x", "pretrained at L, no extension: TAPA degrades less than RoPE at 8L",
      "tapa_fair_zeroshot.json", "tapa", "rope", "ratio", 1024, 128, "negative"),
+    ("tapa.md", "tapa-10x-zeroshot-8x", "pretrained ten times longer (6,000 steps) at the paper's ratios: TAPA degrades "
+     "less than RoPE at 8L", "tapa_10x.json", "tapa", "rope", "ratio", 1024, 128, "negative"),
+    ("tapa.md", "tapa-10x-context", "pretrained ten times longer: TAPA gains less from context than RoPE (perplexity at "
+     "L/8 over that at L)", "tapa_10x.json", "tapa", "rope", "ratio", 16, 128, "negative"),
     ("espr.md", "espr-relaxed-string-offset40", "2-D grids translated by (40, 40): relaxed ESPR more accurate than STRING "
      "(T8'.21's ordering; 5 seeds)", "espr_shift_penalty.json", "espr_relaxed_2d", "string_2d", "acc", "offset_40_40",
      None, "positive"),
