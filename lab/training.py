@@ -366,12 +366,18 @@ class _Trainer:
         last_good = self.saves.good
         newer = [s for s in self.manager.all_steps() if last_good is None or s > last_good]
         # An out-of-line state is kept unless it would push the newest good one out of
-        # train.keep_checkpoints (a stop or the last step is always kept).
-        evicts = bool(config.train.keep_checkpoints) and len(newer) + 1 >= config.train.keep_checkpoints
+        # train.keep_checkpoints. A stop or the last step is always kept: it makes room by deleting
+        # the out-of-line checkpoints after the good one (the rotation's next to go), not that one.
+        keep = config.train.keep_checkpoints
+        evicts = bool(keep) and len(newer) + 1 >= keep
         if good or self.stop.signal or step == config.train.steps or last_good is None or not evicts:
+            if not good and evicts and last_good is not None and keep > 1:
+                for s in newer:
+                    self.manager.delete(s)
             if not good:
-                kept = (f"step {last_good} stays the last good checkpoint" if last_good is not None else
-                        "no saved checkpoint is in line with the run yet")
+                kept = ("no saved checkpoint is in line with the run yet" if last_good is None else
+                        f"step {last_good} stays the last good checkpoint" if not evicts or keep > 1 else
+                        f"it replaces step {last_good}, the last good checkpoint (train.keep_checkpoints=1)")
                 print(f"warning: step {step}'s loss {level:.4g} is out of line with the run (over "
                       f"{IN_LINE:g} x its lowest running median, {best:.4g}); saved, but {kept}", file=sys.stderr)
             self.saves.save(self.state, self.loader, {"step": step, "loss": history[-1], "identity": identity(config)},

@@ -17,7 +17,7 @@ import time
 import pytest
 
 from lab import training
-from lab.checkpoints import load_params
+from lab.checkpoints import checkpoint_manager, load_params
 from lab.training import TrainingError, dry_run, train, workdir_lock
 from helpers.tiny_setup import ROOT, abstract_params, cli, overrides, tiny_config
 
@@ -500,6 +500,19 @@ def test_an_out_of_line_checkpoint_before_any_good_one_says_none_is_good_yet(tmp
     warning = [line for line in capsys.readouterr().err.splitlines() if "out of line" in line]
     assert warning and warning[0].endswith("saved, but no saved checkpoint is in line with the run yet"), warning
     assert "None" not in warning[0]
+
+
+def test_the_last_step_out_of_line_keeps_the_last_good_checkpoint(tmp_path, monkeypatch, capsys):
+    """keep_checkpoints=2, step 4 in line, steps 8 and 12 out of line: the last step is saved
+    all the same, and the room for it comes from step 8, not from step 4, the last good one the
+    warning names (the rotation deleted step 4 before)."""
+    verdicts = iter([True, False, False])
+    monkeypatch.setattr(training, "in_line", lambda *a: next(verdicts))
+    config = tiny_config(tmp_path, steps=12, checkpoint_every=4, keep_checkpoints=2)
+    train(config)
+    assert sorted(checkpoint_manager(tmp_path / "checkpoints", create=False).all_steps()) == [4, 12]
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "out of line" in line]
+    assert len(warnings) == 2 and warnings[-1].endswith("saved, but step 4 stays the last good checkpoint"), warnings
 
 
 def test_parameters_renamed_since_the_save_are_one_line_and_nothing_is_set_aside(tiny_run, tmp_path):
