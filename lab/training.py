@@ -371,10 +371,10 @@ class _Trainer:
         keep = config.train.keep_checkpoints
         evicts = bool(keep) and len(newer) + 1 >= keep
         if good or self.stop.signal or step == config.train.steps or last_good is None or not evicts:
-            if not good and evicts and last_good is not None and keep > 1:
-                for s in newer:
-                    self.manager.delete(s)
             if not good:
+                if evicts and last_good is not None and keep > 1:
+                    for s in newer:
+                        self.manager.delete(s)
                 kept = ("no saved checkpoint is in line with the run yet" if last_good is None else
                         f"step {last_good} stays the last good checkpoint" if not evicts or keep > 1 else
                         f"it replaces step {last_good}, the last good checkpoint (train.keep_checkpoints=1)")
@@ -385,8 +385,8 @@ class _Trainer:
         else:
             print(f"warning: step {step} not saved: its loss {level:.4g} is out of line with the run "
                   f"(over {IN_LINE:g} x its lowest running median, {best:.4g}), and keeping it would "
-                  f"delete step {last_good}, the last good checkpoint (train.keep_checkpoints="
-                  f"{config.train.keep_checkpoints})", file=sys.stderr)
+                  f"delete step {last_good}, the last good checkpoint (train.keep_checkpoints={keep})",
+                  file=sys.stderr)
 
 
 class _WriteFailed(Exception):
