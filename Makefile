@@ -10,11 +10,21 @@ STAMP := $(VENV)/.installed
 MIN_VENV := .venv-min
 MIN_STAMP := $(MIN_VENV)/.installed
 # The TPU compiler (libtpu) of the installed JAX, for compiling for TPU topologies on this host
-# (benchmarks/compile_tpu.py, tests/project/test_compile_tpu.py). It goes in <venv>/libtpu, outside the
+# (benchmarks/compile.py, tests/project/test_compile.py). It goes in <venv>/libtpu, outside the
 # import path: JAX would otherwise try to start a TPU at every run on a host without one.
 # `pip install -e '.[tpu]'` installs it on the path instead (a TPU host).
 LIBTPU = $(1)/bin/python -m pip install --quiet --no-deps --target $(1)/libtpu \
 	"$$($(1)/bin/python -c 'from importlib.metadata import requires; print(next(r.split(";")[0] for r in requires("jax") if r.startswith("libtpu")))')"
+# XLA's GPU compiler for compiling for GPUs on this host (benchmarks/compile.py --topology h100:8,
+# tests/project/test_compile.py): jax's CUDA plugin of the installed JAX, with the CUDA compilers it
+# calls (ptxas, libdevice), in <venv>/cuda, outside the import path as libtpu (lab.lowering loads it
+# when asked for a GPU topology). A GPU host's `pip install 'jax[cuda13]'` serves as well.
+CUDA_STAMP = $(1)/cuda/.installed
+define CUDA_COMPILER
+$(1)/bin/python -m pip install --quiet --no-deps --target $(1)/cuda nvidia-nvvm nvidia-cuda-crt "nvidia-cuda-nvcc>=13.0.48" \
+	$$($(1)/bin/python -c 'import jaxlib; v = jaxlib.__version__; print(f"jax-cuda13-plugin=={v} jax-cuda13-pjrt=={v}")')
+touch $(call CUDA_STAMP,$(1))
+endef
 # JAX's persistent compilation cache, outside the clone; a changed program (kernel, shape,
 # flag, JAX version) misses it and compiles anew. Tests that must compile fresh turn it off.
 # One directory per CPU model and feature set: JAX's cache key names the platform only ("cpu"),
@@ -32,13 +42,13 @@ export JAX_COMPILATION_CACHE_MAX_SIZE ?= 4294967296
 # compiling for the accelerators, precision, the conformance suite, packaging.
 MIN_TESTS := $(addprefix tests/positional/,test_flash.py test_path_kernel.py test_feedback.py test_vendor.py \
 	test_auto.py test_precision.py test_path.py test_conformance.py test_attention.py) \
-	$(addprefix tests/project/,test_compile_tpu.py test_packaging.py test_benchmarks.py)
+	$(addprefix tests/project/,test_compile.py test_packaging.py test_benchmarks.py)
 # `make test-quick` leaves out the modules that train, evaluate or run several processes (paths
 # under tests/, without .py).
 QUICK_SKIP := lab/test_train lab/test_runs_safety lab/test_distributed lab/test_eval lab/test_retrieval \
 	lab/test_hf_import lab/test_analyze lab/test_evaluators lab/test_sweep lab/test_options models/test_scale positional/test_ring \
 	positional/test_perturb positional/test_logit_probes positional/test_lm_infinite data/test_grid2d \
-	project/test_seeds project/test_compile_tpu project/test_readme
+	project/test_seeds project/test_compile project/test_readme
 # ... and, in the modules it runs, the compiles through libtpu and the GPU check's run at toy sizes.
 QUICK_DESELECT := -k "not compile_for_tpu and not compiles_for_tpu and not gpu_check_runs_end_to_end"
 
@@ -73,6 +83,12 @@ $(MIN_STAMP): pyproject.toml | python
 	@$(MIN_VENV)/bin/python -c 'import sys, jax; print(f"installed: Python {sys.version.split()[0]}, jax {jax.__version__}")'
 	touch $(MIN_STAMP)
 
+$(call CUDA_STAMP,$(VENV)): $(STAMP)
+	$(call CUDA_COMPILER,$(VENV))
+
+$(call CUDA_STAMP,$(MIN_VENV)): $(MIN_STAMP)
+	$(call CUDA_COMPILER,$(MIN_VENV))
+
 demo: $(STAMP)
 	$(PY) demo.py
 
@@ -83,17 +99,17 @@ lint: $(STAMP)
 	$(PY) -m ruff check .
 
 # Two workers (pytest-xdist): compiling dominates, and one process leaves a core idle.
-test: lint
+test: lint $(call CUDA_STAMP,$(VENV))
 	$(PY) -m pytest -q -n 2
 
-test-quick: lint
+test-quick: lint $(call CUDA_STAMP,$(VENV))
 	$(foreach m,$(QUICK_SKIP),$(if $(wildcard tests/$(m).py),,$(error QUICK_SKIP: no file tests/$(m).py)))
 	@echo "test-quick leaves out: $(QUICK_SKIP), and the TPU compiles and the GPU check elsewhere (make test runs them)"
 	$(PY) -m pytest -q -n 2 $(foreach m,$(QUICK_SKIP),--ignore=tests/$(m).py) $(QUICK_DESELECT)
 
 # The older JAX keeps its own compilation cache: entries one release wrote were seen to abort the
 # other's cache read (a worker of `make test` crashed in it, twice, after a `make test-min`).
-test-min: $(MIN_STAMP)
+test-min: $(MIN_STAMP) $(call CUDA_STAMP,$(MIN_VENV))
 	JAX_COMPILATION_CACHE_DIR=$(JAX_COMPILATION_CACHE_DIR)-min $(MIN_VENV)/bin/python -m pytest -q -n 2 $(MIN_TESTS)
 
 test-slow: $(STAMP)

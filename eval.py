@@ -35,7 +35,8 @@ flags.DEFINE_list("workdirs", [], "training run directories to evaluate and comp
 flags.DEFINE_bool("dry_run", False, "lengths: compile the scoring step at each length from the runs' config.json "
                   "alone (no weights read) and print each device's memory and which lengths fit")
 flags.DEFINE_string("topology", "", "--dry_run for a TPU topology (v5p:1x1x1, v5e:2x2, ...: the TPU compiler "
-                    "through libtpu) instead of this host's devices")
+                    "through libtpu) or GPU hosts (h100:1, h200:8: XLA's GPU compiler through jax's CUDA plugin) "
+                    "instead of this host's devices")
 flags.DEFINE_string("out", "runs/eval", "where the evaluators' reports go")
 flags.DEFINE_list("evals", [], f"evaluators to run, of: {', '.join(EVALUATORS)} (default: lengths, "
                   "or the probes --probe_length / --near_far name; a shorthand of --config.evals)")

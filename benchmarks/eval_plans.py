@@ -7,11 +7,11 @@ For each model of `lab.hf.PUBLISHED` asked, a run directory holding only the con
 import_checkpoint.py would write (parameters bf16 as published, training length --seq_len) is
 made in a temporary folder; `lab.lengths.plan` then compiles the lengths evaluator's scoring
 step (eval.batch_size = 4 windows) at half and the whole training length, computing in bf16, for
-each target: `host` (this machine's devices, XLA's CPU compiler) or a TPU topology (the TPU
-compiler through libtpu, as benchmarks/compile_tpu.py). One JSON line per model x target is
-appended to --json (a pair already there is skipped: rerun to go on) and the markdown table of
-the file printed. Nothing is read or allocated; a GPU plan needs a GPU (XLA's GPU compiler):
-`python eval.py --dry_run` there.
+each target: `host` (this machine's devices, XLA's CPU compiler), a TPU topology (the TPU
+compiler through libtpu) or GPU hosts (`h100:1`: XLA's GPU compiler through jax's CUDA plugin),
+as benchmarks/compile.py. One JSON line per model x target is appended to --json (a pair
+already there is skipped: rerun to go on) and the markdown table of the file printed. Nothing
+is read or allocated.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from lab.hf import PUBLISHED, run_config
 from lab.lengths import plan
 
 flags.DEFINE_list("models", ["Llama-3.2-1B", "Llama-3.2-3B", "Llama-3.1-8B"], f"of {', '.join(PUBLISHED)}")
-flags.DEFINE_list("targets", ["host", "v5p:1x1x1"], "host, or TPU topologies (v5p:1x1x1, v5e:2x2, ...)")
+flags.DEFINE_list("targets", ["host", "v5p:1x1x1"], "host, TPU topologies (v5p:1x1x1, v5e:2x2, ...) or GPU hosts (h100:1, ...)")
 flags.DEFINE_integer("seq_len", 4096, "the training length the plans evaluate at (and half of it)")
 flags.DEFINE_string("json", "benchmarks/results/eval_plans.jsonl", "one JSON line per model x target")
 FLAGS = flags.FLAGS

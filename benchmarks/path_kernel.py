@@ -313,7 +313,7 @@ def table(rows) -> str:
 def tpu_memory() -> list[dict]:
     """Each --blockwise setting compiled for one chip of --tpu (nothing runs): the TPU
     compiler's temporaries of forward + backward, bf16 q, k, v, one row, packed documents."""
-    from lab.lowering import compiled_for_tpu
+    from lab.lowering import compiled_for
     rows = []
     for d in (int(s) for s in FLAGS.head_dims.split(",")):
         h = FLAGS.model_dim // d
@@ -327,7 +327,7 @@ def tpu_memory() -> list[dict]:
                     n = 6 if gated else 5
                     fn = jax_grads(ours("blockwise", gated, seg, blockwise=chunked(s)), n)
                     start = time.perf_counter()
-                    compiled = compiled_for_tpu(fn, *x.values(), jax.ShapeDtypeStruct(x["q"].shape, jnp.float32),
+                    compiled = compiled_for(fn, *x.values(), jax.ShapeDtypeStruct(x["q"].shape, jnp.float32),
                                                 topology=FLAGS.tpu)
                     rows.append({"topology": FLAGS.tpu, "head_dim": d, "length": t, "gate": gated,
                                  "impl": f"path/blockwise {s}", "temp_gib": compiled.memory_analysis().temp_size_in_bytes

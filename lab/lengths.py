@@ -25,7 +25,7 @@ from flax import nnx
 
 from data import tasks
 from lab import distributed, files
-from lab.lowering import memory, target, tpu_hbm_per_device, tpu_topology
+from lab.lowering import hbm_per_device, memory, platform_of, target, topology_devices
 from lab.runs import abstract_run, device_memory, held_out_documents, held_out_stream, named_runs, pyplot
 from models.lm import DecoderLM, token_nll
 
@@ -79,15 +79,15 @@ def plan(workdir: str, max_multiplier: float | None = None, *, param_dtype: str 
          tensor: int = 1, dtype: str | None = None, topology: str = "") -> dict:
     """eval.py --dry_run: the lengths evaluator's scoring step (a batch of eval.batch_size
     windows) compiled at each evaluation length on abstract inputs, from the run's config.json
-    alone (no weights read, nothing allocated), for this host's devices or a TPU `topology`
-    (the TPU compiler through libtpu). Per length, per device: the compiler's memory analysis
+    alone (no weights read, nothing allocated), for this host's devices or a `topology` (a
+    TPU's, by libtpu; GPU hosts', by XLA's GPU compiler: `lab.lowering.topology_devices`). Per length, per device: the compiler's memory analysis
     (arguments: the parameters and the batch; temporaries: the step's activations) and whether
     the total fits in a device's memory. Lengths as `evaluate_runs` takes them."""
     from jax.sharding import NamedSharding, PartitionSpec as P
-    devices = tpu_topology(topology) if topology else None
+    devices = topology_devices(topology) if topology else None
     config, graphdef, rest, params = abstract_run(workdir, param_dtype, fsdp, tensor, devices, dtype)
     mesh = jax.tree.leaves(params)[0].sharding.mesh
-    capacity = tpu_hbm_per_device(topology, devices) if topology else device_memory()
+    capacity = hbm_per_device(topology, devices) if topology else device_memory()
     shards = mesh.shape["data"] * mesh.shape["fsdp"]
     batch = -(-config.eval.batch_size // shards) * shards
     rows, whole = NamedSharding(mesh, P(("data", "fsdp"))), NamedSharding(mesh, P())
@@ -102,7 +102,7 @@ def plan(workdir: str, max_multiplier: float | None = None, *, param_dtype: str 
         impl = eval_impl(config.model.attention_impl, length, config.eval.blockwise_from)
         tokens = jax.ShapeDtypeStruct((batch, length + 1), jnp.int32, sharding=rows)
         first = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=rows)
-        with target("tpu", mesh) if topology else contextlib.nullcontext():
+        with target(platform_of(topology), mesh) if topology else contextlib.nullcontext():
             mem = memory(_window_nll.lower(graphdef, state, tokens, first, key, impl).compile())
         fits = None if capacity is None else mem["total_bytes"] <= capacity
         out["lengths"].append({"length": length, "impl": impl, **mem, "fits": fits})

@@ -1,6 +1,7 @@
 """Lowering and compiling for an accelerator on a host without one: the chip the kernels are
 told they target, and a reading of the module. Used by benchmarks/lowering.py (jax.export),
-benchmarks/compile_tpu.py (the TPU compiler through libtpu) and the tests' lowering checks.
+benchmarks/compile.py (the TPU compiler through libtpu, XLA's GPU compiler through jax's CUDA
+plugin) and the tests' lowering checks.
 
 Pallas sizes a kernel for the chip it lowers for, which it reads from the device of the
 abstract mesh in context, else from the default device, here a CPU (which it refuses).
@@ -14,6 +15,7 @@ told).
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import math
 import os
 import re
@@ -21,7 +23,7 @@ import sys
 from unittest import mock
 
 import jax
-from jax._src import cloud_tpu_init
+from jax._src import cloud_tpu_init, xla_bridge
 from jax._src.cudnn import fused_attention_stablehlo
 from jax._src.interpreters import mlir as jax_mlir
 from jax._src.lib.mlir import ir, passmanager
@@ -73,7 +75,7 @@ def target(platform: str, mesh: jax.sharding.Mesh | None = None, chip: str | Non
         yield
         return
     with contextlib.ExitStack() as stack:
-        if mesh is not None and mesh.devices.flat[0].platform == platform:
+        if mesh is not None and mesh.devices.flat[0].platform == {"cuda": "gpu"}.get(platform, platform):
             stack.enter_context(jax.sharding.use_abstract_mesh(mesh.abstract_mesh))
         else:
             registry = (gpu_info if platform == "cuda" else tpu_info).registry
@@ -220,18 +222,96 @@ def tpu_topology(name: str) -> list:
         raise ValueError(f"TPU topology {name!r}: {str(e).splitlines()[0]}") from None
 
 
-def compiled_for_tpu(fn, *args, topology: str = "v5e:1x1"):
-    """jit(fn)(*args) compiled by the TPU compiler (libtpu, no TPU) for one chip of `topology`,
-    args ShapeDtypeStructs placed on it; the kernels are sized for that chip."""
-    mesh = jax.sharding.Mesh(tpu_topology(topology)[:1], ("x",))
+# ---- compiling for GPUs on this host (XLA's GPU compiler through jax's CUDA plugin, no GPU) ----
+
+# Each GPU's name in a topology (`h100:8`: one host of 8; `h100:2x8`: two) -> what XLA's GPU
+# compiler is told of it: the name the driver gives, its memory as nvidia-smi reports it (MiB),
+# its memory bandwidth (bytes/s) and L2 (MiB). Both are Hopper (sm_90, 132 SMs).
+GPUS = {"h100": ("NVIDIA H100 80GB HBM3", 81_559, 3.35e12, 50), "h200": ("NVIDIA H200", 143_771, 4.8e12, 60)}
+GPU_TOPOLOGY = re.compile(r"(h100|h200):(?:(\d+)x)?(\d+)")
+CUDA_PLUGIN = "jax_plugins.xla_cuda13"
+
+
+def gpu_target_config(gpu: str) -> str:
+    """XLA's description of one GPU (a GpuTargetConfigProto, text format), for compiling without one."""
+    name, mib, bandwidth, l2_mib = GPUS[gpu]
+    return f"""gpu_device_info {{
+  threads_per_block_limit: 1024 threads_per_warp: 32 shared_memory_per_block: 49152
+  shared_memory_per_core: 233472 shared_memory_per_block_optin: 232448 threads_per_core_limit: 2048
+  core_count: 132 fpus_per_core: 128 registers_per_core_limit: 65536 registers_per_block_limit: 65536
+  block_dim_limit_x: 2147483647 block_dim_limit_y: 65535 block_dim_limit_z: 65535
+  memory_bandwidth: {int(bandwidth)} l2_cache_size: {l2_mib * 2 ** 20} clock_rate_ghz: 1.98
+  device_memory_size: {mib * 2 ** 20} cuda_compute_capability {{ major: 9 minor: 0 }}
+}}
+platform_name: "CUDA" dnn_version_info {{ major: 9 minor: 10 }} device_description_str: "{name}"
+"""
+
+
+def cuda_plugin_path() -> str | None:
+    """Where `make` puts jax's CUDA plugin with the compilers it calls (ptxas, libdevice):
+    <venv>/cuda, off the import path (JAX would otherwise try to start a GPU at every run)."""
+    beside = os.path.join(sys.prefix, "cuda")
+    return beside if os.path.isdir(os.path.join(beside, *CUDA_PLUGIN.split("."))) else None
+
+
+def gpu_topology(name: str) -> list:
+    """The devices of GPU hosts (`h100:8`, `h200:1`, `h100:2x8`: hosts x GPUs each), to lower and
+    compile for with XLA's GPU compiler on this host; one ValueError line for an unknown name or
+    no CUDA plugin."""
+    match = GPU_TOPOLOGY.fullmatch(name)
+    if not match:
+        raise ValueError(f"unknown GPU topology {name!r}: pass <gpu>:[<hosts>x]<gpus per host>, gpu one of "
+                         f"{', '.join(GPUS)}, e.g. h100:8, h200:1, h100:2x8")
+    jax.devices()  # this host's own backends first
+    path = cuda_plugin_path()
+    if path is None and importlib.util.find_spec(CUDA_PLUGIN) is None:
+        raise ValueError("compiling for GPU needs jax's CUDA plugin: run `make` (installs it in .venv/cuda) or "
+                         "`pip install -U 'jax[cuda13]'`")
+    if path is not None and path not in sys.path:
+        sys.path.append(path)
+    if xla_bridge.canonicalize_platform("cuda") not in xla_bridge._topology_factories:
+        # Registered for its compiler alone: the plugin's checks of the CUDA libraries need a GPU.
+        os.environ["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"] = "1"
+        importlib.import_module(CUDA_PLUGIN).initialize()
+    gpu, hosts, per_host = match[1], int(match[2] or 1), int(match[3])
+    try:
+        return list(topologies.get_topology_desc(name, platform="cuda", target_config=gpu_target_config(gpu),
+                                                 topology=f"1x{hosts}x{per_host}").devices)
+    except Exception as e:  # noqa: BLE001 -- the plugin's own message, in one line
+        raise ValueError(f"GPU topology {name!r}: {str(e).splitlines()[0]}") from None
+
+
+def topology_devices(name: str) -> list:
+    """The devices of a TPU topology (`v5e:2x2`) or of GPU hosts (`h100:8`), compile-only; one
+    ValueError line for a name that is neither."""
+    if GPU_TOPOLOGY.fullmatch(name):
+        return gpu_topology(name)
+    if TOPOLOGY.fullmatch(name):
+        return tpu_topology(name)
+    raise ValueError(f"unknown topology {name!r}: pass a TPU topology <generation>:<chips per axis> (generation one "
+                     f"of {', '.join(TPU_HBM_GIB)}: v4:2x2x1, v5e:2x2, v5p:2x2x4, v6e:2x2) or GPU hosts "
+                     f"<gpu>:[<hosts>x]<gpus per host> (gpu one of {', '.join(GPUS)}: h100:8, h200:1, h100:2x8)")
+
+
+def platform_of(topology: str) -> str:
+    """The platform a topology's name is lowered for: "cuda" for GPU hosts, else "tpu"."""
+    return "cuda" if GPU_TOPOLOGY.fullmatch(topology) else "tpu"
+
+
+def compiled_for(fn, *args, topology: str = "v5e:1x1"):
+    """jit(fn)(*args) compiled for one chip of `topology` (a TPU's through libtpu, a GPU's by
+    XLA's GPU compiler), args ShapeDtypeStructs placed on it; the kernels are sized for that chip."""
+    mesh = jax.sharding.Mesh(topology_devices(topology)[:1], ("x",))
     placed = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=jax.sharding.NamedSharding(
         mesh, jax.sharding.PartitionSpec())) for a in args]
-    with target("tpu", mesh):
+    with target(platform_of(topology), mesh):
         return jax.jit(fn).lower(*placed).compile()
 
 
-def tpu_hbm_per_device(name: str, devices: list) -> int:
-    """HBM bytes of one device of the topology (a chip's, shared by its devices where a chip
-    shows several)."""
+def hbm_per_device(name: str, devices: list) -> int:
+    """Memory in bytes of one device of the topology: a GPU's, or a TPU chip's HBM (shared by
+    its devices where a chip shows several)."""
+    if GPU_TOPOLOGY.fullmatch(name):
+        return GPUS[name.split(":")[0]][1] * 2 ** 20
     chips = math.prod(int(n) for n in name.split(":")[1].split("x"))
     return TPU_HBM_GIB[name.split(":")[0]] * 2 ** 30 * chips // len(devices)

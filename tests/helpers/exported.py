@@ -1,14 +1,14 @@
 """Lower a Pallas kernel for an accelerator on this CPU (through jax.export): block shapes,
 layouts and every op are checked; running needs the accelerator itself. For TPU the kernels
-are also compiled, by libtpu for a topology's devices (`compiled_for_tpu`): VMEM limits,
+are also compiled, by libtpu for a topology's devices (`compiled_for`): VMEM limits,
 layouts and Mosaic's own checks, on the chip the topology names."""
 
 import jax
 import jax.numpy as jnp
 
-from lab.lowering import MOSAIC, TRITON, compiled_for_tpu, exported_text, simplified
+from lab.lowering import MOSAIC, TRITON, compiled_for, exported_text, simplified
 
-__all__ = ["MOSAIC", "TRITON", "compiled_for_tpu", "excess_precision", "lowered", "simplified"]
+__all__ = ["MOSAIC", "TRITON", "compiled_for", "excess_precision", "lowered", "simplified"]
 
 
 def lowered(fn, *args, platforms=("cuda",)) -> str:

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from helpers.draws import normal
-from helpers.exported import MOSAIC, TRITON, compiled_for_tpu, lowered
+from helpers.exported import MOSAIC, TRITON, compiled_for, lowered
 from positional import feedback as fb
 from positional.kernels.feedback_solve import check_blocks, feedback_solve_pallas
 
@@ -255,7 +255,7 @@ def test_kernel_compiles_for_tpu(topology):
     f = jax.ShapeDtypeStruct((1, t, 256), jnp.bfloat16)
     seg = jax.ShapeDtypeStruct((1, t), jnp.int32)
     grad = jax.grad(lambda *a: feedback_solve_pallas(*a).sum(), (0, 1, 2, 3))
-    assert compiled_for_tpu(grad, qb, qb, gamma, f, seg, topology=topology).as_text().count("tpu_custom_call") >= 5
+    assert compiled_for(grad, qb, qb, gamma, f, seg, topology=topology).as_text().count("tpu_custom_call") >= 5
 
 
 @pytest.mark.parametrize("chip,refused", [("TPU_V4", True), ("TPU_V5E", False)])

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from helpers.draws import normal
-from helpers.exported import MOSAIC, TRITON, compiled_for_tpu, lowered
+from helpers.exported import MOSAIC, TRITON, compiled_for, lowered
 from lab.lowering import max_registers, triton_kernels
 from models.registry import REGISTRY, Entry, make_scheme
 from positional import kernels
@@ -228,7 +228,7 @@ def test_kernels_compile_for_tpu(topology):
         def loss(q, k, v):
             bias, score = make(t)
             return fused_attention(q, k, v, bias_fn=bias, score_fn=score).astype(jnp.float32).sum()
-        compiled = compiled_for_tpu(jax.grad(loss, (0, 1, 2)), q, k, k, topology=topology)
+        compiled = compiled_for(jax.grad(loss, (0, 1, 2)), q, k, k, topology=topology)
         assert compiled.as_text().count("tpu_custom_call") >= 3, name
 
 

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers.draws import normal, uniform
-from helpers.exported import MOSAIC, TRITON, compiled_for_tpu, lowered, simplified
+from helpers.exported import MOSAIC, TRITON, compiled_for, lowered, simplified
 
 from positional.fox import forget_bias
 from positional.logits import Bias
@@ -232,7 +232,7 @@ def test_compiles_for_tpu(topology):
         o, _ = across_blocks(qv, k, v, span=span, bias_fn=forget_bias(log_f), segment_ids=seg, platform="tpu")
         return o.sum()
 
-    compiled = compiled_for_tpu(jax.grad(loss, range(4)), qv, k, k, log_f, seg, topology=topology)
+    compiled = compiled_for(jax.grad(loss, range(4)), qv, k, k, log_f, seg, topology=topology)
     assert compiled.as_text().count("tpu_custom_call") >= 3
 
 

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers.draws import normal, uniform
-from helpers.exported import MOSAIC, TRITON, compiled_for_tpu, lowered, simplified
+from helpers.exported import MOSAIC, TRITON, compiled_for, lowered, simplified
 
 from models.registry import make_scheme
 from positional.fox import forget_bias
@@ -400,7 +400,7 @@ def test_compiles_for_tpu(topology):
         out = path_attention(q, k, v, w, beta, bias_fn=forget_bias(log_f), segment_ids=seg, platform="tpu")
         return out.astype(jnp.float32).sum()
 
-    compiled = compiled_for_tpu(jax.grad(loss, range(6)), q, k, k, w, beta, log_f, seg, topology=topology)
+    compiled = compiled_for(jax.grad(loss, range(6)), q, k, k, w, beta, log_f, seg, topology=topology)
     assert compiled.as_text().count("tpu_custom_call") >= 2
 
 

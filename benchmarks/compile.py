@@ -1,23 +1,28 @@
-"""Compile a config's train step for a TPU topology with the TPU compiler, on a host without a TPU.
+"""Compile a config's train step for TPUs or GPUs with their compilers, on a host without either.
 
-    python benchmarks/compile_tpu.py --topology v5e:2x2 --config configs/default.py:alibi \
+    python benchmarks/compile.py --topology v5e:2x2 --config configs/default.py:alibi \
         --config.seq_len=8192 --config.model.dtype=bfloat16
-    python benchmarks/compile_tpu.py --topology v5p:2x2x4 --config configs/long_context.py:tpu16/rope
+    python benchmarks/compile.py --topology v5p:2x2x4 --config configs/long_context.py:tpu16/rope
+    python benchmarks/compile.py --topology h100:8 --config configs/long_context.py:gpu8/rope
 
 The full train step (forward, backward and the AdamW update, as train.py builds it) is built
 from abstract shapes over the topology's devices, with the config's mesh (default: every axis 1
 but data, which takes every device; `--config.mesh.X=N` as for training), lowered by jit for
 those devices (the Pallas kernels are sized for the topology's own chip: `lab.lowering.target`)
-and compiled by libtpu (`make` installs it in .venv/libtpu; `pip install -e '.[tpu]'` does
-too). Nothing runs. It prints what benchmarks/lowering.py prints (what auto chose at each call
+and compiled by libtpu for a TPU topology (`v5e:2x2`; `make` installs it in .venv/libtpu, `pip
+install -e '.[tpu]'` does too) or by XLA's GPU compiler for GPU hosts (`h100:8`: one host of 8
+H100s, `h200:1`, `h100:2x8`; through jax's CUDA plugin, which `make` installs in .venv/cuda).
+Nothing runs. It prints what benchmarks/lowering.py prints (what auto chose at each call
 site and why, the fused custom calls, the largest tensor, any T x T tensor), then the compile
-time and the TPU compiler's memory per device (arguments, outputs, temporaries, their total)
-against the chip's HBM.
+time and the compiler's memory per device (arguments, outputs, temporaries, their total)
+against the device's memory (a TPU chip's HBM; a GPU's whole memory, of which JAX by default
+takes 75%: XLA_PYTHON_CLIENT_MEM_FRACTION).
 
 Exit status 1, with one line on stderr ("error: ..."), on what benchmarks/lowering.py fails (a
 scheme with a fused path fell back to a T x T path), a compile error (its first line: VMEM or
-HBM exhausted, a Mosaic check), or a total over the device's HBM. A bad flag, an unknown
-topology or no libtpu: one line and exit 1.
+HBM exhausted, a Mosaic check, a Triton kernel over the GPU's shared memory), or a total over
+the device's memory. A bad flag, an unknown topology, no libtpu or no CUDA plugin: one line and
+exit 1.
 
 The table of benchmarks/RESULTS.md: `--schemes all --lengths 8192,32768 --topology
 v4:1x1x1,v5e:1x1,v5p:1x1x1,v6e:1x1 --json benchmarks/results/compile_tpu.jsonl` compiles
@@ -41,12 +46,13 @@ from ml_collections import config_flags
 from benchmarks import lowering
 from configs.default import get_config
 from lab import cli
-from lab.lowering import memory, tpu_hbm_per_device, tpu_topology
+from lab.lowering import hbm_per_device, memory, platform_of, topology_devices
 from models.registry import REGISTRY
 
 FLAGS = flags.FLAGS if __name__ == "__main__" else flags.FlagValues()
-flags.DEFINE_list("topology", None, "TPU topology <generation>:<chips per axis>: v4:2x2x1, v5e:2x2, v5p:2x2x1, "
-                  "v6e:2x2, ... (required; several with --schemes)", flag_values=FLAGS)
+flags.DEFINE_list("topology", None, "TPU topology <generation>:<chips per axis> (v4:2x2x1, v5e:2x2, v5p:2x2x1, "
+                  "v6e:2x2, ...) or GPU hosts <gpu>:[<hosts>x]<gpus per host> (h100:8, h200:1); required, several "
+                  "with --schemes", flag_values=FLAGS)
 flags.DEFINE_list("schemes", [], "a table: these schemes of configs/default.py ('all': every registered one and "
                   "the Sessa mixer, 'sessa')", flag_values=FLAGS)
 flags.DEFINE_list("lengths", ["8192", "32768"], "the table's sequence lengths", flag_values=FLAGS)
@@ -72,25 +78,27 @@ def compile_check(config, topology: str, force_auto: bool = True) -> dict:
     """Lower and compile `config`'s train step for `topology`, print the report; returns
     benchmarks/lowering.py's dict with 'compile_s', 'memory' and 'hbm_bytes' added, 'failure'
     the one line to exit with (None: it compiled and fits)."""
-    devices = tpu_topology(topology)
+    devices = topology_devices(topology)
+    platform = platform_of(topology)
+    compiler = {"cuda": "XLA's GPU compiler", "tpu": "libtpu"}[platform]
     try:
-        result = lowering.check(config, "tpu", force_auto, devices=devices)
+        result = lowering.check(config, platform, force_auto, devices=devices)
     except Exception as e:  # noqa: BLE001 -- lowering for these devices failed: JAX's reason, in one line
         reason = first_line(e)
         print(f"lowering: FAILED: {reason}", flush=True)
         return {"topology": topology, "scheme": config.model.scheme, "device_kind": devices[0].device_kind,
                 "failure": f"{config.model.scheme} does not lower for {topology}: {reason}", "compile_s": None,
                 "memory": None, "sites": {}, "custom_calls": {}}
-    hbm = tpu_hbm_per_device(topology, devices)
+    hbm = hbm_per_device(topology, devices)
     result.update(topology=topology, device_kind=devices[0].device_kind, hbm_bytes=hbm, compile_s=None,
                   memory=None)
     start = time.perf_counter()
     try:
         compiled = result["lowered"].compile()
-    except Exception as e:  # noqa: BLE001 -- the TPU compiler's reason, in one line
+    except Exception as e:  # noqa: BLE001 -- the compiler's reason, in one line
         result["compile_s"] = time.perf_counter() - start
         reason = first_line(e)
-        result["failure"] = result["failure"] or f"the TPU compiler refused it ({topology}): {reason}"
+        result["failure"] = result["failure"] or f"{compiler} refused it ({topology}): {reason}"
         print(f"compile: FAILED after {result['compile_s']:.1f} s: {reason}", flush=True)
         return result
     result["compile_s"] = time.perf_counter() - start
@@ -98,12 +106,12 @@ def compile_check(config, topology: str, force_auto: bool = True) -> dict:
     fits = mem["total_bytes"] <= hbm
     print(f"compiled for {topology} ({len(devices)} x {devices[0].device_kind}) in {result['compile_s']:.1f} s, "
           f"jax {jax.__version__}\n"
-          f"per device (TPU compiler): arguments {gib(mem['argument_bytes'])}, outputs {gib(mem['output_bytes'])} "
+          f"per device ({compiler}): arguments {gib(mem['argument_bytes'])}, outputs {gib(mem['output_bytes'])} "
           f"(aliased {gib(mem['alias_bytes'])}), temporaries {gib(mem['temp_bytes'])}; total "
-          f"{gib(mem['total_bytes'])} of {gib(hbm)} HBM: {'fits' if fits else 'DOES NOT FIT'}", flush=True)
+          f"{gib(mem['total_bytes'])} of {gib(hbm)}: {'fits' if fits else 'DOES NOT FIT'}", flush=True)
     if not fits and result["failure"] is None:
         result["failure"] = (f"{config.model.scheme} needs {gib(mem['total_bytes'])} per device on {topology}, over the "
-                             f"{gib(hbm)} of HBM; shard it further (--config.mesh.fsdp=N) or shorten the batch")
+                             f"{gib(hbm)} of its memory; shard it further (--config.mesh.fsdp=N) or shorten the batch")
     return result
 
 
@@ -173,7 +181,8 @@ def benchmark():
         print(table(FLAGS.json))
         return None
     if FLAGS.topology is None:
-        raise ValueError("pass --topology <generation>:<chips per axis>, e.g. --topology v5e:2x2")
+        raise ValueError("pass --topology <generation>:<chips per axis> or <gpu>:<gpus>, e.g. --topology v5e:2x2 "
+                         "or h100:8")
     if FLAGS.schemes:
         return sweep(FLAGS.schemes, FLAGS.lengths, FLAGS.topology, FLAGS.json, FLAGS.redo)
     if len(FLAGS.topology) > 1:
