@@ -351,7 +351,7 @@ def _call(kernel, st, args, roles, outs, *, tiles=None, later=False, scratch=())
         params["compiler_params"] = pltriton.CompilerParams()
     interpret = pltpu.InterpretParams() if st.interpret and st.stream else st.interpret
     spec = lambda x, role: _spec(st, x, role, sequential, later)  # noqa: E731
-    return pl.pallas_call(functools.partial(kernel, st=st), grid=grid,
+    return pl.pallas_call(functools.partial(kernel, st=st), grid=grid, name=f"sessa{kernel.__name__.removesuffix('_kernel')}",
                           in_specs=[spec(x, r) for x, r in zip(args, roles)],
                           out_specs=[spec(x, r) for x, r in zip(outs, out_roles)],
                           out_shape=[jax.ShapeDtypeStruct(x.shape, jnp.float32) for x in outs],

@@ -288,7 +288,8 @@ def _run(st: _Static, outer: str, step, init, finish, arrays: dict, outputs: dic
     out = pl.pallas_call(
         kernel, grid=(b, h, n_outer) + ((n_inner,) if st.stream else ()), in_specs=_leaves(specs),
         out_specs=_leaves(_specs(st, outer, outputs, "outer", heads="q")), out_shape=jax.tree.leaves(outputs),
-        interpret=st.interpret, **params)(*jax.tree.leaves(arrays))
+        interpret=st.interpret, name=f"flash_{step.__name__.strip('_').removesuffix('_step')}",
+        **params)(*jax.tree.leaves(arrays))
     return jax.tree.unflatten(jax.tree.structure(outputs), out)
 
 

@@ -180,7 +180,7 @@ def _leaves(tree):
     return jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, pl.BlockSpec))
 
 
-def _call(st, body, grid, arrays, specs, outputs, out_specs, init):
+def _call(st, body, grid, arrays, specs, outputs, out_specs, init, name):
     """pallas_call of body(o, ins, outs, scratch), o the queries' offset in query tiles
     (arrays["offset"], [1] int32: streamed a prefetched scalar the index maps read, else an
     input); streamed, the running sums (init()'s shapes) in VMEM scratch and the grid's last
@@ -206,7 +206,7 @@ def _call(st, body, grid, arrays, specs, outputs, out_specs, init):
         outs = jax.tree.unflatten(jax.tree.structure(outputs), refs[n_in:n_in + n_out])
         body(offset[0], ins, outs, refs[n_in + n_out:])
 
-    out = pl.pallas_call(kernel, out_shape=jax.tree.leaves(outputs), interpret=st.interpret,
+    out = pl.pallas_call(kernel, out_shape=jax.tree.leaves(outputs), interpret=st.interpret, name=f"path_across_{name}",
                          **params)(offset, *jax.tree.leaves(arrays))
     return jax.tree.unflatten(jax.tree.structure(outputs), out)
 
@@ -286,7 +286,7 @@ def _forward(st: _Static, arrays: dict):
     outputs = {"o": jax.ShapeDtypeStruct((b, h, tq, dv), jnp.float32),
                "lse": jax.ShapeDtypeStruct((b, h, tq, 1), jnp.float32)}
     out = _call(st, body, (b, h, nq) + ((nk,) if st.stream else ()), arrays, specs, outputs,
-                _side_specs(st, "q", outputs, lambda o, i, *s: i), init)
+                _side_specs(st, "q", outputs, lambda o, i, *s: i), init, "forward")
     return out["o"], out["lse"]
 
 
@@ -319,7 +319,7 @@ def _dq(st: _Static, arrays: dict):
     outputs = {"q": jax.ShapeDtypeStruct((b, h, n * tq, d), arrays["qv"].dtype),
                "values": {name: jax.ShapeDtypeStruct((b, h, n * tq, 1), jnp.float32) for name in values}}
     grid = (b, h, nq, n) + ((kper,) if st.stream else ())
-    return _call(st, body, grid, arrays, specs, outputs, _side_specs(st, "q", outputs, version), init)
+    return _call(st, body, grid, arrays, specs, outputs, _side_specs(st, "q", outputs, version), init, "dq")
 
 
 def _dkv(st: _Static, arrays: dict):
@@ -355,7 +355,7 @@ def _dkv(st: _Static, arrays: dict):
     per_head = lambda x: jax.ShapeDtypeStruct((b, h, *x.shape[2:]), jnp.float32)  # noqa: E731
     outputs = {"k": per_head(ks["k"]), "v": per_head(ks["v"]), "values": jax.tree.map(per_head, ks["values"])}
     return _call(st, body, (b, h, nk) + ((nq,) if st.stream else ()), arrays, specs, outputs,
-                 _side_specs(st, "k", outputs, lambda o, j, *s: j), init)
+                 _side_specs(st, "k", outputs, lambda o, j, *s: j), init, "dkdv")
 
 
 # ---- custom VJP -------------------------------------------------------------------------------

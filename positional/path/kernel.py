@@ -264,7 +264,8 @@ def _call(st, kernel, grid, arrays, specs, outputs, out_specs, scratch=(), seman
     # The TPU interpreter fills uninitialised memory with NaN: a block read before written shows.
     interpret = pltpu.InterpretParams(uninitialized_memory="nan") if st.interpret == "tpu" else st.interpret
     out = pl.pallas_call(body, grid=grid, in_specs=_leaves(specs), out_specs=_leaves(out_specs),
-                         out_shape=jax.tree.leaves(outputs), interpret=interpret, **params)(*jax.tree.leaves(arrays))
+                         out_shape=jax.tree.leaves(outputs), interpret=interpret, name=("path_forward", "path_backward")[part],
+                         **params)(*jax.tree.leaves(arrays))
     return jax.tree.unflatten(jax.tree.structure(outputs), out)
 
 

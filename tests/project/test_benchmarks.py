@@ -280,11 +280,30 @@ def test_lowering_check_takes_a_measured_choice_as_intended(capsys, monkeypatch)
 
 
 def test_triton_compile_finds_each_forms_kernels():
-    """benchmarks/triton_compile.py's kernels (what it compiles where the triton package is
-    installed): a scheme spec's options reach the scheme and attend (block_size), and every
-    Triton kernel of the forward + backward comes back: the fused kernel's 3, PaTH's two-level
-    form across blocks 5 (its kernel inside the blocks 2, the across-blocks kernel 3)."""
+    """benchmarks/triton_compile.py's kernels: a scheme spec's options reach the scheme and
+    attend (block_size), and every Triton kernel of the forward + backward comes back: the fused
+    kernel's 3, PaTH's two-level form across blocks 5 (its kernel inside the blocks 2, the
+    across-blocks kernel 3), each under its own name."""
     triton_compile = load_benchmark("triton_compile")
     assert len(triton_compile.kernels("plain", 256, 4, 2, 64)) == 3
     found = triton_compile.kernels("path_fox/span=128/across=blocks/tiles=bf16/block_size=32", 512, 4, 4, 64)
     assert len(found) == 5 and all("tt.func public @" in x["ttir"] for x in found)
+    assert [x["name"] for x in found] == ["path_forward", "path_across_forward", "path_across_dq", "path_across_dkdv",
+                                          "path_backward"]
+
+
+def test_triton_compile_reads_xlas_ptxas_report_of_each_kernel():
+    """The script compiles through XLA's GPU compiler for an H100 (no GPU) and finds each Pallas
+    kernel in ptxas's report and XLA's launch plan: registers used (a Triton kernel of 4 warps
+    takes at least a few dozen), shared memory, spills."""
+    run = subprocess.run([sys.executable, "benchmarks/triton_compile.py", "--schemes", "plain,path_fox/block_size=16",
+                          "--tokens", "64", "--heads", "2", "--kv_heads", "1", "--head_dim", "16"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    rows = [line.split("|")[1:-1] for line in run.stdout.splitlines() if line.startswith("| plain") or
+            line.startswith("| path_fox")]
+    assert [r[1].strip() for r in rows] == ["1 of 3: flash_fwd", "2 of 3: flash_dq", "3 of 3: flash_dkv",
+                                            "1 of 2: path_forward", "2 of 2: path_backward"], run.stdout
+    for r in rows:
+        shared, registers, spilled = float(r[6]), int(r[7]), int(r[8])
+        assert 0 < shared < 227 and 24 <= registers <= 255 and spilled >= 0, r
