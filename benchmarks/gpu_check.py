@@ -9,13 +9,14 @@ The work, in order of value; an item whose estimate (scaled by how long the fini
 against theirs) does not fit in what is left of --budget_s is skipped and named, as is one
 that --only does not name:
   1. checks: each fused path on this device against the fp32 reference on the same bf16
-     inputs, values and gradients (q, k, v, and the gates where a bias has them): 2 rows of
+     inputs (computed on the host's CPU: on the GPU, XLA's fusion passes took minutes over
+     T5's table of 32 selects), values and gradients (q, k, v, and the gates where a bias has them): 2 rows of
      1,000 tokens (no tile divides it), 4 query heads on 2 kv heads of 64, 3 packed documents
      per row; it passes within twice the error of the reference itself on the bf16 inputs
      (at least 5e-3). cuDNN plain, packed, packed over its segment maximum (the overflow
      branch), the per-key bias channels (FoX with its gates, ALiBi), auto for fox+packed rows
      (the fused kernel: its gates are learned), the fused hook kernel (KERPLE, T5's table,
-     TAPA), PaTH-FoX's kernel, the Sessa feedback solve (T5 and Sessa run last, `LAST`: their
+     TAPA), PaTH-FoX's kernel, the Sessa feedback solve (Sessa runs last, `LAST`: its
      Triton compiles take minutes).
   2. attention: forward + backward of one call, 1 x 16 heads x 128 bf16, 4 packed documents
      per row, at 8,192 then 32,768 tokens: each scheme's auto path against cuDNN plain causal
@@ -79,11 +80,13 @@ flags.DEFINE_list("only", [], "run only the items whose 'section: item' contains
 # reference's own on the same bf16 inputs (or FLOOR): the rounding of bf16, not a wrong mask or tile.
 SLACK, FLOOR = 2.0, 5e-3
 TRAIN_SCHEMES = ("rope", "alibi", "fox", "tapa", "path_fox")
-# Checks whose Triton compile is slow, in seconds on an H200 (jax 0.11.2, commit 7561e56,
-# 2026-11-28; every other check took 4-13 s): run after everything else, as on 2026-11-27 the
-# Sessa solve at block 128 compiled past 5 minutes and the device call's limit took every later
-# item with it.
-LAST = {"pallas T5 table (hook kernel)": 240, "pallas Sessa solve": 120}
+# Checks whose compile is slow, in seconds on an H200 (jax 0.11.2, commit 7561e56, 2026-11-28;
+# every other check took 4-13 s): run after everything else, as on 2026-11-27 the Sessa solve at
+# block 128 compiled past 5 minutes and the device call's limit took every later item with it.
+# (T5's table took 232 s there, but in its fp32 reference on the GPU, not its kernel: compiled
+# for an H100 on the CPU host, jax 0.11.2, the kernel's forward + backward took 6.8 s, the
+# reference 437 s; the reference now runs on the host's CPU.)
+LAST = {"pallas Sessa solve": 120}
 ATTENTION_SCHEMES = ("rope", "alibi", "fox", "rope+fox", "so2_learned_qkv+alibi", "tapa", "kerple_log", "path_fox")
 
 
@@ -177,14 +180,14 @@ def run_check(name, ours, ref, gated, shape) -> dict:
     k, v = (jax.random.normal(x, (b, t, kh, d)) for x in keys[1:3])
     gates = jax.nn.log_sigmoid(3 * jax.random.normal(keys[3], (b, t, h)))
 
-    def grads(fn, dtype):
+    def grads(fn, dtype, device=None):
         def loss(q, k, v, lf):
             out = fn(q.astype(dtype), k.astype(dtype), v.astype(dtype), lf)
             w = jax.random.normal(keys[4], out.shape)
             return jnp.sum(out.astype(jnp.float32) * w), out
-        return jax.jit(jax.grad(loss, (0, 1, 2, 3), has_aux=True))(q, k, v, gates)
+        return jax.jit(jax.grad(loss, (0, 1, 2, 3), has_aux=True))(*jax.device_put((q, k, v, gates), device))
 
-    want = grads(ref, jnp.float32)
+    want = grads(ref, jnp.float32, jax.devices("cpu")[0])
     names = ("dq", "dk", "dv", "dgates")[:4 if gated else 3]
 
     def errors(got):
