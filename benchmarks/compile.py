@@ -121,19 +121,27 @@ def row(result: dict, seq_len: int, batch: int) -> dict:
     return {"scheme": result["scheme"], "seq_len": seq_len, "topology": result["topology"], "batch": batch,
             "device_kind": result["device_kind"], "compiled": result.get("memory") is not None,
             "auto": choices, "mosaic_calls": result.get("custom_calls", {}).get("mosaic"),
+            "fused_calls": {k: n for k, n in result.get("custom_calls", {}).items() if n},
             "compile_s": result["compile_s"], "memory": result.get("memory"), "hbm_bytes": result.get("hbm_bytes"),
             "failure": result["failure"], "jax": jax.__version__}
 
 
+def fused_calls(row: dict) -> str:
+    """The step's fused custom calls by kind ("mosaic 24", "triton 3, cudnn 2"); rows written
+    before kinds were kept have the Mosaic count alone."""
+    calls = row.get("fused_calls", {"mosaic": row["mosaic_calls"]} if row["mosaic_calls"] else {})
+    return ", ".join(f"{kind} {n}" for kind, n in calls.items()) or ("-" if row["mosaic_calls"] is None else "0")
+
+
 def table(path: str) -> str:
-    lines = ["| scheme | rows x tokens | topology | compiled | auto chose | Mosaic calls | compile s | peak GiB / HBM | failure |",
+    lines = ["| scheme | rows x tokens | topology | compiled | auto chose | fused calls | compile s | peak GiB / memory | failure |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(map(json.loads, open(path)), key=lambda r: (r["topology"], r["seq_len"], r["scheme"])):
         mem = r["memory"]
         peak = f"{mem['total_bytes'] / 2 ** 30:.2f} / {r['hbm_bytes'] / 2 ** 30:.0f}" if mem else "-"
         secs = f"{r['compile_s']:.0f}" if r["compile_s"] is not None else "-"
         lines.append(f"| {r['scheme']} | {r.get('batch', 16)} x {r['seq_len']:,} | {r['topology']} | {'yes' if r['compiled'] else 'no'} | "
-                     f"{', '.join(r['auto']) or '-'} | {r['mosaic_calls'] if r['mosaic_calls'] is not None else '-'} | "
+                     f"{', '.join(r['auto']) or '-'} | {fused_calls(r)} | "
                      f"{secs} | {peak} | {(r['failure'] or '').replace('|', '/')} |")
     return "\n".join(lines)
 

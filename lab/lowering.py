@@ -24,6 +24,7 @@ from unittest import mock
 
 import jax
 from jax._src import cloud_tpu_init, xla_bridge
+from jax._src import lib as jax_lib
 from jax._src.cudnn import fused_attention_stablehlo
 from jax._src.interpreters import mlir as jax_mlir
 from jax._src.lib.mlir import ir, passmanager
@@ -269,6 +270,8 @@ def gpu_topology(name: str) -> list:
                          "`pip install -U 'jax[cuda13]'`")
     if path is not None and path not in sys.path:
         sys.path.append(path)
+        if jax_lib.cuda_path is None:  # where XLA finds ptxas and libdevice: the packages beside the plugin
+            jax_lib.cuda_path = jax_lib._cuda_path()
     if xla_bridge.canonicalize_platform("cuda") not in xla_bridge._topology_factories:
         # Registered for its compiler alone: the plugin's checks of the CUDA libraries need a GPU.
         os.environ["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"] = "1"

@@ -4,6 +4,7 @@ kernel (ALiBi on cuDNN on a GPU), PaTH-FoX on its own kernel, each through the c
 and its one-line failures."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -93,6 +94,8 @@ def test_gpu_hosts_and_their_one_line_failures(monkeypatch):
     table lacks, or no CUDA plugin, is one line naming what to do."""
     devices = gpu_topology("h100:2x8")
     assert len(devices) == 16 and {d.device_kind for d in devices} == {"NVIDIA H100 80GB HBM3"}
+    # XLA's GPU compiler calls the ptxas installed beside the plugin (not whichever is on PATH)
+    assert os.path.isfile(os.path.join(lowering.jax_lib.cuda_path, "bin", "ptxas")), lowering.jax_lib.cuda_path
     assert hbm_per_device("h200:1", gpu_topology("h200:1")) == 143_771 * 2 ** 20
     run = compile_for("--topology", "a100:8", "--config", "configs/default.py:rope")
     assert run.returncode == 1 and run.stderr.strip().count("\n") == 0, run.stderr
