@@ -5,8 +5,8 @@ plugin) and the tests' lowering checks.
 
 Pallas sizes a kernel for the chip it lowers for, which it reads from the device of the
 abstract mesh in context, else from the default device, here a CPU (which it refuses).
-`target` names the chip while a function is lowered: over a TPU topology's devices, their
-mesh (the real chip); exported from this host's devices, a stand-in for this host's device kind,
+`target` names the chip while a function is lowered: over a TPU topology's or GPU hosts'
+compile-only devices, their mesh (the real chip); exported from this host's devices, a stand-in for this host's device kind,
 an H100 for cuda (with jax's queries of the cuDNN version, which a CPU jaxlib cannot answer, at
 9.10, and of the GPU's compute capability at the chip's), a TPU generation for tpu (v5e unless
 told).
@@ -69,7 +69,7 @@ def _chip_info(platform: str, chip: str):
 @contextlib.contextmanager
 def target(platform: str, mesh: jax.sharding.Mesh | None = None, chip: str | None = None):
     """While the block runs, Pallas kernels lower for the chip of `mesh`'s devices where they are
-    the platform's (a TPU topology), else for `chip` (default H100 for cuda, TPU_V5E for tpu),
+    the platform's (a TPU topology's, GPU hosts'), else for `chip` (default H100 for cuda, TPU_V5E for tpu),
     stood in for this host's device kind; on cuda jax's cuDNN version query answers 9.10 and its
     compute capability queries the chip's, and each Triton module is verified as it is lowered."""
     if platform not in ("cuda", "tpu"):
