@@ -236,6 +236,29 @@ def test_gpu_check_runs_end_to_end_at_toy_sizes(tmp_path, capsys, monkeypatch):
     assert "| pallas PaTH-FoX (its kernel) | yes |" in out and "| fox auto |" in out and "| path_fox blockwise |" in out
 
 
+def test_gpu_checks_fused_paths_compile_for_an_h100():
+    """Every fused path the GPU check runs compiles for an H100 by XLA's GPU compiler on this
+    host (no GPU; lab.lowering.compiled_for), forward + backward in bf16 at the check's toy shape:
+    cuDNN's calls where the check names cuDNN, Pallas-Triton kernels through Triton and ptxas for
+    the rest (auto's FoX among them: its learned gates keep it off the channels). What a GPU
+    session would otherwise find first (a Triton module that does not verify, a kernel over the
+    shared memory) fails here."""
+    import jax
+    import jax.numpy as jnp
+
+    from lab.lowering import compiled_for
+    gpu_check = load("gpu_check")
+    b, t, h, kh, d = gpu_check.sizes(True)["check"]
+    args = [jax.ShapeDtypeStruct(shape, jnp.float32) for shape in ((b, t, h, d), (b, t, kh, d), (b, t, kh, d), (b, t, h))]
+    for name, (ours, _, _) in gpu_check.check_cases(b, t, h, kh, d).items():
+        def loss(q, k, v, gates, ours=ours):
+            return ours(q.astype(jnp.bfloat16), k.astype(jnp.bfloat16), v.astype(jnp.bfloat16), gates).astype(
+                jnp.float32).sum()
+        text = compiled_for(jax.grad(loss, (0, 1, 2, 3)), *args, topology="h100:1").as_text()
+        want = "__cudnn$fmha" if name.startswith("cudnn") else "__gpu$xla.gpu.triton"
+        assert want in text, name
+
+
 def test_gpu_check_skips_what_does_not_fit(monkeypatch):
     """Items run in the plan's order while their estimate, scaled by how the finished ones
     compared with theirs, fits in the budget left; the others are named as skipped."""
