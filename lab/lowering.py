@@ -25,6 +25,7 @@ from unittest import mock
 import jax
 from jax._src import cloud_tpu_init, xla_bridge
 from jax._src import lib as jax_lib
+from jax._src.lib import xla_client
 from jax._src.cudnn import fused_attention_stablehlo
 from jax._src.interpreters import mlir as jax_mlir
 from jax._src.lib.mlir import ir, passmanager
@@ -268,14 +269,15 @@ def gpu_topology(name: str) -> list:
     if path is None and importlib.util.find_spec(CUDA_PLUGIN) is None:
         raise ValueError("compiling for GPU needs jax's CUDA plugin: run `make` (installs it in .venv/cuda) or "
                          "`pip install -U 'jax[cuda13]'`")
-    if path is not None and path not in sys.path:
-        sys.path.append(path)
-        if jax_lib.cuda_path is None:  # where XLA finds ptxas and libdevice: the packages beside the plugin
-            jax_lib.cuda_path = jax_lib._cuda_path()
     if xla_bridge.canonicalize_platform("cuda") not in xla_bridge._topology_factories:
-        # Registered for its compiler alone: the plugin's checks of the CUDA libraries need a GPU.
-        os.environ["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"] = "1"
-        importlib.import_module(CUDA_PLUGIN).initialize()
+        if path is not None:  # its library, registered for its compiler alone (nothing imported)
+            xla_bridge.register_plugin("cuda", priority=500, options=xla_client.generate_pjrt_gpu_plugin_options(),
+                                       library_path=os.path.join(path, *CUDA_PLUGIN.split("."), "xla_cuda_plugin.so"))
+        else:  # installed on the path but not started (no GPU): its checks of the CUDA libraries need one
+            os.environ["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"] = "1"
+            importlib.import_module(CUDA_PLUGIN).initialize()
+    if path is not None and jax_lib.cuda_path is None:  # where XLA finds ptxas and libdevice
+        jax_lib.cuda_path = os.path.join(path, "nvidia", "cu13")
     gpu, hosts, per_host = match[1], int(match[2] or 1), int(match[3])
     try:
         return list(topologies.get_topology_desc(name, platform="cuda", target_config=gpu_target_config(gpu),
