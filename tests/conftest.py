@@ -42,7 +42,7 @@ def pytest_configure(config):
     worker = os.environ.get("PYTEST_XDIST_WORKER")
     if worker:
         _fault_file = open(Path(os.environ["POSITIONAL_TEST_FAULTS"]) / f"{worker}.txt", "w")
-        faulthandler.enable(file=_fault_file, all_threads=False)
+        faulthandler.enable(file=_fault_file, all_threads=True)  # a thread beside the crash shows too
 
 
 def pytest_terminal_summary(terminalreporter):
