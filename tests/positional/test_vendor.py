@@ -26,18 +26,6 @@ from positional.logits import Bias, sum_of
 from positional.softmax import reference_attention
 
 
-@pytest.fixture(autouse=True)
-def _fresh_compiles_for_xlas_form(request, monkeypatch):
-    """The tests of cuDNN's call run by XLA compile afresh, off JAX's persistent compilation
-    cache: reading their executables back from it crashed an xdist worker twice (a segfault in
-    XLA:CPU's deserialization, `compilation_cache.get_executable_and_time`, once in CI on
-    2026-11-28, once in `make test` here on 2026-11-29; never when run alone, cause not known),
-    and they compile in seconds."""
-    if "by_xla" in request.node.name:
-        from jax._src import compilation_cache
-        monkeypatch.setattr(compilation_cache, "is_cache_used", lambda backend: False)
-
-
 
 def inputs(seed, b=2, t=12, s=None, h=4, kh=2, d=16, dtype=jnp.bfloat16):
     kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
