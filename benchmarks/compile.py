@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 
 import jax
@@ -198,17 +197,7 @@ def benchmark():
     return compile_check(lowering.configured(FLAGS), FLAGS.topology[0], FLAGS.force_auto)
 
 
-def main(argv):
-    if len(argv) > 1:
-        print(f"error: unexpected arguments {argv[1:]}; flags only", file=sys.stderr)
-        sys.exit(1)
-    cli.quiet()
-    result = cli.run_cli(benchmark)
-    failures = result if isinstance(result, list) else [result["failure"]] if result else []
-    for failure in filter(None, failures):
-        print(f"error: {failure}", file=sys.stderr)
-    if any(failures):
-        sys.exit(1)
+main = lowering.main_of(benchmark)
 
 
 if __name__ == "__main__":

@@ -345,15 +345,25 @@ def benchmark() -> dict:
     return check(configured(), FLAGS.platform, FLAGS.force_auto)
 
 
-def main(argv):
-    if len(argv) > 1:
-        print(f"error: unexpected arguments {argv[1:]}; flags only", file=sys.stderr)
-        sys.exit(1)
-    cli.quiet()
-    result = cli.run_cli(benchmark)
-    if result["failure"]:
-        print(f"error: {result['failure']}", file=sys.stderr)
-        sys.exit(1)
+def main_of(benchmark):
+    """The main(argv) of a check script (this one, benchmarks/compile.py): flags only, benchmark()
+    through cli.run_cli, and each failure it returns (a result's 'failure', or a list of them) one
+    'error:' line on stderr, then exit 1."""
+    def main(argv):
+        if len(argv) > 1:
+            print(f"error: unexpected arguments {argv[1:]}; flags only", file=sys.stderr)
+            sys.exit(1)
+        cli.quiet()
+        result = cli.run_cli(benchmark)
+        failures = result if isinstance(result, list) else [result["failure"]] if result else []
+        for failure in filter(None, failures):
+            print(f"error: {failure}", file=sys.stderr)
+        if any(failures):
+            sys.exit(1)
+    return main
+
+
+main = main_of(benchmark)
 
 
 if __name__ == "__main__":
