@@ -29,14 +29,13 @@ endef
 # flag, JAX version) misses it and compiles anew. Tests that must compile fresh turn it off.
 # One directory per CPU model and feature set: JAX's cache key names the platform only ("cpu"),
 # and an XLA:CPU executable is built for the features of the CPU that compiled it, so a cache
-# copied to, or shared with, another kind of machine could hand a worker instructions its CPU
-# lacks (a CI worker crashed in a cache-hit test, 2026-11-28).
+# copied to, or shared with, another kind of machine could hand a worker instructions its CPU lacks.
 CPU_TAG := $(shell grep -m2 -E '^(model name|flags)' /proc/cpuinfo 2>/dev/null | cksum | cut -d' ' -f1)
 export JAX_COMPILATION_CACHE_DIR ?= $(HOME)/.cache/positional/jax-$(CPU_TAG)
 export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS ?= 0
 # A size limit turns on the cache's file lock: without one, jax writes an entry in place and
-# reads it unlocked, so one worker can read what the other is still writing (a worker of
-# `make test` died reading an executable, 2026-11-28). 4 GiB; the least recently used go first.
+# reads it unlocked, so one worker can read what the other is still writing. 4 GiB; the least
+# recently used go first.
 export JAX_COMPILATION_CACHE_MAX_SIZE ?= 4294967296
 # What `make test-min` runs on the oldest releases: kernels, dispatch, vendor calls, lowering and
 # compiling for the accelerators, precision, the conformance suite, packaging.
@@ -107,8 +106,7 @@ test-quick: lint $(call CUDA_STAMP,$(VENV))
 	@echo "test-quick leaves out: $(QUICK_SKIP), and the TPU compiles and the GPU check elsewhere (make test runs them)"
 	$(PY) -m pytest -q -n 2 $(foreach m,$(QUICK_SKIP),--ignore=tests/$(m).py) $(QUICK_DESELECT)
 
-# The older JAX keeps its own compilation cache: entries one release wrote were seen to abort the
-# other's cache read (a worker of `make test` crashed in it, twice, after a `make test-min`).
+# The older JAX keeps its own compilation cache: one release need not read what the other wrote.
 test-min: $(MIN_STAMP) $(call CUDA_STAMP,$(MIN_VENV))
 	JAX_COMPILATION_CACHE_DIR=$(JAX_COMPILATION_CACHE_DIR)-min $(MIN_VENV)/bin/python -m pytest -q -n 2 $(MIN_TESTS)
 

@@ -16,6 +16,7 @@ DATA_DIR = None
 if "POSITIONAL_DATA_DIR" not in os.environ:
     DATA_DIR = os.environ["POSITIONAL_DATA_DIR"] = tempfile.mkdtemp(prefix="positional-test-data-")
 
+from helpers.maps import release_programs  # noqa: E402
 from helpers.tiny_setup import tiny_config  # noqa: E402
 
 
@@ -65,3 +66,10 @@ def private_tmp(tmp_path_factory, monkeypatch):
     where = str(tmp_path_factory.mktemp("tmp"))
     monkeypatch.setattr(tempfile, "tempdir", where)
     monkeypatch.setenv("TMPDIR", where)
+
+
+@pytest.fixture(autouse=True)
+def bounded_memory_maps():
+    """After each test: JAX's caches cleared in a process near its memory-map limit (helpers/maps.py)."""
+    yield
+    release_programs()

@@ -7,6 +7,7 @@ train or import_checkpoint.
                unfinished folder exists, so that a signal can land there"""
 
 import importlib
+import signal
 import sys
 import time
 
@@ -21,6 +22,10 @@ FAULT = flags.DEFINE_string("fault", "", "KIND:N, see the module's doc")
 
 
 def main(argv):
+    # Ctrl-C as at a terminal: a shell starts a background job (`make test &`, a CI runner's)
+    # with SIGINT ignored, pytest's workers pass that on, and Python keeps an ignored SIGINT, so
+    # the tests' SIGINT would be lost.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     kind, _, n = FAULT.value.partition(":")
     if kind == "read":
         read, count = pipeline.Streams.__next__, [0]

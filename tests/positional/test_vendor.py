@@ -63,15 +63,6 @@ def fp32(*xs):
 
 # ---- cuDNN's call, run by XLA ----------------------------------------------------------------
 
-# These tests have crashed an xdist worker (a segfault in XLA:CPU's code loading: once reading an
-# executable back from JAX's persistent cache, once compiling afresh; in CI on 2026-11-28 and in
-# 2 of 3 `make test` runs on 2026-11-29), never when run alone; the cause is not known. A crash
-# reruns the test once on a fresh worker (pytest-rerunfailures; the rerun shows in the summary,
-# and the worker's fault trace is printed: tests/conftest.py); a second crash fails it.
-CRASHED_A_WORKER = pytest.mark.flaky(reruns=1)
-
-
-@CRASHED_A_WORKER
 @pytest.mark.parametrize("t,s,q_offset,with_segments", [
     (12, 12, 0, False),   # training: cuDNN's own causal mask, no bias
     (12, 12, 0, True),    # packed: causal + a segment mask (the bias)
@@ -151,7 +142,6 @@ def test_packed_segments_equal_the_segment_mask():
     assert (offsets[:, -1] == -1).all() and ((seqlen == -1) == (offsets[:, :-1] == -1)).all()
 
 
-@CRASHED_A_WORKER
 @pytest.mark.parametrize("t,max_segments", [(12, 3), (11, 1)])
 def test_cudnn_packed_by_xla_equals_reference(t, max_segments):
     """The packed form (run by XLA through `packed_mask`) with its overflow branch: rows of 1-3

@@ -129,7 +129,6 @@ NOT_IMPORTED = {
     "array-record": ("data/local_text.py", r'file_format="array_record"'),
     "ruff": ("Makefile", r"\$\(PY\) -m ruff check"),  # `make lint`, run by `make test`
     "pytest-xdist": ("Makefile", r"\$\(PY\) -m pytest -q -n 2"),  # `make test`'s two workers
-    "pytest-rerunfailures": ("tests/positional/test_vendor.py", r"pytest\.mark\.flaky\(reruns="),  # a crash's rerun
 }
 
 REQUIREMENT = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)(\[[A-Za-z0-9_,\s-]*\])?\s*>=\s*([0-9][0-9.]*)$")
