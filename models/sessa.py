@@ -20,9 +20,10 @@ Mixers (`ModelConfig.mixer`), all [B, T, D] -> [B, T, D]:
               algorithm (`ssd_chunked`, tested against `ssd_sequential`).
 
 Mixer options (`ModelConfig.mixer_options`): gamma_max (0.999), feedback_dim (D), solve
-("reference" | "blocked" | "pallas"), solve_block (256) for Sessa; state_dim (16), conv_width (4),
-chunk (64) for mamba2. Decoding: Sessa caches forward keys and values (the scheme's cache),
-feedback keys and past s; mamba2 carries its fixed-size state and the last conv inputs.
+("reference" | "blocked" | "pallas"), solve_block (0: the solve's own, 256 blocked, the kernel's by
+platform and widths) for Sessa; state_dim (16), conv_width (4), chunk (64) for mamba2. Decoding:
+Sessa caches forward keys and values (the scheme's cache), feedback keys and past s; mamba2
+carries its fixed-size state and the last conv inputs.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from flax import nnx
 from models.layers import Attention, linear
 from positional.feedback import decode_solve, feedback_solve, gain
 
-SESSA_DEFAULTS = {"gamma_max": 0.999, "feedback_dim": 0, "solve": "reference", "solve_block": 256}
+SESSA_DEFAULTS = {"gamma_max": 0.999, "feedback_dim": 0, "solve": "reference", "solve_block": 0}
 MAMBA2_DEFAULTS = {"state_dim": 16, "conv_width": 4, "chunk": 64}
 
 

@@ -206,14 +206,15 @@ def solve_blocked(qb, kb, gamma, f, segment_ids=None, *, block_size: int = 256) 
 
 
 def feedback_solve(qb, kb, gamma, f, segment_ids=None, *, impl: str = "reference",
-                   block_size: int = 256) -> jax.Array:
-    """Dispatch to an implementation by name; s [B, T, D] fp32."""
+                   block_size: int = 0) -> jax.Array:
+    """Dispatch to an implementation by name; s [B, T, D] fp32. `block_size` 0: the
+    implementation's own (blocked 256; the kernel's per platform and widths)."""
     if impl == "reference":
         return solve_reference(qb, kb, gamma, f, segment_ids)
     if impl == "blocked":
-        return solve_blocked(qb, kb, gamma, f, segment_ids, block_size=block_size)
+        return solve_blocked(qb, kb, gamma, f, segment_ids, block_size=block_size or 256)
     if impl == "pallas":
-        return feedback_solve_pallas(qb, kb, gamma, f, segment_ids, block=block_size)
+        return feedback_solve_pallas(qb, kb, gamma, f, segment_ids, block=block_size or None)
     raise ValueError(f"unknown feedback solve impl {impl!r}; valid: {', '.join(IMPLEMENTATIONS)}")
 
 

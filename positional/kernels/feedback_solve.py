@@ -20,8 +20,8 @@ The solve is sequential over chunks and parallel over (batch, feature tiles). In
 k < ceil(log2 C) (M^C = 0), so a chunk costs matmuls only. Everything is fp32 (bf16 inputs are
 cast first): the solve is a recurrence whose error would otherwise compound along T.
 
-Tiles: C (`block`) and Dt (`block_d`). On GPU (Triton) C must be a power of two >= 16; on TPU
-(Mosaic) a multiple of 128; in interpret mode (the CPU default) any size >= 1: each for the
+Tiles: C (`block`) and Dt (`block_d`). On GPU (Triton) C must be a power of two >= 16 (by
+default as the widths allow: `gpu_block`); on TPU (Mosaic) a multiple of 128; in interpret mode (the CPU default) any size >= 1: each for the
 platform being lowered for (`positional.kernels.per_platform`). The feature and
 feedback widths are zero-padded to a power of two >= 16 (Triton's block rule), which changes
 no dot product and gives zero columns of s.
@@ -58,8 +58,24 @@ from jax.experimental.pallas import triton as pltriton
 from positional.kernels import check_tile, per_platform, resident_limit
 from positional.softmax import MASKED
 
-# C when not given: TPU needs lane-sized (128) tiles; 64 keeps GPU tiles in registers.
-DEFAULT_BLOCK = {"gpu": 64, "tpu": 128, "interpret": 64}
+# C when not given: TPU needs lane-sized (128) tiles; on GPU it depends on the widths (gpu_block).
+DEFAULT_BLOCK = {"tpu": 128, "interpret": 64}
+# GPU (Triton): a program holds chunk tiles [C, width] of the whole feedback and feature widths
+# (the feature tile Dt bounds the solve's own only), so C x width bounds its shared memory.
+# Compiled for an H100 (227 KiB a block) by XLA's GPU compiler, forward + backward: C x width =
+# 8,192 fits (C = 32 at width 256, 16 at 512), 16,384 asks 262-412 KiB (also 16 at 1,024), and
+# C = 64 at width 128, which fits, compiled for 231 s against 12 s at 32.
+GPU_TILE = 8192
+
+
+def gpu_block(width: int) -> int:
+    """The chunk C on GPU for padded feedback / feature widths up to `width`."""
+    c = 64 if width <= 64 else min(32, GPU_TILE // width)
+    if c < 16:
+        raise ValueError(f"feedback solve kernel: on GPU a chunk of the {width}-wide feedback or feature rows does "
+                         f"not fit the shared memory even at block=16 (block x width at most {GPU_TILE}); use "
+                         "solve='blocked' (plain JAX), or model widths and feedback_dim of at most 512")
+    return c
 # TPU: the scoped VMEM asked for on top of the resident s (or lambda) of the sequential kernels.
 VMEM_LIMIT = 32 * 2 ** 20
 
@@ -411,13 +427,18 @@ def feedback_solve_pallas(qb, kb, gamma, f, segment_ids=None, *, block: int | No
     if interpret not in (None, True, False, "tpu"):
         raise ValueError(f"feedback solve kernel interpret={interpret!r} must be None, True, False or 'tpu'")
     dk, d = qb.shape[2], f.shape[2]
-    wd = max(16, pl.next_power_of_2(d))
+    wk, wd = (max(16, pl.next_power_of_2(w)) for w in (dk, d))
     block_d = block_d or (128 if wd % 128 == 0 else wd)
     if wd % block_d:
         raise ValueError(f"feedback solve kernel block_d={block_d} must divide the padded feature width {wd}")
 
     def settings(backend: str, interpret: bool) -> _Static:
-        c = block or DEFAULT_BLOCK.get("interpret" if interpret else backend, 64)
+        if block:
+            c = block
+        elif backend == "gpu" and not interpret:
+            c = gpu_block(max(wk, wd))
+        else:
+            c = DEFAULT_BLOCK.get("interpret" if interpret else backend, 64)
         check_blocks(c, backend, interpret)
         if backend == "tpu" and not interpret:  # the sequential kernels keep s (or lambda) in VMEM
             need = 4 * (-(-qb.shape[1] // c) * c + c) * block_d

@@ -17,7 +17,7 @@ import pytest
 from helpers.draws import normal
 from helpers.exported import MOSAIC, TRITON, compiled_for, lowered
 from positional import feedback as fb
-from positional.kernels.feedback_solve import check_blocks, feedback_solve_pallas
+from positional.kernels.feedback_solve import check_blocks, feedback_solve_pallas, gpu_block
 
 
 # Jitted: called eagerly, every op compiles on its own. (The bad-input test calls the library.)
@@ -296,3 +296,25 @@ def test_kernel_lowers_for_gpu():
             assert lowered(fn, qb, qb, gamma, f, seg).count(TRITON) == kernels
     with pytest.raises(ValueError, match="block=64 is not usable: it must be a multiple of 128"):
         lowered(grad, qb, qb, gamma, f, platforms=["tpu"])
+
+
+def test_gpu_chunk_fits_the_widths():
+    """The GPU's default chunk: 64 up to 64 wide, then block x width within 8,192 and at most 32
+    (64 at width 128 fits but took 231 s to compile); past 512 wide nothing fits: one line."""
+    assert [gpu_block(w) for w in (16, 64, 128, 256, 512)] == [64, 64, 32, 32, 16]
+    with pytest.raises(ValueError) as error:
+        gpu_block(1024)
+    assert "\n" not in str(error.value) and "solve='blocked'" in str(error.value)
+
+
+def test_kernel_compiles_for_an_h100_at_a_models_widths():
+    """configs/default.py's Sessa (d_model 256, feedback_dim its default D): forward + backward
+    compiled for an H100 by XLA's GPU compiler with the default chunk (32). The former default
+    (64) asked 279 KiB of the 227 KiB of shared memory a block has, and the model's former
+    solve_block (256) kept XLA compiling for over 25 minutes (benchmarks/RESULTS.md)."""
+    t, width = 512, 256
+    qb = jax.ShapeDtypeStruct((1, t, width), jnp.bfloat16)
+    gamma = jax.ShapeDtypeStruct((1, t), jnp.float32)
+    seg = jax.ShapeDtypeStruct((1, t), jnp.int32)
+    grad = jax.grad(lambda *a: feedback_solve_pallas(*a).sum(), (0, 1, 2, 3))
+    assert compiled_for(grad, qb, qb, gamma, qb, seg, topology="h100:1").as_text().count(TRITON) >= 5
