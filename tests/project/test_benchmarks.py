@@ -315,6 +315,15 @@ def test_triton_compile_finds_each_forms_kernels():
                                           "path_backward"]
 
 
+def test_sessa_gpu_tiles_tells_a_fit_from_an_overflow():
+    """benchmarks/sessa_gpu_tiles.py: Sessa's solve compiled for an H100 with a chunk that fits
+    (16 at width 64) and one whose kernels ask more shared memory than a block has (16 at 1,024)."""
+    tiles = load_benchmark("sessa_gpu_tiles")
+    small, wide = tiles.compile_tile(64, 64, 16, 0, 64), tiles.compile_tile(1024, 1024, 16, 64, 64)
+    assert small["fits"] and small["asked_kib"] is None, small
+    assert not wide["fits"] and wide["asked_kib"] > 227, wide
+
+
 def test_triton_compile_reads_xlas_ptxas_report_of_each_kernel():
     """The script compiles through XLA's GPU compiler for an H100 (no GPU) and finds each Pallas
     kernel in ptxas's report and XLA's launch plan: registers used (a Triton kernel of 4 warps
