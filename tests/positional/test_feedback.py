@@ -315,8 +315,8 @@ def test_gpu_chunk_fits_the_widths():
 def test_kernel_compiles_for_an_h100_at_a_models_widths():
     """configs/default.py's Sessa (d_model 256, feedback_dim its default D): forward + backward
     compiled for an H100 by XLA's GPU compiler with the default chunk (32). The former default
-    (64) asked 279 KiB of the 227 KiB of shared memory a block has, and the model's former
-    solve_block (256) kept XLA compiling for over 25 minutes (benchmarks/RESULTS.md)."""
+    (64) asks 400 KiB of shared memory at 512 tokens, where a block has 227 KiB, and the model's
+    former solve_block (256) kept XLA compiling for over 25 minutes (benchmarks/RESULTS.md)."""
     t, width = 512, 256
     qb = jax.ShapeDtypeStruct((1, t, width), jnp.bfloat16)
     gamma = jax.ShapeDtypeStruct((1, t), jnp.float32)
