@@ -21,9 +21,9 @@ k < ceil(log2 C) (M^C = 0), so a chunk costs matmuls only. Everything is fp32 (b
 cast first): the solve is a recurrence whose error would otherwise compound along T.
 
 Tiles: C (`block`) and Dt (`block_d`). On GPU (Triton) C must be a power of two >= 16 (by
-default as the widths allow: `gpu_block`); on TPU (Mosaic) a multiple of 128; in interpret mode (the CPU default) any size >= 1: each for the
-platform being lowered for (`positional.kernels.per_platform`). The feature and
-feedback widths are zero-padded to a power of two >= 16 (Triton's block rule), which changes
+default as the widths allow: `gpu_block`); on TPU (Mosaic) a multiple of 128; in interpret mode
+(the CPU default) any size >= 1: each for the platform being lowered for
+(`positional.kernels.per_platform`). The feature and feedback widths are zero-padded to a power of two >= 16 (Triton's block rule), which changes
 no dot product and gives zero columns of s.
 
 Two grid forms of the same kernel bodies (`_fold`), by the platform lowered for:
@@ -60,11 +60,14 @@ from positional.softmax import MASKED
 
 # C when not given: TPU needs lane-sized (128) tiles; on GPU it depends on the widths (gpu_block).
 DEFAULT_BLOCK = {"tpu": 128, "interpret": 64}
+# TPU: the scoped VMEM asked for on top of the resident s (or lambda) of the sequential kernels.
+VMEM_LIMIT = 32 * 2 ** 20
 # GPU (Triton): a program holds chunk tiles [C, width] of the whole feedback and feature widths
 # (the feature tile Dt bounds the solve's own only), so C x width bounds its shared memory.
-# Compiled for an H100 (227 KiB a block) by XLA's GPU compiler, forward + backward: C x width =
-# 8,192 fits (C = 32 at width 256, 16 at 512), 16,384 asks 262-412 KiB (also 16 at 1,024), and
-# C = 64 at width 128, which fits, compiled for 231 s against 12 s at 32.
+# Compiled for an H100 (227 KiB a block) by XLA's GPU compiler, forward + backward
+# (benchmarks/sessa_gpu_tiles.py): C x width = 8,192 fits (C = 32 at width 256, 16 at 512),
+# 16,384 asks 258-402 KiB (C = 64 at 256, 32 at 512, 16 at 1,024), and C = 64 at width 128,
+# which fits, compiled for 145-231 s against 5-12 s at 32.
 GPU_TILE = 8192
 
 
@@ -76,8 +79,6 @@ def gpu_block(width: int) -> int:
                          f"not fit the shared memory even at block=16 (block x width at most {GPU_TILE}); use "
                          "solve='blocked' (plain JAX), or model widths and feedback_dim of at most 512")
     return c
-# TPU: the scoped VMEM asked for on top of the resident s (or lambda) of the sequential kernels.
-VMEM_LIMIT = 32 * 2 ** 20
 
 
 def check_inputs(qb, kb, gamma, f, segment_ids=None) -> None:
