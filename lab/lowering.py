@@ -6,10 +6,10 @@ plugin) and the tests' lowering checks.
 Pallas sizes a kernel for the chip it lowers for, which it reads from the device of the
 abstract mesh in context, else from the default device, here a CPU (which it refuses).
 `target` names the chip while a function is lowered: over a TPU topology's or GPU hosts'
-compile-only devices, their mesh (the real chip); exported from this host's devices, a stand-in for this host's device kind,
-an H100 for cuda (with jax's queries of the cuDNN version, which a CPU jaxlib cannot answer, at
-9.10, and of the GPU's compute capability at the chip's), a TPU generation for tpu (v5e unless
-told).
+compile-only devices, their mesh (the real chip); exported from this host's devices, a stand-in
+for this host's device kind, an H100 for cuda (with jax's queries of the cuDNN version, which a
+CPU jaxlib cannot answer, at 9.10, and of the GPU's compute capability at the chip's), a TPU
+generation for tpu (v5e unless told).
 """
 
 from __future__ import annotations

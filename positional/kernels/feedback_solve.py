@@ -23,8 +23,8 @@ cast first): the solve is a recurrence whose error would otherwise compound alon
 Tiles: C (`block`) and Dt (`block_d`). On GPU (Triton) C must be a power of two >= 16 (by
 default as the widths allow: `gpu_block`); on TPU (Mosaic) a multiple of 128; in interpret mode
 (the CPU default) any size >= 1: each for the platform being lowered for
-(`positional.kernels.per_platform`). The feature and feedback widths are zero-padded to a power of two >= 16 (Triton's block rule), which changes
-no dot product and gives zero columns of s.
+(`positional.kernels.per_platform`). The feature and feedback widths are zero-padded to a power
+of two >= 16 (Triton's block rule), which changes no dot product and gives zero columns of s.
 
 Two grid forms of the same kernel bodies (`_fold`), by the platform lowered for:
   - Triton (and the interpreter): grid (B, T/C) or (B, D/Dt); a program loops over chunks k of
