@@ -205,7 +205,8 @@ class _Trainer:
                                        seq_len=config.seq_len + 1, streams=config.data.streams,
                                        rows=distributed.local_rows(self.batch_sharding, config.batch_size))
         self.metrics_path = files.join(workdir, "metrics.jsonl")
-        self.history, self.best = [], None  # every step's loss; the lowest running median of them
+        self.history = []  # every step's loss
+        self.probe, self.lowest = None, None  # the batch checkpoints are judged on (IN_LINE); its lowest loss
 
     def shardings(self):
         return jax.tree.map(lambda x: x.sharding, self.abstract)
@@ -293,6 +294,8 @@ class _Trainer:
         for step in range(self.step0 + 1, config.train.steps + 1):
             batch = {k: jax.make_array_from_process_local_data(self.batch_sharding, np.asarray(v))
                      for k, v in next(self.loader).items()}
+            if self.probe is None:
+                self.probe = batch
             self.state, metrics = self.train_step(self.state, batch)  # donates the previous state
             if pending is not None:
                 self.read(*pending)
@@ -317,8 +320,6 @@ class _Trainer:
         if what:
             raise TrainingError(f"{what} at step {step}. " + _diverged(self.saves, self.workdir, self.primary))
         self.history.append(loss)
-        median = statistics.median(self.history[-EXPLODE_WINDOW:])
-        self.best = median if self.best is None else min(self.best, median)
         self.n_log += 1
         self.progress(step, loss)
         if step % self.config.train.log_every == 0 or step == self.config.train.steps or params is not None:
@@ -350,18 +351,18 @@ class _Trainer:
     def checkpoint(self, step: int, batch: dict) -> None:
         """Save step `step`'s state, unless its parameters diverged (TrainingError) or keeping an
         out-of-line state would push the last good checkpoint out of train.keep_checkpoints."""
-        config, history, best = self.config, self.history, self.best
+        config = self.config
         # The step's loss is that of the parameters before its update; those the
         # checkpoint keeps are after it, so they are scored too (on the same batch).
         rng = jax.random.fold_in(jax.random.key(config.seed), step)
         after = float(self.loss_after(self.state["params"], batch, rng))
-        what = blow_up(after, True, history, config.train.explode_factor)
+        what = blow_up(after, True, self.history, config.train.explode_factor)
         if what:
             raise TrainingError(f"{what} with the parameters of step {step} (on its batch). "
                                 + _diverged(self.saves, self.workdir, self.primary))
-        # Good: the step's loss, its parameters' loss and the recent median all in line.
-        level = max(after, history[-1], statistics.median(history[-RECENT:]))
-        good = in_line(level, best, config.train.explode_factor)
+        probe = float(self.loss_after(self.state["params"], self.probe, jax.random.key(config.seed)))
+        self.lowest = probe if self.lowest is None else min(self.lowest, probe)
+        good = in_line(probe, self.lowest, config.train.explode_factor)
         self.saves.confirm()
         last_good = self.saves.good
         newer = [s for s in self.manager.all_steps() if last_good is None or s > last_good]
@@ -369,6 +370,8 @@ class _Trainer:
         # train.keep_checkpoints. A stop or the last step is always kept: it makes room by deleting
         # the out-of-line checkpoints after the good one (the rotation's next to go), not that one.
         keep = config.train.keep_checkpoints
+        why = (f"its parameters' loss on the fixed batch, {probe:.4g}, is over {IN_LINE:g} x the lowest at a "
+               f"checkpoint so far, {self.lowest:.4g}")
         evicts = bool(keep) and len(newer) + 1 >= keep
         if good or self.stop.signal or step == config.train.steps or last_good is None or not evicts:
             if not good:
@@ -378,14 +381,12 @@ class _Trainer:
                 kept = ("no saved checkpoint is in line with the run yet" if last_good is None else
                         f"step {last_good} stays the last good checkpoint" if not evicts or keep > 1 else
                         f"it replaces step {last_good}, the last good checkpoint (train.keep_checkpoints=1)")
-                print(f"warning: step {step}'s loss {level:.4g} is out of line with the run (over "
-                      f"{IN_LINE:g} x its lowest running median, {best:.4g}); saved, but {kept}", file=sys.stderr)
-            self.saves.save(self.state, self.loader, {"step": step, "loss": history[-1], "identity": identity(config)},
+                print(f"warning: step {step} is out of line with the run ({why}); saved, but {kept}", file=sys.stderr)
+            self.saves.save(self.state, self.loader, {"step": step, "loss": self.history[-1], "identity": identity(config)},
                             good)
         else:
-            print(f"warning: step {step} not saved: its loss {level:.4g} is out of line with the run "
-                  f"(over {IN_LINE:g} x its lowest running median, {best:.4g}), and keeping it would "
-                  f"delete step {last_good}, the last good checkpoint (train.keep_checkpoints={keep})",
+            print(f"warning: step {step} not saved: it is out of line with the run ({why}), and keeping it "
+                  f"would delete step {last_good}, the last good checkpoint (train.keep_checkpoints={keep})",
                   file=sys.stderr)
 
 
@@ -589,15 +590,15 @@ def _diverged(saves: _Saves, workdir: str, primary: bool) -> str:
 
 
 EXPLODE_WINDOW = 50  # losses the explosion check takes the median of
-# A checkpoint is good (in line with the run) when its loss is at most IN_LINE times the lowest
-# running median of the run's losses so far: a run that diverges slowly, below the explosion
-# threshold, keeps naming the checkpoint from before its loss rose.
+# A checkpoint is good (in line with the run) when its parameters' loss on a fixed batch (the
+# first this start of the run trained on) is at most IN_LINE times the lowest at a checkpoint so
+# far: a run that diverges slowly, below the explosion threshold, keeps naming the checkpoint from
+# before its loss rose, and a stretch of easier or harder documents in the stream moves nothing.
 IN_LINE = 1.5
-RECENT = 10  # the median of the last RECENT losses must be in line too (a good checkpoint's own batch is not enough)
 
 
 def in_line(loss: float, best: float | None, factor: float) -> bool:
-    """Whether a checkpoint's loss is in line with the run (`best`: the lowest running median;
+    """Whether a checkpoint's loss is in line with the run (`best`: the lowest of its checkpoints;
     None, or the guard off with explode_factor 0: every finite loss is)."""
     return best is None or not factor or loss <= IN_LINE * best
 

@@ -121,8 +121,9 @@ def test_nan_guard_stops_and_keeps_the_last_good_checkpoint(tmp_path, lr, warmup
 def test_a_slow_divergence_names_a_good_checkpoint_and_resumes_from_it(tmp_path, capsys):
     """lr 10 (warmup 20): the loss climbs from 5.9 through 10-20 for a dozen steps, below the
     explosion threshold at every step, until it passes 3 x the median. The checkpoint the guard
-    names is one whose loss was in line with the run (its own and the last 10 within 1.5 x the
-    lowest running median), the later ones are moved aside (not deleted), and a rerun at a sane
+    names is one that was in line with the run (its parameters' loss on the fixed batch within
+    1.5 x the lowest at a checkpoint so far; its logged loss too, within 1.5 x the lowest logged
+    before), the later ones are moved aside (not deleted), and a rerun at a sane
     lr resumes from it and ends below the start's loss, within 1.5 x that of a run at that lr
     from the start (its optimizer moments come from the diverging run). (Before: the newest
     finite checkpoint was named, with a loss several times the start's; "step None".)"""
@@ -148,6 +149,31 @@ def test_a_slow_divergence_names_a_good_checkpoint_and_resumes_from_it(tmp_path,
     fresh = train(tiny_config(tmp_path / "fresh", steps=60, checkpoint_every=2, keep_checkpoints=3))
     end, fresh_end = (float(np.mean(r["losses"][-5:])) for r in (resumed, fresh))
     assert resumed["step"] == 60 and end < losses[1] and end <= 1.5 * fresh_end, (end, fresh_end)
+
+
+def test_batches_of_other_difficulty_leave_the_checkpoints_in_line(tmp_path, monkeypatch, capsys):
+    """Steps 5-30 on easy batches (their losses reported at 0.3x, as a long easy file in the
+    stream gives) pull the run's running median down; the checkpoints during and after that
+    stretch are still in line and saved, because a checkpoint is judged by its parameters' loss
+    on one fixed batch, not against batch losses. (Before: every checkpoint from step 8 on was
+    out of line and, past keep_checkpoints, not saved; the last good one stayed step 8.)"""
+    from lab import training
+    real = training.make_train_step
+
+    def easy_stretch(*args, **kwargs):
+        step, count = real(*args, **kwargs), iter(range(1, 10**6))
+
+        def reported(state, batch):
+            state, metrics = step(state, batch)
+            return state, {**metrics, "loss": metrics["loss"] * (0.3 if 5 <= next(count) <= 30 else 1.0)}
+        return reported
+
+    monkeypatch.setattr(training, "make_train_step", easy_stretch)
+    summary = train(tiny_config(tmp_path, steps=48, checkpoint_every=4, keep_checkpoints=3))
+    losses = summary["losses"]
+    assert max(losses[30:]) > 2 * np.median(losses[:30])  # ordinary batches far above the easy median
+    assert "out of line" not in capsys.readouterr().err
+    assert sorted(checkpoint_manager(tmp_path / "checkpoints", create=False).all_steps()) == [40, 44, 48]
 
 
 def test_blow_up_names_what_and_the_scale():
