@@ -201,15 +201,29 @@ class _Trainer:
         self.train_step = make_train_step(self.graphdef, self.rest, self.tx, config, self.shardings(),
                                           self.batch_sharding)
         self.loss_after = jax.jit(make_loss(self.graphdef, self.rest, config))  # of the parameters a checkpoint keeps
-        self.loader = pipeline.Streams(config.data, seed=config.seed, batch_size=config.batch_size,
-                                       seq_len=config.seq_len + 1, streams=config.data.streams,
-                                       rows=distributed.local_rows(self.batch_sharding, config.batch_size))
+        self.loader = self.streams()
         self.metrics_path = files.join(workdir, "metrics.jsonl")
         self.history = []  # every step's loss
         self.probe, self.lowest = None, None  # the batch checkpoints are judged on (IN_LINE); its lowest loss
 
     def shardings(self):
         return jax.tree.map(lambda x: x.sharding, self.abstract)
+
+    def streams(self):
+        """The run's batches from its first, this process's rows of them."""
+        config = self.config
+        return pipeline.Streams(config.data, seed=config.seed, batch_size=config.batch_size,
+                                seq_len=config.seq_len + 1, streams=config.data.streams,
+                                rows=distributed.local_rows(self.batch_sharding, config.batch_size))
+
+    def probe_of(self) -> dict:
+        """What the run's first batch depends on beyond the model's identity."""
+        return {k: self.config[k] for k in ("seed", "batch_size", "seq_len")}
+
+    def batch(self, loader) -> dict:
+        """The loader's next batch as global arrays."""
+        return {k: jax.make_array_from_process_local_data(self.batch_sharding, np.asarray(v))
+                for k, v in next(loader).items()}
 
     def start(self, aside: str) -> None:
         """The state to train from (self.state, self.step0) and the run's files for this start."""
@@ -220,6 +234,10 @@ class _Trainer:
             self.step0, restored = found
             self.state = restored["state"]
             self.loader.set_state(restored["loader"])
+            # The lowest loss of the fixed batch carries over where the batch is the same one.
+            stored = dict(restored["meta"].get("probe") or {})
+            lowest = stored.pop("lowest", None)
+            self.lowest = lowest if stored == self.probe_of() else None
             if self.step0 >= config.train.steps:
                 print(f"already finished: step {self.step0} of {config.train.steps} in {workdir}; its losses are "
                       f"in {self.metrics_path} (raise --config.train.steps to train on)")
@@ -292,10 +310,7 @@ class _Trainer:
         config, stop = self.config, self.stop
         pending = None  # (step, metrics) of the step dispatched last, metrics not read yet
         for step in range(self.step0 + 1, config.train.steps + 1):
-            batch = {k: jax.make_array_from_process_local_data(self.batch_sharding, np.asarray(v))
-                     for k, v in next(self.loader).items()}
-            if self.probe is None:
-                self.probe = batch
+            batch = self.batch(self.loader)
             self.state, metrics = self.train_step(self.state, batch)  # donates the previous state
             if pending is not None:
                 self.read(*pending)
@@ -360,6 +375,8 @@ class _Trainer:
         if what:
             raise TrainingError(f"{what} with the parameters of step {step} (on its batch). "
                                 + _diverged(self.saves, self.workdir, self.primary))
+        if self.probe is None:  # the run's first batch, whatever step this start resumed from
+            self.probe = self.batch(self.streams())
         probe = float(self.loss_after(self.state["params"], self.probe, jax.random.key(config.seed)))
         self.lowest = probe if self.lowest is None else min(self.lowest, probe)
         good = in_line(probe, self.lowest, config.train.explode_factor)
@@ -382,8 +399,9 @@ class _Trainer:
                         f"step {last_good} stays the last good checkpoint" if not evicts or keep > 1 else
                         f"it replaces step {last_good}, the last good checkpoint (train.keep_checkpoints=1)")
                 print(f"warning: step {step} is out of line with the run ({why}); saved, but {kept}", file=sys.stderr)
-            self.saves.save(self.state, self.loader, {"step": step, "loss": self.history[-1], "identity": identity(config)},
-                            good)
+            meta = {"step": step, "loss": self.history[-1], "identity": identity(config),
+                    "probe": {**self.probe_of(), "lowest": self.lowest}}
+            self.saves.save(self.state, self.loader, meta, good)
         else:
             print(f"warning: step {step} not saved: it is out of line with the run ({why}), and keeping it "
                   f"would delete step {last_good}, the last good checkpoint (train.keep_checkpoints={keep})",
@@ -591,9 +609,10 @@ def _diverged(saves: _Saves, workdir: str, primary: bool) -> str:
 
 EXPLODE_WINDOW = 50  # losses the explosion check takes the median of
 # A checkpoint is good (in line with the run) when its parameters' loss on a fixed batch (the
-# first this start of the run trained on) is at most IN_LINE times the lowest at a checkpoint so
-# far: a run that diverges slowly, below the explosion threshold, keeps naming the checkpoint from
-# before its loss rose, and a stretch of easier or harder documents in the stream moves nothing.
+# run's first) is at most IN_LINE times the lowest at a checkpoint so far (kept in the
+# checkpoints, so a resumed run goes on from it): a run that diverges slowly, below the explosion
+# threshold, keeps naming the checkpoint from before its loss rose, and a stretch of easier or
+# harder documents in the stream moves nothing.
 IN_LINE = 1.5
 
 

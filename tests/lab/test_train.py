@@ -176,6 +176,19 @@ def test_batches_of_other_difficulty_leave_the_checkpoints_in_line(tmp_path, mon
     assert sorted(checkpoint_manager(tmp_path / "checkpoints", create=False).all_steps()) == [40, 44, 48]
 
 
+def test_a_resumed_run_judges_its_checkpoints_against_the_runs_lowest(tmp_path, capsys):
+    """Trained sanely to step 8, then resumed at lr 10: the first checkpoint after the resume is
+    judged against the lowest loss of the fixed batch before it (kept in the checkpoint), so it
+    is out of line and step 8 stays the last good one. (A guard that started afresh at each
+    start took whatever the first checkpoint after a resume held for in line.)"""
+    train(tiny_config(tmp_path, steps=8, checkpoint_every=4))
+    assert "out of line" not in capsys.readouterr().err
+    train(tiny_config(tmp_path, steps=12, checkpoint_every=4, lr=10.0, warmup_steps=1, explode_factor=100.0))
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "out of line" in line]
+    assert len(warnings) == 1 and warnings[0].startswith("warning: step 12 is out of line with the run"), warnings
+    assert warnings[0].endswith("saved, but step 8 stays the last good checkpoint"), warnings
+
+
 def test_blow_up_names_what_and_the_scale():
     assert blow_up(5.0, True, [], 10.0) is None and blow_up(40.0, True, [5.0, 4.0], 10.0) is None
     assert blow_up(float("nan"), True, [5.0], 10.0) == "loss became nan"
