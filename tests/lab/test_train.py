@@ -155,7 +155,7 @@ def test_batches_of_other_difficulty_leave_the_checkpoints_in_line(tmp_path, mon
     """Steps 5-30 on easy batches (their losses reported at 0.3x, as a long easy file in the
     stream gives) pull the run's running median down; the checkpoints during and after that
     stretch are still in line and saved, because a checkpoint is judged by its parameters' loss
-    on one fixed batch, not against batch losses. (Before: every checkpoint from step 8 on was
+    on one fixed batch, not against batch losses. (Before: every checkpoint from step 12 on was
     out of line and, past keep_checkpoints, not saved; the last good one stayed step 8.)"""
     from lab import training
     real = training.make_train_step
