@@ -46,6 +46,10 @@ APIS = [
     # layers): "Missing 2 keys in structure path ('params', 'blocks')"; run, not read.
     ("orbax-checkpoint", "PyTreeRestore(partial_restore=True) of nnx.List's integer keys",
      r"ocp\.args\.PyTreeRestore\([^)]*\bpartial_restore=True", "0.11.24"),
+    # 0.11.24 to 0.11.32 refuse to restore onto arrays without a sharding ("sharding passed to
+    # deserialization should be specified") a checkpoint saved over 8 devices; run, not read
+    # (tests/lab/test_train.py::test_sharded_training_on_8_devices_matches_one_device).
+    ("orbax-checkpoint", "restore onto abstract arrays without a sharding", r"\bconstruct_restore_args\(", "0.11.33"),
     ("orbax-checkpoint", "ocp.args.Composite, StandardSave, JsonSave (oldest checked)",
      r"ocp\.args\.Composite\(", "0.11.14"),
     # grain 0.2.7 has grain.MapDataset at the top level but not grain.ReadOptions.
@@ -56,6 +60,9 @@ APIS = [
     # longer has (AttributeError on reading a prepared data set); 4.9.10 does without it.
     ("tensorflow-datasets", "prepared data sets read back with protobuf 7", r"\btfds\.data_source\(", "4.9.10"),
     ("etils", "etils.epath.Path (oldest checked)", r"\bepath\.Path\(", "1.0.0"),
+    # 1.9.1 to 1.12.2 (the wheels inspected) define is_file() as `not is_dir()`: True for a
+    # missing file; 1.13.0 checks exists() first. Run: training on 1.9.1 failed at its start.
+    ("etils", "epath.Path.is_file() False for a missing file", r"\bfiles\.path\([^)]*\)\.is_file\(\)", "1.13.0"),
     # ml-collections 0.1.0 has neither (0.1.1 is a source release only).
     ("ml-collections", "config_flags.DEFINE_config_file(accept_new_attributes=...)",
      r"\baccept_new_attributes=", "1.0.0"),
