@@ -38,10 +38,12 @@ export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS ?= 0
 # recently used go first.
 export JAX_COMPILATION_CACHE_MAX_SIZE ?= 4294967296
 # What `make test-min` runs on the oldest releases: kernels, dispatch, vendor calls, lowering and
-# compiling for the accelerators, precision, the conformance suite, packaging.
+# compiling for the accelerators, precision, the conformance suite, packaging, and training and
+# the data (where the oldest etils, orbax and pyarrow failed).
 MIN_TESTS := $(addprefix tests/positional/,test_flash.py test_path_kernel.py test_feedback.py test_vendor.py \
 	test_auto.py test_precision.py test_path.py test_conformance.py test_attention.py) \
-	$(addprefix tests/project/,test_compile.py test_packaging.py test_benchmarks.py)
+	$(addprefix tests/project/,test_compile.py test_packaging.py test_benchmarks.py) \
+	tests/lab/test_train.py tests/data/test_data.py
 # `make test-quick` leaves out the modules that train, evaluate or run several processes (paths
 # under tests/, without .py).
 QUICK_SKIP := lab/test_train lab/test_runs_safety lab/test_distributed lab/test_eval lab/test_retrieval \

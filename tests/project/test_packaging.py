@@ -91,6 +91,9 @@ REQUIRED_BY = [
     # Older releases have no wheels for Python 3.12 (the oldest Python the project takes) and
     # fail to build from source here.
     ("pyarrow", "14.0", "the first pyarrow with Python 3.12 wheels", r"\.iter_batches\("),
+    # 14.0 declares no upper bound on numpy but is built against NumPy 1: beside numpy 2 (which
+    # a resolver may pick with it) its import fails; 15.0 declares numpy<2, 16.0 is built for 2.
+    ("pyarrow", "16.0", "the first pyarrow built for NumPy 2", r"\.iter_batches\("),
     ("tiktoken", "0.5.2", "the first tiktoken with Python 3.12 wheels", r"\btiktoken\.Encoding\("),
     # 1.0.0's config_dict.py has an invalid escape, a SyntaxWarning on Python 3.12 at its first
     # import: a stray line before a command's one-line error.
