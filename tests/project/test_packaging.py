@@ -139,6 +139,11 @@ NOT_IMPORTED = {
     "array-record": ("data/local_text.py", r'file_format="array_record"'),
     "ruff": ("Makefile", r"\$\(PY\) -m ruff check"),  # `make lint`, run by `make test`
     "pytest-xdist": ("Makefile", r"\$\(PY\) -m pytest -q -n 2"),  # `make test`'s two workers
+    # The cuda-compile extra: the CUDA compilers XLA's GPU compiler calls (ptxas, libdevice), which
+    # lab.lowering points it at.
+    "nvidia-cuda-nvcc": ("lab/lowering.py", r'"nvidia", "cu13"'),
+    "nvidia-nvvm": ("lab/lowering.py", r'"nvidia", "cu13"'),
+    "nvidia-cuda-crt": ("lab/lowering.py", r'"nvidia", "cu13"'),
 }
 
 REQUIREMENT = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)(\[[A-Za-z0-9_,\s-]*\])?\s*>=\s*([0-9][0-9.]*)$")
