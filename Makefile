@@ -9,22 +9,78 @@ STAMP := $(VENV)/.installed
 # `make test-min`: the oldest releases pyproject.toml allows (jax 0.11.2, the lent GPU machine's).
 MIN_VENV := .venv-min
 MIN_STAMP := $(MIN_VENV)/.installed
-# The TPU compiler (libtpu) of the installed JAX, for compiling for TPU topologies on this host
-# (benchmarks/compile.py, tests/project/test_compile.py). It goes in <venv>/libtpu, outside the
-# import path: JAX would otherwise try to start a TPU at every run on a host without one.
-# `pip install -e '.[tpu]'` installs it on the path instead (a TPU host).
-LIBTPU = $(1)/bin/python -m pip install --quiet --no-deps --target $(1)/libtpu \
-	"$$($(1)/bin/python -c 'from importlib.metadata import requires; print(next(r.split(";")[0] for r in requires("jax") if r.startswith("libtpu")))')"
-# XLA's GPU compiler for compiling for GPUs on this host (benchmarks/compile.py --topology h100:8,
-# tests/project/test_compile.py): jax's CUDA plugin of the installed JAX, with the CUDA compilers it
-# calls (ptxas, libdevice), in <venv>/cuda, outside the import path as libtpu (lab.lowering loads it
-# when asked for a GPU topology). A GPU host's `pip install 'jax[cuda13]'` serves as well.
-CUDA_STAMP = $(1)/cuda/.installed
-define CUDA_COMPILER
-$(1)/bin/python -m pip install --quiet --no-deps --target $(1)/cuda nvidia-nvvm nvidia-cuda-crt "nvidia-cuda-nvcc>=13.0.48" \
-	$$($(1)/bin/python -c 'import jaxlib; v = jaxlib.__version__; print(f"jax-cuda13-plugin=={v} jax-cuda13-pjrt=={v}")')
-touch $(call CUDA_STAMP,$(1))
+# `make test-newest`: the newest releases, resolved afresh (not part of `make test` or CI).
+NEWEST_VENV := .venv-newest
+NEWEST_STAMP := $(NEWEST_VENV)/.installed
+
+# ---- the lock ------------------------------------------------------------------------------
+# Every venv installs from lock/ (uv's requirements format: exact versions with their hashes,
+# which uv checks), so a clone installs on any later day what was tested on the day of the lock:
+#   lock/main.txt  .venv (`make demo`, `make test`, CI): pyproject.toml's dependencies with the
+#                  extras test and hf, and the compilers (extras tpu, cuda-compile) resolved with
+#                  them, so the lock holds a JAX whose TPU compiler is on the index
+#   lock/min.txt   .venv-min (`make test-min`): the same at the lowest versions pyproject.toml allows
+#   lock/tools.txt uv, pip, and setuptools (the build backend of the editable install)
+#   lock/gpu.txt   the wheels the lent GPU machine lacks (`make gpu-wheels`), from lock/min.txt
+# `make lock` writes them: after a dependency is added or a bound changed in pyproject.toml (it
+# keeps every other version), or, as `make lock UPGRADE=1`, to move every package to its newest
+# release on purpose (`make test-newest` tries that first). Commit lock/ alone, with the reason.
+LOCK := lock/main.txt
+MIN_LOCK := lock/min.txt
+TOOLS_LOCK := lock/tools.txt
+GPU_LOCK := lock/gpu.txt
+VENV_EXTRAS := --extra test --extra hf
+LOCK_EXTRAS := $(VENV_EXTRAS) --extra tpu --extra cuda-compile
+UV = $(1)/bin/uv
+# What the lock was made from: pyproject.toml's dependencies, extras and Python bound (a
+# digest, recorded in each lock by `make lock`; a venv is not installed from a lock made from
+# others).
+DEPS_DIGEST = $(shell "$(PYTHON)" -c 'import hashlib, json, tomllib; p = tomllib.load(open("pyproject.toml", "rb"))["project"]; \
+	print(hashlib.sha256(json.dumps([p["requires-python"], p["dependencies"], p["optional-dependencies"]]).encode()).hexdigest()[:16])' 2>/dev/null)
+DIGEST_LINE = \# made from the dependencies of pyproject.toml, digest $(DEPS_DIGEST) (Makefile: DEPS_DIGEST)
+define CHECK_LOCK
+@grep -qxF "$(DIGEST_LINE)" $(1) || { echo "error: $(1) was not made from pyproject.toml's dependencies as they are now \
+(changed without \`make lock\`): run make lock, then commit lock/ in a commit of its own" >&2; exit 1; }
 endef
+
+# A venv made anew from a lock: $(1) the venv, $(2) the lock. Made anew, so it holds what the lock
+# says and nothing left from an earlier one; uv's download cache makes that quick.
+define INSTALL
+$(call CHECK_LOCK,$(2))
+rm -rf $(1)
+"$(PYTHON)" -m venv $(1)
+$(1)/bin/python -m pip --isolated install --quiet --require-hashes --no-deps -r $(TOOLS_LOCK)
+$(call UV,$(1)) pip install --quiet --python $(1)/bin/python -c $(2) -b $(TOOLS_LOCK) -e '.[test,hf]'
+@$(1)/bin/python -c 'import sys, jax; print(f"installed from $(2): Python {sys.version.split()[0]}, jax {jax.__version__}")'
+endef
+
+# The compilers for compiling for an accelerator on this host (benchmarks/compile.py, the tests
+# that compile for TPU or GPU): the TPU compiler (libtpu) in <venv>/libtpu and jax's CUDA plugin
+# with the CUDA compilers it calls (ptxas, libdevice) in <venv>/cuda, both off the import path
+# (JAX would otherwise look for a TPU or a GPU at every run; lab.lowering loads them when asked),
+# at the versions pyproject.toml's extras tpu and cuda-compile give for the venv's JAX. (`pip
+# install -e '.[tpu]'` installs libtpu on the path instead: a TPU host.) They serve only those
+# checks: one that cannot be installed leaves one line in <venv>/<name>.missing, printed here and
+# given by lab.lowering as the reason its tests skip, and the install goes on.
+COMPILERS = $(1)/.compilers
+# $(1) the venv, $(2) its folder (libtpu, cuda), $(3) the extra, $(4) the packages it holds,
+# $(5) the lock that pins them (empty: the newest).
+define COMPILER
+rm -rf $(1)/$(2) $(1)/$(2).missing
+$(call UV,$(1)) pip freeze --python $(1)/bin/python --exclude-editable > $(1)/installed.txt
+{ $(call UV,$(1)) pip compile --quiet --python $(1)/bin/python pyproject.toml --extra $(3) -c $(1)/installed.txt \
+	$(if $(5),-c $(5)) --no-header -o $(1)/$(2).txt && $(call UV,$(1)) pip install --quiet --python $(1)/bin/python \
+	--no-deps --target $(1)/$(2) -c $(1)/$(2).txt $(if $(5),-c $(5)) $(4); } 2>$(1)/$(2).log \
+	|| { echo "$(4) (extra $(3), for jax $$($(1)/bin/python -c 'import jax; print(jax.__version__)')) could not be \
+	installed: $$(grep -m1 -oE '(Because|Failed|error).*' $(1)/$(2).log || head -n1 $(1)/$(2).log); the checks that \
+	need it are skipped" | tee $(1)/$(2).missing; rm -rf $(1)/$(2); }
+endef
+define INSTALL_COMPILERS
+$(call COMPILER,$(1),libtpu,tpu,libtpu,$(2))
+$(call COMPILER,$(1),cuda,cuda-compile,jax-cuda13-plugin jax-cuda13-pjrt nvidia-cuda-nvcc nvidia-nvvm nvidia-cuda-crt,$(2))
+touch $(call COMPILERS,$(1))
+endef
+
 # JAX's persistent compilation cache, outside the clone; a changed program (kernel, shape,
 # flag, JAX version) misses it and compiles anew. Tests that must compile fresh turn it off.
 # One directory per CPU model and feature set: JAX's cache key names the platform only ("cpu"),
@@ -55,40 +111,63 @@ QUICK_DESELECT := -k "not compile_for_tpu and not compiles_for_tpu and not gpu_c
 
 # The lent GPU machine (python3 with jax[cuda] 0.11.2, no network): `make gpu-wheels` here fetches
 # what it lacks into .whl (git-ignored: the device call carries it), the releases `make test-min`
-# tests; `make gpu-check` there installs them under /tmp/site and runs benchmarks/gpu_check.py
+# tests (lock/gpu.txt pins them with their hashes); `make gpu-check` there installs them under /tmp/site and runs benchmarks/gpu_check.py
 # (its json goes to $OUT). benchmarks/RESULTS.md has the device command.
-GPU_WHEELS := flax==0.12.10 optax==0.2.5 ml-collections==1.1.0 sentencepiece==0.2.0
+GPU_WHEELS := flax optax ml-collections sentencepiece
 GPU_PYTHON ?= python3
 GPU_BUDGET_S ?= 400
 
-.PHONY: python demo demo-fast lint test test-quick test-min test-slow clean gpu-wheels gpu-check
+.PHONY: python lock demo demo-fast lint test test-quick test-min test-newest test-slow clean gpu-wheels gpu-check
 
 python:
 	@"$(PYTHON)" -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null || { echo "error: make needs Python >= 3.12 \
 	(found: $(or $(PYTHON),none of python3 / python3.13 / python3.12)); install one, or run make PYTHON=/path/to/python3.12" >&2; exit 1; }
 
-$(STAMP): pyproject.toml | python
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet --upgrade -e '.[test,hf]'
-	$(call LIBTPU,$(VENV))
-	@$(PY) -c 'import sys, jax; print(f"installed: Python {sys.version.split()[0]}, jax {jax.__version__}")'
+$(STAMP): pyproject.toml $(LOCK) $(TOOLS_LOCK) | python
+	$(call INSTALL,$(VENV),$(LOCK))
 	touch $(STAMP)
 
-$(MIN_STAMP): pyproject.toml | python
-	test -x $(MIN_VENV)/bin/python || $(PYTHON) -m venv $(MIN_VENV)
-	$(MIN_VENV)/bin/python -m pip install --quiet --upgrade pip uv
-	$(MIN_VENV)/bin/python -m uv pip install --quiet --python $(MIN_VENV)/bin/python --resolution lowest-direct \
-		-e '.[test,hf]'
-	$(call LIBTPU,$(MIN_VENV))
-	@$(MIN_VENV)/bin/python -c 'import sys, jax; print(f"installed: Python {sys.version.split()[0]}, jax {jax.__version__}")'
+$(MIN_STAMP): pyproject.toml $(MIN_LOCK) $(TOOLS_LOCK) | python
+	$(call INSTALL,$(MIN_VENV),$(MIN_LOCK))
 	touch $(MIN_STAMP)
 
-$(call CUDA_STAMP,$(VENV)): $(STAMP)
-	$(call CUDA_COMPILER,$(VENV))
+$(call COMPILERS,$(VENV)): $(STAMP)
+	$(call INSTALL_COMPILERS,$(VENV),$(LOCK))
 
-$(call CUDA_STAMP,$(MIN_VENV)): $(MIN_STAMP)
-	$(call CUDA_COMPILER,$(MIN_VENV))
+$(call COMPILERS,$(MIN_VENV)): $(MIN_STAMP)
+	$(call INSTALL_COMPILERS,$(MIN_VENV),$(MIN_LOCK))
+
+# uv alone, for `make lock` (`make lock` needs no install).
+$(call UV,$(VENV)): $(TOOLS_LOCK) | python
+	test -x $(PY) || "$(PYTHON)" -m venv $(VENV)
+	$(PY) -m pip --isolated install --quiet --require-hashes --no-deps -r $(TOOLS_LOCK)
+
+LOCK_WITH = $(call UV,$(VENV)) pip compile --quiet --universal --python-version 3.12 --generate-hashes \
+	--custom-compile-command "make lock" $(if $(UPGRADE),--upgrade)
+lock: $(call UV,$(VENV))
+	$(LOCK_WITH) pyproject.toml $(LOCK_EXTRAS) -o $(LOCK)
+	echo '$(DIGEST_LINE)' >> $(LOCK)
+	$(LOCK_WITH) pyproject.toml $(LOCK_EXTRAS) --resolution lowest-direct -o $(MIN_LOCK)
+	echo '$(DIGEST_LINE)' >> $(MIN_LOCK)
+	printf 'uv\npip\nsetuptools>=68\n' | $(LOCK_WITH) - -o $(TOOLS_LOCK)
+	printf '%s\n' $(GPU_WHEELS) | $(LOCK_WITH) - --no-deps -c $(MIN_LOCK) -o $(GPU_LOCK)
+	@echo "lock/ written ($$(grep -m1 -oE '^jax==\S+' $(LOCK))): run make test, then commit lock/ in a commit of its own with the reason"
+
+# The newest releases pyproject.toml allows, resolved afresh into their own venv at each call, and
+# the suite on them; a release that cannot be installed stops it with one line (a compiler: one
+# line, and its checks skipped). Not part of `make test` or CI: where it passes, `make lock
+# UPGRADE=1` moves the lock to them (README).
+test-newest: | python
+	rm -rf $(NEWEST_VENV)
+	"$(PYTHON)" -m venv $(NEWEST_VENV)
+	$(NEWEST_VENV)/bin/python -m pip --isolated install --quiet --require-hashes --no-deps -r $(TOOLS_LOCK)
+	@$(call UV,$(NEWEST_VENV)) pip install --quiet --refresh --python $(NEWEST_VENV)/bin/python -e '.[test,hf]' \
+		2>$(NEWEST_VENV)/install.log || { echo "error: the newest releases do not install: \
+	$$(grep -m1 -oE '(Because|Failed|error).*' $(NEWEST_VENV)/install.log || head -n1 $(NEWEST_VENV)/install.log)" >&2; exit 1; }
+	@$(NEWEST_VENV)/bin/python -c 'import sys, jax; print(f"installed the newest: Python {sys.version.split()[0]}, jax {jax.__version__}")'
+	$(call INSTALL_COMPILERS,$(NEWEST_VENV),)
+	$(NEWEST_VENV)/bin/python -m ruff check .
+	JAX_COMPILATION_CACHE_DIR=$(JAX_COMPILATION_CACHE_DIR)-newest $(NEWEST_VENV)/bin/python -m pytest -q -n 2
 
 demo: $(STAMP)
 	$(PY) demo.py
@@ -100,27 +179,27 @@ lint: $(STAMP)
 	$(PY) -m ruff check .
 
 # Two workers (pytest-xdist): compiling dominates, and one process leaves a core idle.
-test: lint $(call CUDA_STAMP,$(VENV))
+test: lint $(call COMPILERS,$(VENV))
 	$(PY) -m pytest -q -n 2
 
-test-quick: lint $(call CUDA_STAMP,$(VENV))
+test-quick: lint $(call COMPILERS,$(VENV))
 	$(foreach m,$(QUICK_SKIP),$(if $(wildcard tests/$(m).py),,$(error QUICK_SKIP: no file tests/$(m).py)))
 	@echo "test-quick leaves out: $(QUICK_SKIP), and the TPU compiles and the GPU check elsewhere (make test runs them)"
 	$(PY) -m pytest -q -n 2 $(foreach m,$(QUICK_SKIP),--ignore=tests/$(m).py) $(QUICK_DESELECT)
 
 # The older JAX keeps its own compilation cache: one release need not read what the other wrote.
-test-min: $(MIN_STAMP) $(call CUDA_STAMP,$(MIN_VENV))
+test-min: $(call COMPILERS,$(MIN_VENV))
 	JAX_COMPILATION_CACHE_DIR=$(JAX_COMPILATION_CACHE_DIR)-min $(MIN_VENV)/bin/python -m pytest -q -n 2 $(MIN_TESTS)
 
-test-slow: $(STAMP)
+test-slow: $(call COMPILERS,$(VENV))
 	$(PY) -m pytest -q -m slow
 
 clean:
 	rm -rf runs .pytest_cache
 
 gpu-wheels: $(STAMP)
-	$(PY) -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-		--platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .whl $(GPU_WHEELS)
+	$(PY) -m pip --isolated download --quiet --no-deps --require-hashes --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .whl -r $(GPU_LOCK)
 
 gpu-check:
 	@if [ -d .whl ]; then $(GPU_PYTHON) -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \

@@ -186,11 +186,29 @@ TPU_HBM_GIB = {"v4": 32, "v5e": 16, "v5p": 95, "v6e": 32}
 TOPOLOGY = re.compile(r"(v4|v5e|v5p|v6e):(\d+(?:x\d+){1,2})")
 
 
+class CompilerMissing(ValueError):
+    """A compiler for an accelerator (libtpu, jax's CUDA plugin) is not installed here: the checks
+    that compile for that accelerator cannot run (the tests skip them, with this line as the reason)."""
+
+
+def compilers_dir() -> str:
+    """Where `make` puts the compilers, off the import path: beside the interpreter's environment
+    (<venv>/libtpu, <venv>/cuda), or POSITIONAL_COMPILERS."""
+    return os.environ.get("POSITIONAL_COMPILERS", sys.prefix)
+
+
+def compiler_missing(name: str, advice: str) -> CompilerMissing:
+    """The one line for a missing compiler: the install's own line where `make` could not install
+    it (<venv>/<name>.missing: which release, asked for by which JAX, and why), else `advice`."""
+    note = os.path.join(compilers_dir(), f"{name}.missing")
+    return CompilerMissing(open(note).read().strip() if os.path.isfile(note) else advice)
+
+
 def libtpu_path() -> str | None:
     """The TPU compiler JAX will load: TPU_LIBRARY_PATH, an installed libtpu module, or the one
     `make` puts beside the interpreter's environment (<venv>/libtpu, off the import path)."""
     found = cloud_tpu_init.get_tpu_library_path()
-    beside = os.path.join(sys.prefix, "libtpu", "libtpu", "libtpu.so")
+    beside = os.path.join(compilers_dir(), "libtpu", "libtpu", "libtpu.so")
     return found or (beside if os.path.isfile(beside) else None)
 
 
@@ -204,8 +222,8 @@ def tpu_topology(name: str) -> list:
     jax.devices()  # this host's own backends first: with the library named, JAX would look for a TPU
     path = libtpu_path()
     if path is None:
-        raise ValueError("compiling for TPU needs the TPU compiler (libtpu): run `make` (installs it in "
-                         ".venv/libtpu) or `pip install -e '.[tpu]'`")
+        raise compiler_missing("libtpu", "compiling for TPU needs the TPU compiler (libtpu): run `make` (installs it "
+                               "in .venv/libtpu) or `pip install -e '.[tpu]'`")
     os.environ["TPU_LIBRARY_PATH"] = path
     # libtpu reads this host's TPU from these when it loads and, on a host without one, prints a
     # page of errors; they do not choose what is compiled for (the topology does). Its lock
@@ -252,7 +270,7 @@ platform_name: "CUDA" dnn_version_info {{ major: 9 minor: 10 }} device_descripti
 def cuda_plugin_path() -> str | None:
     """Where `make` puts jax's CUDA plugin with the compilers it calls (ptxas, libdevice):
     <venv>/cuda, off the import path (JAX would otherwise try to start a GPU at every run)."""
-    beside = os.path.join(sys.prefix, "cuda")
+    beside = os.path.join(compilers_dir(), "cuda")
     return beside if os.path.isdir(os.path.join(beside, *CUDA_PLUGIN.split("."))) else None
 
 
@@ -267,8 +285,8 @@ def gpu_topology(name: str) -> list:
     jax.devices()  # this host's own backends first
     path = cuda_plugin_path()
     if path is None and importlib.util.find_spec(CUDA_PLUGIN) is None:
-        raise ValueError("compiling for GPU needs jax's CUDA plugin: run `make` (installs it in .venv/cuda) or "
-                         "`pip install -U 'jax[cuda13]'`")
+        raise compiler_missing("cuda", "compiling for GPU needs jax's CUDA plugin: run `make` (installs it in "
+                               ".venv/cuda) or `pip install -e '.[cuda-compile]'`")
     if xla_bridge.canonicalize_platform("cuda") not in xla_bridge._topology_factories:
         if path is not None:  # its library, registered for its compiler alone (nothing imported)
             xla_bridge.register_plugin("cuda", priority=500, options=xla_client.generate_pjrt_gpu_plugin_options(),
