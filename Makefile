@@ -38,10 +38,10 @@ UV = $(1)/bin/uv
 DEPS_DIGEST = $(shell "$(PYTHON)" -c 'import hashlib, json, tomllib; p = tomllib.load(open("pyproject.toml", "rb"))["project"]; \
 	print(hashlib.sha256(json.dumps([p["requires-python"], p["dependencies"], p["optional-dependencies"]]).encode()).hexdigest()[:16])' 2>/dev/null)
 DIGEST_LINE = \# made from the dependencies of pyproject.toml, digest $(DEPS_DIGEST) (Makefile: DEPS_DIGEST)
-define CHECK_LOCK
-@grep -qxF "$(DIGEST_LINE)" $(1) || { echo "error: $(1) was not made from pyproject.toml's dependencies as they are now \
-(changed without \`make lock\`): run make lock, then commit lock/ in a commit of its own" >&2; exit 1; }
-endef
+# (make's own error line: one line, and make stops before anything is changed)
+CHECK_LOCK = $(if $(shell grep -qxF "$(DIGEST_LINE)" $(1) && echo current),,$(error $(1) was not made from \
+	pyproject.toml's dependencies as they are now (changed without `make lock`): run make lock, then commit lock/ in a \
+	commit of its own))
 
 # A venv made anew from a lock: $(1) the venv, $(2) the lock. Made anew, so it holds what the lock
 # says and nothing left from an earlier one; uv's download cache makes that quick.
@@ -51,6 +51,7 @@ rm -rf $(1)
 "$(PYTHON)" -m venv $(1)
 $(1)/bin/python -m pip --isolated install --quiet --require-hashes --no-deps -r $(TOOLS_LOCK)
 $(call UV,$(1)) pip install --quiet --python $(1)/bin/python -c $(2) -b $(TOOLS_LOCK) -e '.[test,hf]'
+echo "$(2) sha256:$$(sha256sum $(2) | cut -d' ' -f1)" > $(1)/installed-from
 @$(1)/bin/python -c 'import sys, jax; print(f"installed from $(2): Python {sys.version.split()[0]}, jax {jax.__version__}")'
 endef
 
@@ -63,6 +64,8 @@ endef
 # checks: one that cannot be installed leaves one line in <venv>/<name>.missing, printed here and
 # given by lab.lowering as the reason its tests skip, and the install goes on.
 COMPILERS = $(1)/.compilers
+# Why uv failed, in one line, from its log $(1): the resolver's reason ("Because ... asks for ..."), else its error.
+WHY = $$(grep -m1 -oE 'Because.*' $(1) || grep -m1 -oE '(error|Failed).*' $(1) || head -n1 $(1))
 # $(1) the venv, $(2) its folder (libtpu, cuda), $(3) the extra, $(4) the packages it holds,
 # $(5) the lock that pins them (empty: the newest).
 define COMPILER
@@ -72,7 +75,7 @@ $(call UV,$(1)) pip freeze --python $(1)/bin/python --exclude-editable > $(1)/in
 	$(if $(5),-c $(5)) --no-header -o $(1)/$(2).txt && $(call UV,$(1)) pip install --quiet --python $(1)/bin/python \
 	--no-deps --target $(1)/$(2) -c $(1)/$(2).txt $(if $(5),-c $(5)) $(4); } 2>$(1)/$(2).log \
 	|| { echo "$(4) (extra $(3), for jax $$($(1)/bin/python -c 'import jax; print(jax.__version__)')) could not be \
-	installed: $$(grep -m1 -oE '(Because|Failed|error).*' $(1)/$(2).log || head -n1 $(1)/$(2).log); the checks that \
+	installed: $(call WHY,$(1)/$(2).log); the checks that \
 	need it are skipped" | tee $(1)/$(2).missing; rm -rf $(1)/$(2); }
 endef
 define INSTALL_COMPILERS
@@ -117,11 +120,12 @@ GPU_WHEELS := flax optax ml-collections sentencepiece
 GPU_PYTHON ?= python3
 GPU_BUDGET_S ?= 400
 
-.PHONY: python lock demo demo-fast lint test test-quick test-min test-newest test-slow clean gpu-wheels gpu-check
+.PHONY: python lock check-lock demo demo-fast lint test test-quick test-min test-newest test-slow clean gpu-wheels gpu-check
 
 python:
-	@"$(PYTHON)" -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null || { echo "error: make needs Python >= 3.12 \
-	(found: $(or $(PYTHON),none of python3 / python3.13 / python3.12)); install one, or run make PYTHON=/path/to/python3.12" >&2; exit 1; }
+	$(if $(shell "$(PYTHON)" -c 'import sys; print(sys.version_info >= (3, 12) or "")' 2>/dev/null),,$(error make needs \
+	Python >= 3.12 (found: $(or $(PYTHON),none of python3 / python3.13 / python3.12)): install one, or run make \
+	PYTHON=/path/to/python3.12))
 
 $(STAMP): pyproject.toml $(LOCK) $(TOOLS_LOCK) | python
 	$(call INSTALL,$(VENV),$(LOCK))
@@ -136,6 +140,11 @@ $(call COMPILERS,$(VENV)): $(STAMP)
 
 $(call COMPILERS,$(MIN_VENV)): $(MIN_STAMP)
 	$(call INSTALL_COMPILERS,$(MIN_VENV),$(MIN_LOCK))
+
+# Whether lock/ was made from pyproject.toml's dependencies as they are (tests/project/test_install.py).
+check-lock: | python
+	$(call CHECK_LOCK,$(LOCK))
+	$(call CHECK_LOCK,$(MIN_LOCK))
 
 # uv alone, for `make lock` (`make lock` needs no install).
 $(call UV,$(VENV)): $(TOOLS_LOCK) | python
@@ -163,7 +172,7 @@ test-newest: | python
 	$(NEWEST_VENV)/bin/python -m pip --isolated install --quiet --require-hashes --no-deps -r $(TOOLS_LOCK)
 	@$(call UV,$(NEWEST_VENV)) pip install --quiet --refresh --python $(NEWEST_VENV)/bin/python -e '.[test,hf]' \
 		2>$(NEWEST_VENV)/install.log || { echo "error: the newest releases do not install: \
-	$$(grep -m1 -oE '(Because|Failed|error).*' $(NEWEST_VENV)/install.log || head -n1 $(NEWEST_VENV)/install.log)" >&2; exit 1; }
+	$(call WHY,$(NEWEST_VENV)/install.log)" >&2; exit 1; }
 	@$(NEWEST_VENV)/bin/python -c 'import sys, jax; print(f"installed the newest: Python {sys.version.split()[0]}, jax {jax.__version__}")'
 	$(call INSTALL_COMPILERS,$(NEWEST_VENV),)
 	$(NEWEST_VENV)/bin/python -m ruff check .

@@ -60,6 +60,7 @@ from absl import app, flags
 from benchmarks.attention import fwd_bwd, timed
 from configs.default import get_config
 from lab.state import init_state, make_train_step, mesh_and_batch
+from lab.provenance import stamped
 from models.registry import make_scheme
 from positional import vendor
 from positional.attention import attention
@@ -378,7 +379,7 @@ def modules() -> dict:
 def save(result: dict, path: str) -> None:
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path + ".part", "w") as f:
-        json.dump(result, f, indent=1)
+        json.dump(stamped(result), f, indent=1)
     os.replace(path + ".part", path)
 
 

@@ -29,6 +29,7 @@ from absl import app, flags
 from flax import nnx
 
 from data.grid2d import grid_batch
+from lab.provenance import stamped
 from models.features import SchemeFeatures
 from models.lm import DecoderLM, ModelConfig
 from positional import espr
@@ -207,8 +208,8 @@ def benchmark() -> list[dict]:
                                          if m in COMMUTATOR_PENALTY},
                   "shifts": {s: SHIFTS[s] for s in shifts}}
         with open(FLAGS.json, "w") as f:
-            json.dump({"config": config, "jax": jax.__version__, "runs": rows, "summary": table,
-                       **by_arm(rows, shifts)}, f, indent=1)
+            json.dump(stamped({"config": config, "jax": jax.__version__, "runs": rows, "summary": table,
+                               **by_arm(rows, shifts)}), f, indent=1)
     if FLAGS.plot:
         plot(table, FLAGS.plot)
     return rows

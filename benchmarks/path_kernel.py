@@ -38,6 +38,7 @@ from absl import app, flags
 
 from benchmarks.attention import timed
 from lab.lowering import max_registers
+from lab.provenance import stamped
 from positional.fox import forget_bias
 from positional.path.chunked import chunked_attention
 from positional.path.kernel import TRANSPORT, path_attention
@@ -347,7 +348,7 @@ def benchmark() -> dict:
         result = timings()
     if FLAGS.json:
         with open(FLAGS.json, "w") as f:
-            json.dump(result, f, indent=1)
+            json.dump(stamped(result), f, indent=1)
     return result
 
 

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from absl import app, flags
 
 from benchmarks.attention import timed
+from lab.provenance import stamped
 from positional.attention import blockwise_attention, reference_attention
 from positional.tapa import tapa_attention, tapa_score_fn
 
@@ -147,7 +148,7 @@ def main(argv):
                  tiles, FLAGS.reference_max)
     if FLAGS.json:
         with open(FLAGS.json, "w") as f:
-            json.dump({"device": jax.devices()[0].device_kind, "checks": checks, "rows": rows}, f, indent=1)
+            json.dump(stamped({"device": jax.devices()[0].device_kind, "checks": checks, "rows": rows}), f, indent=1)
     print(table(rows))
 
 

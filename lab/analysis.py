@@ -43,7 +43,6 @@ which padding rows would change); results reach every process's host through
 from __future__ import annotations
 
 import functools
-import json
 import math
 import re
 import time
@@ -53,7 +52,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from lab import files
+from lab import files, provenance
 from lab.distributed import place_windows, to_host
 from lab.lengths import checked, checked_list, eval_impl
 from lab.probes import available_memory, check_memory, maps_bytes
@@ -567,7 +566,7 @@ SECTIONS = {"decompositions": decompositions_section, "perturbations": perturbat
 
 def write_analysis(results: dict, maps: dict, out: str, parts=PARTS, stem: str = "analysis") -> str:
     """<stem>.json, <stem>.md and the plots of the `parts`; returns the markdown."""
-    files.write_text(files.join(out, f"{stem}.json"), json.dumps(results, indent=1))
+    provenance.write_results(files.join(out, f"{stem}.json"), results, indent=1)
     if not results["runs"]:  # every run skipped (no attention): nothing to tabulate or plot
         parts = ()
     md = "\n\n".join(text for part in parts for text in SECTIONS[part](results, maps, out)) + "\n"

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import math
 import time
 
@@ -24,7 +23,7 @@ import numpy as np
 from flax import nnx
 
 from data import tasks
-from lab import distributed, files
+from lab import distributed, files, provenance
 from lab.lowering import hbm_per_device, memory, platform_of, target, topology_devices
 from lab.runs import abstract_run, device_memory, held_out_documents, held_out_stream, named_runs, pyplot
 from models.lm import DecoderLM, token_nll
@@ -506,13 +505,13 @@ def log_ticks(ax) -> None:
 
 
 def write_report(results: dict, out: str) -> str:
-    files.write_text(files.join(out, "results.json"), json.dumps(results, indent=2))
+    provenance.write_results(files.join(out, "results.json"), results, indent=2)
     has_lm = bool(_runs(results, task=False))
     table = markdown_table(results) if has_lm else ""
     if _runs(results, task=True):
         table += ("\n" if table else "") + task_table(results)
         task_plot(results, files.join(out, "tasks.png"))
-    files.write_text(files.join(out, "results.md"), table)
+    files.write_text(files.join(out, "results.md"), f"{table}\nComputed with {provenance.describe(provenance.environment())}.\n")
     if has_lm:
         plot(results, files.join(out, "results.png"))
     return table

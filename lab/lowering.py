@@ -204,6 +204,17 @@ def compiler_missing(name: str, advice: str) -> CompilerMissing:
     return CompilerMissing(open(note).read().strip() if os.path.isfile(note) else advice)
 
 
+def require_compiler(platform: str) -> None:
+    """One CompilerMissing line where the compiler for `platform` ("tpu": libtpu, "cuda": jax's
+    CUDA plugin) is not installed here."""
+    if platform == "tpu" and libtpu_path() is None:
+        raise compiler_missing("libtpu", "compiling for TPU needs the TPU compiler (libtpu): run `make` (installs it "
+                               "in .venv/libtpu) or `pip install -e '.[tpu]'`")
+    if platform == "cuda" and cuda_plugin_path() is None and not plugin_on_path():
+        raise compiler_missing("cuda", "compiling for GPU needs jax's CUDA plugin: run `make` (installs it in "
+                               ".venv/cuda) or `pip install -e '.[cuda-compile]'`")
+
+
 def libtpu_path() -> str | None:
     """The TPU compiler JAX will load: TPU_LIBRARY_PATH, an installed libtpu module, or the one
     `make` puts beside the interpreter's environment (<venv>/libtpu, off the import path)."""
@@ -220,11 +231,8 @@ def tpu_topology(name: str) -> list:
         raise ValueError(f"unknown TPU topology {name!r}: pass <generation>:<chips per axis>, generation one "
                          f"of {', '.join(TPU_HBM_GIB)}, e.g. v4:2x2x1, v5e:2x2, v5p:2x2x4, v6e:2x2")
     jax.devices()  # this host's own backends first: with the library named, JAX would look for a TPU
-    path = libtpu_path()
-    if path is None:
-        raise compiler_missing("libtpu", "compiling for TPU needs the TPU compiler (libtpu): run `make` (installs it "
-                               "in .venv/libtpu) or `pip install -e '.[tpu]'`")
-    os.environ["TPU_LIBRARY_PATH"] = path
+    require_compiler("tpu")
+    os.environ["TPU_LIBRARY_PATH"] = libtpu_path()
     # libtpu reads this host's TPU from these when it loads and, on a host without one, prints a
     # page of errors; they do not choose what is compiled for (the topology does). Its lock
     # file, which keeps a second process off a TPU, would stop two compiling processes.
@@ -267,6 +275,14 @@ platform_name: "CUDA" dnn_version_info {{ major: 9 minor: 10 }} device_descripti
 """
 
 
+def plugin_on_path() -> bool:
+    """Whether jax's CUDA plugin is importable (installed on the path: a GPU host's jax[cuda13])."""
+    try:
+        return importlib.util.find_spec(CUDA_PLUGIN) is not None
+    except ModuleNotFoundError:  # no jax_plugins package at all
+        return False
+
+
 def cuda_plugin_path() -> str | None:
     """Where `make` puts jax's CUDA plugin with the compilers it calls (ptxas, libdevice):
     <venv>/cuda, off the import path (JAX would otherwise try to start a GPU at every run)."""
@@ -283,10 +299,8 @@ def gpu_topology(name: str) -> list:
         raise ValueError(f"unknown GPU topology {name!r}: pass <gpu>:[<hosts>x]<gpus per host>, gpu one of "
                          f"{', '.join(GPUS)}, e.g. h100:8, h200:1, h100:2x8")
     jax.devices()  # this host's own backends first
+    require_compiler("cuda")
     path = cuda_plugin_path()
-    if path is None and importlib.util.find_spec(CUDA_PLUGIN) is None:
-        raise compiler_missing("cuda", "compiling for GPU needs jax's CUDA plugin: run `make` (installs it in "
-                               ".venv/cuda) or `pip install -e '.[cuda-compile]'`")
     if xla_bridge.canonicalize_platform("cuda") not in xla_bridge._topology_factories:
         if path is not None:  # its library, registered for its compiler alone (nothing imported)
             xla_bridge.register_plugin("cuda", priority=500, options=xla_client.generate_pjrt_gpu_plugin_options(),

@@ -10,14 +10,13 @@ reach every process's host through `distributed.to_host`."""
 
 from __future__ import annotations
 
-import json
 import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lab import files
+from lab import files, provenance
 from lab.distributed import place_windows, to_host
 from lab.runs import held_out_windows, named_runs, pyplot
 from models.lm import attention_internals
@@ -116,7 +115,7 @@ def probe_summary(results: dict) -> dict:
 def probe_report(results: dict, out: str) -> str:
     """probes.json, probes.md (one row per run and layer) and probes.png."""
     plt = pyplot()
-    files.write_text(files.join(out, "probes.json"), json.dumps(results, indent=2))
+    provenance.write_results(files.join(out, "probes.json"), results, indent=2)
     lines = ["| run | layer | far mass (window: mass) | spectral gap min / median | "
              "norm of E[P_n], n = 16 / 128 | far value norm, transported / identity |",
              "|---|---|---|---|---|---|"]
@@ -207,7 +206,7 @@ def near_far_summary(results: dict) -> dict:
 def near_far_report(results: dict, out: str) -> str:
     """near_far.json, near_far.md and near_far.png (one histogram per run)."""
     plt = pyplot()
-    files.write_text(files.join(out, "near_far.json"), json.dumps(results))
+    provenance.write_results(files.join(out, "near_far.json"), results)
     near, far = results["near"], results["far"]
     fig, ax = plt.subplots(figsize=(6, 4))
     lines = ["| run | mean | std | pairs |", "|---|---|---|---|"]

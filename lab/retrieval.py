@@ -49,7 +49,6 @@ reach every process through `distributed.to_host`, and process 0 writes the repo
 from __future__ import annotations
 
 import functools
-import json
 import time
 
 import jax
@@ -60,7 +59,7 @@ from flax import nnx
 from data.needles import TASKS, Example, example_seed, make_example, separators
 from data.pipeline import tokenizer as run_tokenizer
 from data.tasks import is_task
-from lab import distributed, files
+from lab import distributed, files, provenance
 from lab.lengths import checked, checked_list, eval_impl, eval_lengths
 from lab.runs import held_out_stream, named_runs, pyplot
 from models.lm import generate
@@ -345,7 +344,7 @@ def plot_lengths(results: dict, path: str) -> None:
 def report(results: dict, out: str) -> str:
     """retrieval.json, retrieval.md, retrieval_heatmaps.png and retrieval.png (the plots where a
     run was scored)."""
-    files.write_text(files.join(out, "retrieval.json"), json.dumps(results, indent=2))
+    provenance.write_results(files.join(out, "retrieval.json"), results, indent=2)
     text = markdown(results)
     files.write_text(files.join(out, "retrieval.md"), text)
     if results["runs"]:

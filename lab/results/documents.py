@@ -19,6 +19,7 @@ import numpy as np
 from absl import app, flags
 
 from lab.stats import bootstrap, log_ppl
+from lab.provenance import stamped
 
 FLAGS = flags.FLAGS
 
@@ -82,7 +83,7 @@ def main(argv):
     print(table(rows, FLAGS.base or next(iter(report["runs"])), report.get("documents", 0)))
     if FLAGS.json:
         with open(FLAGS.json, "w") as f:
-            json.dump({"documents": report.get("documents"), "rows": rows}, f, indent=1)
+            json.dump(stamped({"documents": report.get("documents"), "rows": rows}), f, indent=1)
 
 
 if __name__ == "__main__":  # its flags only for the command: importing the module defines none

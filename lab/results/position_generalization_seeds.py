@@ -27,6 +27,8 @@ import numpy as np
 from absl import app
 from scipy.stats import spearmanr
 
+from lab.provenance import stamped
+
 SCHEMES = ("rope", "rope_qkv", "alibi", "nope", "so2_random_qkv", "so2_learned_qkv", "so2_learned_qkv+alibi",
            "path", "fox", "path_fox")
 
@@ -77,7 +79,7 @@ def main(analysis: str, evals: str, target: str) -> None:
         print(f"Spearman with the {m}x ratio: per seed " + ", ".join(
             f"{v['rho']:.2f} ({v['models']} models)" for v in per_seed.values())
               + f"; of the seed means {means.statistic:.2f} ({len(full)} models, p {means.pvalue:.1g})")
-    json.dump(out, open(target, "w"), indent=1)
+    json.dump(stamped(out), open(target, "w"), indent=1)
 
 
 def decompositions(analysis: str, shift_json: str, target: str) -> None:
@@ -121,7 +123,7 @@ def decompositions(analysis: str, shift_json: str, target: str) -> None:
                                             [ratios[s][str(seed)]["ppl_ratio_64x"] for s in have]).statistic))
         out["spearman_with_64x"][key] = per_seed
         print(f"{key}: Spearman with the 64x ratio per seed " + " / ".join(f"{x:.2f}" for x in per_seed))
-    json.dump(out, open(target, "w"), indent=1)
+    json.dump(stamped(out), open(target, "w"), indent=1)
 
 
 def run(argv):

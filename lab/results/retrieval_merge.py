@@ -13,6 +13,7 @@ import os
 from absl import app
 
 from lab import retrieval
+from lab.provenance import stamped
 
 
 def merge(evals: list[str]) -> dict:
@@ -40,7 +41,7 @@ def merge(evals: list[str]) -> dict:
 
 def main(target: str, *evals: str) -> None:
     merged = merge(list(evals))
-    open(f"{target}.json", "w").write(json.dumps(merged, indent=1))
+    open(f"{target}.json", "w").write(json.dumps(stamped(merged), indent=1))
     retrieval.plot_lengths(merged, f"{target}.png")
     retrieval.plot_heatmaps(merged, f"{target}_heatmaps.png")
     print(retrieval.markdown(merged))

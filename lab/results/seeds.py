@@ -27,6 +27,7 @@ import numpy as np
 from absl import app
 
 from lab.retrieval import by_length
+from lab.provenance import stamped
 
 
 LENGTH, LAG, STEP = "evaluation length (tokens)", "lag", "training step"  # what the columns are
@@ -136,7 +137,7 @@ def main(*args: str) -> None:
                  for s, row in zip(sorted(seeds), values)]
     print("\n".join(means + each))
     with open(target, "w") as f:
-        json.dump(out, f, indent=1)
+        json.dump(stamped(out), f, indent=1)
     if plot:
         draw(out, plot)
 
