@@ -67,23 +67,23 @@ COMPILERS = $(1)/.compilers
 # Why uv failed, in one line, from its log $(1): the resolver's reason ("Because ... asks for ..."), else its error.
 WHY = $$(grep -m1 -oE 'Because.*' $(1) || grep -m1 -oE '(error|Failed).*' $(1) || head -n1 $(1))
 # $(1) the venv, $(2) its folder (libtpu, cuda), $(3) the extra, $(4) the packages it holds,
-# $(5) the lock that pins them (empty: the newest).
+# $(5) the lock that pins them (empty: the newest releases, and a failure stops make).
 define COMPILER
-rm -rf $(1)/$(2) $(1)/$(2).missing
-$(call UV,$(1)) pip freeze --python $(1)/bin/python --exclude-editable > $(1)/installed.txt
-{ $(call UV,$(1)) pip compile --quiet --python $(1)/bin/python pyproject.toml --extra $(3) -c $(1)/installed.txt \
+@rm -rf $(1)/$(2) $(1)/$(2).missing
+@$(call UV,$(1)) pip freeze --quiet --python $(1)/bin/python --exclude-editable > $(1)/installed.txt
+@{ $(call UV,$(1)) pip compile --quiet --python $(1)/bin/python pyproject.toml --extra $(3) -c $(1)/installed.txt \
 	$(if $(5),-c $(5)) --no-header -o $(1)/$(2).txt && $(call UV,$(1)) pip install --quiet --python $(1)/bin/python \
-	--no-deps --target $(1)/$(2) -c $(1)/$(2).txt $(if $(5),-c $(5)) $(4); } 2>$(1)/$(2).log \
-	|| { echo "$(4) (extra $(3), for jax $$($(1)/bin/python -c 'import jax; print(jax.__version__)')) could not be \
-	installed: $(call WHY,$(1)/$(2).log); the checks that \
-	need it are skipped" | tee $(1)/$(2).missing; rm -rf $(1)/$(2); }
+	--no-deps --target $(1)/$(2) -c $(1)/$(2).txt $(if $(5),-c $(5)) $(4); } 2>$(1)/$(2).log || { rm -rf $(1)/$(2); \
+	why="$(4) (extra $(3), for jax $$($(1)/bin/python -c 'import jax; print(jax.__version__)')) could not be \
+	installed: $(call WHY,$(1)/$(2).log)"; \
+	$(if $(5),echo "$$why -- the checks that need it are skipped" | tee $(1)/$(2).missing; , \
+	echo "error: $$why -- the newest releases cannot be locked together: make test-newest stops here" >&2; exit 1; ) }
 endef
 define INSTALL_COMPILERS
 $(call COMPILER,$(1),libtpu,tpu,libtpu,$(2))
 $(call COMPILER,$(1),cuda,cuda-compile,jax-cuda13-plugin jax-cuda13-pjrt nvidia-cuda-nvcc nvidia-nvvm nvidia-cuda-crt,$(2))
-touch $(call COMPILERS,$(1))
+@touch $(call COMPILERS,$(1))
 endef
-
 # JAX's persistent compilation cache, outside the clone; a changed program (kernel, shape,
 # flag, JAX version) misses it and compiles anew. Tests that must compile fresh turn it off.
 # One directory per CPU model and feature set: JAX's cache key names the platform only ("cpu"),
@@ -163,9 +163,9 @@ lock: $(call UV,$(VENV))
 	@echo "lock/ written ($$(grep -m1 -oE '^jax==\S+' $(LOCK))): run make test, then commit lock/ in a commit of its own with the reason"
 
 # The newest releases pyproject.toml allows, resolved afresh into their own venv at each call, and
-# the suite on them; a release that cannot be installed stops it with one line (a compiler: one
-# line, and its checks skipped). Not part of `make test` or CI: where it passes, `make lock
-# UPGRADE=1` moves the lock to them (README).
+# the suite on them; a release that cannot be installed, a compiler of the newest JAX among them,
+# stops it with one line (the lock, which holds the compilers, cannot move there). Not part of
+# `make test` or CI: where it passes, `make lock UPGRADE=1` moves the lock to them (README).
 test-newest: | python
 	rm -rf $(NEWEST_VENV)
 	"$(PYTHON)" -m venv $(NEWEST_VENV)
