@@ -85,16 +85,17 @@ def test_a_step_over_the_chips_memory_fails_in_one_line(monkeypatch):
     assert "per device on v5e:1x1, over the 0.00 GiB of its memory" in result["failure"], result["failure"]
 
 
-def test_bad_topology_or_no_libtpu_is_one_line(monkeypatch):
+def test_bad_topology_or_no_libtpu_is_one_line(monkeypatch, tmp_path):
     run = compile_for("--topology", "v9x:2x2", "--config", "configs/default.py:rope")
     assert run.returncode == 1 and run.stderr.strip().count("\n") == 0, run.stderr
     assert "unknown topology 'v9x:2x2': pass a TPU topology <generation>:<chips per axis>" in run.stderr
     monkeypatch.setattr(lowering, "libtpu_path", lambda: None)
+    monkeypatch.setenv("POSITIONAL_COMPILERS", str(tmp_path))  # no line left by an install that failed
     with pytest.raises(ValueError, match=r"needs the TPU compiler \(libtpu\): run `make`"):
         tpu_topology("v5e:2x2")
 
 
-def test_gpu_hosts_and_their_one_line_failures(monkeypatch):
+def test_gpu_hosts_and_their_one_line_failures(monkeypatch, tmp_path):
     """h100:2x8 is 2 hosts of 8 H100s, each the memory nvidia-smi gives an H100 80GB; a GPU the
     table lacks, or no CUDA plugin, is one line naming what to do."""
     devices = gpu_topology("h100:2x8")
@@ -108,6 +109,7 @@ def test_gpu_hosts_and_their_one_line_failures(monkeypatch):
     with pytest.raises(ValueError, match="unknown GPU topology 'h100:x8': pass <gpu>:"):
         gpu_topology("h100:x8")
     monkeypatch.setattr(lowering, "cuda_plugin_path", lambda: None)
+    monkeypatch.setenv("POSITIONAL_COMPILERS", str(tmp_path))
     monkeypatch.setattr(lowering.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ValueError, match=r"compiling for GPU needs jax's CUDA plugin: run `make`"):
         gpu_topology("h100:8")
