@@ -64,8 +64,10 @@ endef
 # checks: one that cannot be installed leaves one line in <venv>/<name>.missing, printed here and
 # given by lab.lowering as the reason its tests skip, and the install goes on.
 COMPILERS = $(1)/.compilers
-# Why uv failed, in one line, from its log $(1): the resolver's reason ("Because ... asks for ..."), else its error.
-WHY = $$(grep -m1 -oE 'Because.*' $(1) || grep -m1 -oE '(error|Failed).*' $(1) || head -n1 $(1))
+# Why uv failed, in one line, from its log $(1): the resolver's first reason ("Because ... depends on ...",
+# which uv wraps to the terminal's width), else its error.
+WHY = $$(tr '\n' ' ' < $(1) | tr -s ' ' | grep -oE 'Because.*' | sed -E 's/\. .*/./' | grep . \
+	|| grep -m1 -oE '(error|Failed).*' $(1) || head -n1 $(1))
 # $(1) the venv, $(2) its folder (libtpu, cuda), $(3) the extra, $(4) the packages it holds,
 # $(5) the lock that pins them (empty: the newest releases, and a failure stops make).
 define COMPILER

@@ -4,6 +4,7 @@ evaluator name in a config fails before training."""
 
 import json
 
+import jax
 import pytest
 
 from lab.evaluators import EVALUATORS, evaluate
@@ -53,6 +54,7 @@ def test_training_runs_evaluators_on_its_live_model(tmp_path):
     live = json.load(open(tmp_path / "evals" / "4" / "transport" / "probes.json"))
     # The checkpoint of step 4, loaded the way eval.py loads it, gives the live model's numbers.
     loaded = EVALUATORS["transport"].run([str(tmp_path)], length=64, log=lambda *_: None)
+    assert live.pop("environment")["jax"] == jax.__version__  # what computed it (lab/provenance.py)
     assert json.loads(json.dumps(loaded)) == live
     assert records[4]["transport/far_mass_32"] == EVALUATORS["transport"].summary(loaded)["far_mass_32"]
 
