@@ -11,7 +11,6 @@ MIN_VENV := .venv-min
 MIN_STAMP := $(MIN_VENV)/.installed
 # `make test-newest`: the newest releases, resolved afresh (not part of `make test` or CI).
 NEWEST_VENV := .venv-newest
-NEWEST_STAMP := $(NEWEST_VENV)/.installed
 
 # ---- the lock ------------------------------------------------------------------------------
 # Every venv installs from lock/ (uv's requirements format: exact versions with their hashes,
@@ -86,6 +85,7 @@ $(call COMPILER,$(1),libtpu,tpu,libtpu,$(2))
 $(call COMPILER,$(1),cuda,cuda-compile,jax-cuda13-plugin jax-cuda13-pjrt nvidia-cuda-nvcc nvidia-nvvm nvidia-cuda-crt,$(2))
 @touch $(call COMPILERS,$(1))
 endef
+
 # JAX's persistent compilation cache, outside the clone; a changed program (kernel, shape,
 # flag, JAX version) misses it and compiles anew. Tests that must compile fresh turn it off.
 # One directory per CPU model and feature set: JAX's cache key names the platform only ("cpu"),
@@ -116,8 +116,9 @@ QUICK_DESELECT := -k "not compile_for_tpu and not compiles_for_tpu and not gpu_c
 
 # The lent GPU machine (python3 with jax[cuda] 0.11.2, no network): `make gpu-wheels` here fetches
 # what it lacks into .whl (git-ignored: the device call carries it), the releases `make test-min`
-# tests (lock/gpu.txt pins them with their hashes); `make gpu-check` there installs them under /tmp/site and runs benchmarks/gpu_check.py
-# (its json goes to $OUT). benchmarks/RESULTS.md has the device command.
+# tests (lock/gpu.txt pins them with their hashes); `make gpu-check` there installs them under
+# /tmp/site and runs benchmarks/gpu_check.py (its json goes to $OUT). benchmarks/RESULTS.md has
+# the device command.
 GPU_WHEELS := flax optax ml-collections sentencepiece
 GPU_PYTHON ?= python3
 GPU_BUDGET_S ?= 400
