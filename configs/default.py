@@ -31,6 +31,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         d_model=256, num_layers=4, num_heads=4, num_kv_heads=0, head_dim=0, mlp_dim=0,
         scheme=scheme,
         scheme_options=ml_collections.ConfigDict({}),  # e.g. {'base': 5e5, 'scaling': 'yarn'}
+        window=0,  # every layer's sliding window (0: none)
+        # Per-layer attention (models/layers.py): kinds {name: {scheme, scheme_options, window}}, a
+        # pattern of them repeated over the layers ("local*5,global"), single layers ("0=global").
+        layer_kinds=ml_collections.ConfigDict({}), layer_pattern="", layer_overrides="",
         tie_embeddings=True,
         scale_tied_logits=True,  # tied head: logits x E^T / sqrt(d_model); False: x E^T (HF checkpoints)
         qkv_bias=False,  # biases on the q, k, v projections (Qwen2)

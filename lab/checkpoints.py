@@ -303,7 +303,8 @@ def stored_identity(manager, workdir: str) -> dict | None:
     return None
 
 
-OPEN = ("model.scheme_options.", "model.mixer_options.", "data.task.")  # options given only when set
+# Option dicts whose entries are given only when set.
+OPEN = ("model.scheme_options.", "model.mixer_options.", "model.layer_kinds.", "data.task.")
 
 
 def identity_change(stored: dict, config: ml_collections.ConfigDict) -> str | None:

@@ -203,7 +203,7 @@ def quiet() -> None:
     logging.get_absl_logger().addFilter(lambda record: not any(n in record.getMessage() for n in NOISE))
 
 
-OPEN_FIELDS = ("model.scheme_options.", "model.mixer_options.", "eval_options.")
+OPEN_FIELDS = ("model.scheme_options.", "model.mixer_options.", "model.layer_kinds.", "eval_options.")
 
 
 def config_file(file: str):

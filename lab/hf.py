@@ -203,18 +203,39 @@ def model_fields(hf: dict, where: str) -> dict:
             "head_dim": hf.get("head_dim") or hf["hidden_size"] // heads, "mlp_dim": hf["intermediate_size"],
             "scheme": "rope", "scheme_options": rope_options(hf, where),
             "tie_embeddings": bool(hf.get("tie_word_embeddings", False)), "scale_tied_logits": False,
-            "qkv_bias": kind == "qwen2", "norm_eps": float(hf.get("rms_norm_eps", 1e-6))}
+            "qkv_bias": kind == "qwen2", "norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
+            **window_fields(layer_windows(hf, where))}
 
 
-def caveats(hf: dict) -> list[str]:
-    """What of the checkpoint the imported model does not do, one line each (a warning)."""
-    out = []
-    window = hf.get("sliding_window")
-    windowed = hf.get("use_sliding_window", hf.get("model_type") == "mistral") and window
-    if windowed and window < hf["max_position_embeddings"]:
-        out.append(f"the checkpoint attends within a sliding window of {window} tokens; the imported model "
-                   f"attends to its whole context, so the two agree up to {window} tokens only")
-    return out
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def layer_windows(hf: dict, where: str) -> list[int]:
+    """Each layer's sliding window (0: full attention) as transformers builds the model: Mistral's
+    `sliding_window` in every layer; Qwen2's, where use_sliding_window, in the layers its
+    `layer_types` say (else those from max_window_layers on); none in Llama's."""
+    n, kind = hf["num_hidden_layers"], hf.get("model_type")
+    window = hf.get("sliding_window") or 0
+    if kind == "mistral":
+        return [window] * n
+    if kind != "qwen2" or not hf.get("use_sliding_window") or not window:
+        return [0] * n
+    first = hf.get("max_window_layers", n)
+    types = hf.get("layer_types") or [LAYER_TYPES[i >= first] for i in range(n)]
+    unknown = sorted(set(types) - set(LAYER_TYPES))
+    if unknown or len(types) != n:
+        raise ValueError(f"{where}: layer_types {unknown or types} cannot be imported: the importer takes one of "
+                         f"{', '.join(LAYER_TYPES)} per layer ({n} layers)")
+    return [window if t == "sliding_attention" else 0 for t in types]
+
+
+def window_fields(windows: list[int]) -> dict:
+    """The model config fields of per-layer windows: one `window` where every layer has the same,
+    else a kind "sliding" set on the windowed layers (models/layers.py)."""
+    if len(set(windows)) <= 1:
+        return {"window": windows[0] if windows else 0}
+    return {"window": 0, "layer_kinds": {"sliding": {"window": max(windows)}},
+            "layer_overrides": ",".join(f"{i}=sliding" for i, w in enumerate(windows) if w)}
 
 
 def run_config(hf: dict, where: str, workdir: str, seq_len: int = 0,
@@ -228,8 +249,9 @@ def run_config(hf: dict, where: str, workdir: str, seq_len: int = 0,
         fields = model_fields(hf, where)
     except KeyError as e:
         raise ValueError(f"{where} has no {e.args[0]!r}, which a {hf.get('model_type')} config needs") from None
-    config.model.update({k: v for k, v in fields.items() if k != "scheme_options"})
+    config.model.update({k: v for k, v in fields.items() if k not in ("scheme_options", "layer_kinds")})
     config.model.scheme_options = ml_collections.ConfigDict(fields["scheme_options"])
+    config.model.layer_kinds = ml_collections.ConfigDict(fields.get("layer_kinds", {}))
     config.workdir = workdir
     config.seq_len = seq_len or hf["max_position_embeddings"]
     config.train.param_dtype = param_dtype
@@ -371,7 +393,7 @@ def import_checkpoint(source: str, workdir: str, *, seq_len: int = 0, param_dtyp
     params = place_params(tensors, abstract["params"], source, config.model.tie_embeddings)
     step = jax.device_put(jnp.zeros((), jnp.int32), NamedSharding(mesh, P()))
     _write_run(workdir, config, {"params": params, "step": step}, source, files)
-    notes = caveats(hf)
+    notes = []
     if tokenizer is None:
         notes.append(f"{source} has no tokenizer (tokenizer.json, tokenizer.model or *.tiktoken): the run reads text "
                      "as byte-level tokens, which the model was not trained on")
@@ -414,8 +436,9 @@ def train_flags(config) -> list[str]:
     configs/default.py (for `--config.init_from`) and read text with its tokenizer."""
     base = default.get_config(config.model.scheme).model
     flags = [f"--config.model.{k}={v}" for k, v in config.model.items()
-             if k != "scheme_options" and base.get(k) != v]
+             if k not in ("scheme_options", "layer_kinds") and base.get(k) != v]
     flags += [f"--config.model.scheme_options.{k}={v}" for k, v in config.model.scheme_options.items()]
+    flags += [f"--config.model.layer_kinds.{k}={v.to_dict()!r}" for k, v in config.model.layer_kinds.items()]
     if config.train.param_dtype != "float32":
         flags.append(f"--config.train.param_dtype={config.train.param_dtype}")
     if config.data.tokenizer == "hf":

@@ -23,7 +23,7 @@ from data.batch import DTYPES, REQUIRED
 from lab import distributed
 from models import sharding
 from models.lm import DecoderLM, ModelConfig, token_nll
-from models.registry import get_entry, make_scheme
+from models.registry import get_entry
 
 
 def workdir_of(config) -> str:
@@ -60,7 +60,21 @@ def check_config(config) -> None:
         raise ValueError(f"model.dtype={config.model.dtype!r}; valid: {', '.join(COMPUTE_DTYPES)}")
     distributed.check(config.get("distributed"))
     cfg = ModelConfig.from_dict(config.model.to_dict())
-    make_scheme(cfg.scheme, num_heads=cfg.num_heads, head_dim=cfg.resolved_head_dim, **dict(cfg.scheme_options))
+    for layer in cfg.layers:
+        layer.make_scheme(cfg.num_heads, cfg.resolved_head_dim)
+
+
+def check_windows(config) -> None:
+    """For training: raise naming the first layer whose sliding window holds its whole training
+    context (seq_len), where the window would never act (an imported or evaluated run may have
+    one: it acts past seq_len there)."""
+    cfg = ModelConfig.from_dict(config.model.to_dict())
+    for i, layer in enumerate(cfg.layers):
+        if layer.window >= config.seq_len:
+            where = f"model.layer_kinds.{cfg.layer_kind(i)}" if cfg.layer_kind(i) else "model"
+            raise ValueError(f"{where}.window={layer.window} (layer {i}) is not below seq_len={config.seq_len}: "
+                             f"every query's window holds its whole context, so training sees no window; "
+                             f"set a window below {config.seq_len}, or 0 for none")
 
 
 def model_config(config, vocab_size: int) -> ModelConfig:

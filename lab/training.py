@@ -45,8 +45,8 @@ from lab.evaluators import configured, in_training
 from lab.lowering import memory
 from lab.lengths import perplexity_at, task_accuracy_at
 from lab.runs import Run
-from lab.state import (abstract_train_step, check_config, init_state, make_loss, make_train_step, mesh_and_batch,
-                       workdir_of)
+from lab.state import (abstract_train_step, check_config, check_windows, init_state, make_loss, make_train_step,
+                       mesh_and_batch, workdir_of)
 
 
 class TrainingError(Exception):
@@ -58,6 +58,7 @@ def dry_run(config: ml_collections.ConfigDict) -> dict:
     nothing: the parameter count, the batch it takes ({key: dtype}, the keys this config's loader
     yields) and XLA's memory analysis of the program each device runs."""
     check_config(config)
+    check_windows(config)
     vocab = config.model.vocab_size or pipeline.tokenizer(config.data).vocab_size
     step, (state, batch), mesh = abstract_train_step(config, vocab, keys=pipeline.batch_keys(config.data))
     return {"devices": jax.device_count(), "mesh": dict(mesh.shape),
@@ -119,6 +120,7 @@ def train(config: ml_collections.ConfigDict) -> dict:
     signal that stopped the run early (None if it ran to the end). Raises ValueError for a bad
     config value and TrainingError on divergence or when another trainer holds the workdir."""
     check_config(config)
+    check_windows(config)
     evaluators = configured(config)  # a bad name fails here, before any work
     distributed.initialize(config.get("distributed"))
     distributed.check_same_config(config)

@@ -1,6 +1,22 @@
 """The layers of the decoder LM and the Sessa macro-block: the model config, the attention
 layer under any registered position scheme, the SwiGLU MLP and the pre-norm block.
 
+Layers need not share one attention. Each layer's scheme, scheme options and sliding window
+(`LayerAttention`) are the model's (`scheme`, `scheme_options`, `window`) unless its kind says
+otherwise: `layer_kinds` names kinds, each a dict of some of those three fields (a kind naming
+another scheme drops the model's scheme options; one naming the same scheme updates them);
+`layer_pattern` gives the kinds of the first layers, "local*5,global" (a kind n times), and
+repeats over the layers, cut where they end (Gemma 3's 26 layers: four whole patterns of six and
+two layers); `layer_overrides` sets single layers, "0=global,25=global". In a config file:
+
+    c.model.layer_kinds = {"local": {"window": 512, "scheme_options": {"base": 1e4}},
+                           "global": {"scheme_options": {"base": 1e6}}}
+    c.model.layer_pattern = "local*5,global"
+
+and on the command line --config.model.layer_pattern=local*3,global,
+--config.model.layer_kinds.local.window=1024 (a kind the file defines), or a new kind whole,
+"--config.model.layer_kinds.nope={'scheme': 'nope'}".
+
 The attention layer builds its scheme from the registry (models/registry.py) and holds the
 scheme's learned parameters (models/features.py); `project` gives the queries, keys, values
 and features the scheme's hooks read, for the layer itself and for the probes
@@ -15,10 +31,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.registry import make_features, make_scheme
+from models.registry import get_entry, make_features, make_scheme
 
 
 INITS = ("normal", "torch")
+KIND_FIELDS = ("scheme", "scheme_options", "window")
 REMAT_POLICIES = {"none": None, "block": jax.checkpoint_policies.nothing_saveable,
                   "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
 
@@ -34,6 +51,12 @@ class ModelConfig:
     mlp_dim: int = 0  # 0 means the SwiGLU convention: 8/3 d_model rounded up to 64
     scheme: str = "rope"
     scheme_options: tuple = ()  # (name, value) pairs, hashable; see `from_dict`
+    window: int = 0  # every layer's sliding window (0: none) unless its kind sets one
+    # Per-layer attention (the module doc): a pattern of kinds, single layers' kinds, and the kinds
+    # as (kind, ((field, value), ...)) pairs, hashable (`from_dict` takes {kind: {field: value}}).
+    layer_pattern: str = ""
+    layer_overrides: str = ""
+    layer_kinds: tuple = ()
     tie_embeddings: bool = True
     # Tied head: logits x E^T / sqrt(d_model), O(1) at unit-variance embeddings; False: x E^T
     # (Hugging Face checkpoints).
@@ -60,6 +83,8 @@ class ModelConfig:
         d = dict(d)
         d["scheme_options"] = tuple(sorted(dict(d.get("scheme_options", {})).items()))
         d["mixer_options"] = tuple(sorted(dict(d.get("mixer_options", {})).items()))
+        d["layer_kinds"] = tuple(sorted((name, _kind(name, fields))
+                                        for name, fields in dict(d.get("layer_kinds", {})).items()))
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = set(d) - known
         if unknown:
@@ -81,7 +106,18 @@ class ModelConfig:
         if self.resolved_kv_heads <= 0 or self.num_heads % self.resolved_kv_heads:
             raise ValueError(f"model.num_heads={self.num_heads} must be a multiple of "
                              f"model.num_kv_heads={self.resolved_kv_heads}")
-
+        kinds = self.layer_kinds_by_name
+        if (self.layer_pattern or self.layer_overrides) and self.mixer != "attention":
+            raise ValueError(f"model.layer_pattern / layer_overrides set the attention of each layer, and "
+                             f"model.mixer={self.mixer!r} has one attention for every block; leave them empty")
+        for field, kind in [("layer_pattern", k) for k in _pattern(self.layer_pattern)] + [
+                ("layer_overrides", k) for k in _overrides(self.layer_overrides, self.num_layers).values()]:
+            if kind not in kinds:
+                raise ValueError(f"model.{field} names the layer kind {kind!r}, which model.layer_kinds does not "
+                                 f"define (defined: {', '.join(kinds) or 'none'}); define it, e.g. "
+                                 f"--config.model.layer_kinds.{kind}=\"{{'window': 512}}\"")
+        for i in range(self.num_layers):
+            self.layer(i)  # each layer's fields checked
     # The fields above are what was asked for, 0 meaning "derive it"; the model reads the values
     # below. The fields stay as given (a width change, `models.lm.matched_width`, derives again).
     @property
@@ -95,6 +131,90 @@ class ModelConfig:
     @property
     def resolved_mlp_dim(self) -> int:
         return self.mlp_dim or -(-8 * self.d_model // 3 // 64) * 64
+
+    @property
+    def layer_kinds_by_name(self) -> dict:
+        return {name: dict(fields) for name, fields in self.layer_kinds}
+
+    def layer_kind(self, i: int) -> str | None:
+        """The kind of layer i (module doc): its override, else the pattern's; None: the model's."""
+        pattern = _pattern(self.layer_pattern)
+        default = pattern[i % len(pattern)] if pattern else None
+        return _overrides(self.layer_overrides, self.num_layers).get(i, default)
+
+    def layer(self, i: int) -> "LayerAttention":
+        """Layer i's attention: the model's scheme, options and window, with its kind's applied."""
+        fields = self.layer_kinds_by_name.get(self.layer_kind(i), {})
+        scheme = fields.get("scheme", self.scheme)
+        options = dict(self.scheme_options) if scheme == self.scheme else {}
+        options.update(dict(fields.get("scheme_options", ())))
+        where = f"model.layer_kinds.{self.layer_kind(i)}" if fields else "model"
+        window = fields.get("window", self.window)
+        if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+            raise ValueError(f"{where}.window={window!r} (layer {i}) must be an int >= 0: 0 for none, W for a "
+                             "sliding window of W tokens (each query and the W - 1 before it)")
+        try:
+            entry = get_entry(scheme)
+        except ValueError as e:
+            raise ValueError(f"{where}.scheme (layer {i}): {e}") from None
+        if window and not entry.scheme_cls.takes_window:
+            raise ValueError(f"{where}.window={window} (layer {i}): scheme {scheme!r} brings its own attention, which "
+                             "takes no sliding window; set window 0 for its layers")
+        return LayerAttention(scheme, tuple(sorted(options.items())), window)
+
+    @property
+    def layers(self) -> tuple:
+        """Every layer's `LayerAttention`, first to last."""
+        return tuple(self.layer(i) for i in range(self.num_layers))
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerAttention:
+    """One layer's attention (the module doc): a registered scheme name, its options as sorted
+    (name, value) pairs, its sliding window (0: none)."""
+    scheme: str
+    scheme_options: tuple = ()
+    window: int = 0
+
+    def make_scheme(self, num_heads: int, head_dim: int):
+        return make_scheme(self.scheme, num_heads=num_heads, head_dim=head_dim, sliding_window=self.window,
+                           **dict(self.scheme_options))
+
+
+def _kind(name: str, fields) -> tuple:
+    """A layer kind's fields as hashable pairs; one line for a field that is not one."""
+    fields = dict(fields)
+    unknown = sorted(set(fields) - set(KIND_FIELDS))
+    if unknown:
+        raise ValueError(f"model.layer_kinds.{name} has unknown field(s) {unknown}; a kind sets some of "
+                         f"{', '.join(KIND_FIELDS)}")
+    if "scheme_options" in fields:
+        fields["scheme_options"] = tuple(sorted(dict(fields["scheme_options"]).items()))
+    return tuple(sorted(fields.items()))
+
+
+def _pattern(text: str) -> list[str]:
+    """The kinds of "local*5,global": ['local'] * 5 + ['global']; one line for a bad count."""
+    out = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, _, count = item.partition("*")
+        if count and not (count.strip().isdigit() and int(count) > 0):
+            raise ValueError(f"model.layer_pattern item {item!r}: the count after '*' must be an integer >= 1, "
+                             "e.g. local*5,global")
+        out += [name.strip()] * (int(count) if count else 1)
+    return out
+
+
+def _overrides(text: str, num_layers: int) -> dict[int, str]:
+    """{layer: kind} of "0=global,25=global"; one line for an item that is not layer=kind."""
+    out = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        layer, _, kind = item.partition("=")
+        if not (layer.strip().isdigit() and kind.strip()) or int(layer) >= num_layers:
+            raise ValueError(f"model.layer_overrides item {item!r} must be <layer>=<kind> with a layer from 0 to "
+                             f"{num_layers - 1} (model.num_layers={num_layers}), e.g. 0=global")
+        out[int(layer)] = kind.strip()
+    return out
 
 
 def _symmetric_uniform(bound: float):
@@ -115,10 +235,10 @@ def rms_norm(cfg: ModelConfig, rngs) -> nnx.RMSNorm:
 
 
 class Attention(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, layer: int = 0):
         self.cfg = cfg
         h, kh, d = cfg.num_heads, cfg.resolved_kv_heads, cfg.resolved_head_dim
-        self.scheme = make_scheme(cfg.scheme, num_heads=h, head_dim=d, **dict(cfg.scheme_options))
+        self.scheme = cfg.layer(layer).make_scheme(h, d)
         self.q = linear(cfg.d_model, h * d, cfg, rngs, cfg.qkv_bias)
         self.k = linear(cfg.d_model, kh * d, cfg, rngs, cfg.qkv_bias)
         self.v = linear(cfg.d_model, kh * d, cfg, rngs, cfg.qkv_bias)
@@ -173,9 +293,9 @@ class MLP(nnx.Module):
 
 
 class Block(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, layer: int = 0):
         self.attn_norm = rms_norm(cfg, rngs)
-        self.attn = Attention(cfg, rngs=rngs)
+        self.attn = Attention(cfg, rngs=rngs, layer=layer)
         self.mlp_norm = rms_norm(cfg, rngs)
         self.mlp = MLP(cfg, rngs=rngs)
 

@@ -28,8 +28,10 @@ class DecoderLM(nnx.Module):
         self.cfg = cfg
         self.embed = nnx.Embed(cfg.vocab_size, cfg.d_model, rngs=rngs,
                                embedding_init=nnx.initializers.normal(stddev=1.0))
-        block = Block if cfg.mixer == "attention" else MacroBlock
-        self.blocks = nnx.List([block(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
+        if cfg.mixer == "attention":
+            self.blocks = nnx.List([Block(cfg, rngs=rngs, layer=i) for i in range(cfg.num_layers)])
+        else:
+            self.blocks = nnx.List([MacroBlock(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
         self.norm = rms_norm(cfg, rngs)
         self.head = None if cfg.tie_embeddings else linear(cfg.d_model, cfg.vocab_size, cfg, rngs)
 

@@ -48,6 +48,8 @@ class Entry:
 
 
 REGISTRY: dict[str, Entry] = {}
+# The Scheme fields the layer sets, not the scheme's options.
+LAYER_FIELDS = ("num_heads", "head_dim", "biases", "sliding_window")
 
 
 def register(name: str, entry: Entry) -> None:
@@ -108,7 +110,7 @@ def _of_type(value, annotation: str) -> bool:
 
 
 def _options(entry: Entry) -> set:
-    return {f.name for f in dataclasses.fields(entry.scheme_cls)} - {"num_heads", "head_dim", "biases"}
+    return {f.name for f in dataclasses.fields(entry.scheme_cls)} - set(LAYER_FIELDS)
 
 
 def table_row(name: str) -> str:
@@ -117,15 +119,16 @@ def table_row(name: str) -> str:
     the parts it composes), in declaration order."""
     entry = get_entry(name)
     options = [f.name for e in parts(name) for f in dataclasses.fields(e.scheme_cls)
-               if f.name not in ("num_heads", "head_dim", "biases", *_fixed(entry))]
+               if f.name not in (*LAYER_FIELDS, *_fixed(entry))]
     cells = (f"`{name}`", entry.doc.replace("|", "\\|"), ", ".join(f"`{o}`" for o in options) or "—")
     return f"| {' | '.join(cells)} |"
 
 
-def make_scheme(name: str, *, num_heads: int, head_dim: int, **options) -> Scheme:
+def make_scheme(name: str, *, num_heads: int, head_dim: int, sliding_window: int = 0, **options) -> Scheme:
     """Build the named scheme with user options (e.g. RoPE's base, scaling, factor). An option
     that the first part lacks goes to the added score-bias parts that have it ("path_fox" with
-    gate_bias sets FoX's)."""
+    gate_bias sets FoX's). `sliding_window` > 0: its attention within a sliding window of that
+    many tokens (positional/scheme.py), the layer's choice, not an option."""
     first, *added = name.split("+")
     entry = get_entry(first)
     added = [*entry.compose, *added]
@@ -159,7 +162,7 @@ def make_scheme(name: str, *, num_heads: int, head_dim: int, **options) -> Schem
         mine = {k: v for k, v in options.items() if k not in fields and k in part_fields[part]}
         mine.update(entry.compose_fixed.get(part, {}))
         biases.append(make_scheme(part, num_heads=num_heads, head_dim=head_dim, **mine))
-    return entry.scheme_cls(num_heads=num_heads, head_dim=head_dim, biases=tuple(biases),
+    return entry.scheme_cls(num_heads=num_heads, head_dim=head_dim, biases=tuple(biases), sliding_window=sliding_window,
                             **entry.fixed, **{k: v for k, v in options.items() if k in fields})
 
 

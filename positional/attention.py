@@ -1,9 +1,10 @@
 """The attention dispatcher: one call, an implementation chosen by name.
 
-    attention(q, k, v, impl="auto", bias_fn=..., segment_ids=...)
+    attention(q, k, v, impl="auto", bias_fn=..., segment_ids=..., window=...)
 
 Implementations (same arguments, same semantics; see positional/softmax.py for the shapes and
-the bias and score hooks):
+the bias and score hooks, and the sliding `window`, which every implementation takes and
+skips the work outside of: blocks, tiles, shards):
   "reference"  materialises the [B, H, T, S] scores (positional/softmax.py);
   "blockwise"  online softmax over key blocks, O(T * block) memory (positional/softmax.py);
   "ring"       the sequence split over the `sequence` axis of the enclosing `ring_mesh`, keys
@@ -42,7 +43,7 @@ from positional.kernels.flash import fused_attention
 from positional.kernels.flash import refusal as fused_refusal
 from positional.logits import Bias
 from positional.ring import dividing, enclosing_mesh, mesh_ring_attention, ring_active
-from positional.softmax import blockwise_attention, reference_attention
+from positional.softmax import blockwise_attention, check_window, reference_attention
 from positional.vendor import (CHANNEL_BOUND, PACKED_SEGMENTS, cudnn_attention, cudnn_call, cudnn_hopper, cudnn_present, static_int,
                                cudnn_refusal, splash_attention, splash_call, splash_refusal, widened_head_dim)
 
@@ -145,9 +146,11 @@ def choose(q, k, v, *, platform: str, bias_fn=None, score_fn=None, segment_ids=N
 
 
 def auto_attention(q, k, v, *, label: str = "", bias_fn=None, score_fn=None, segment_ids=None, q_offset=0,
-                   scale=None, block_size: int = 512) -> jax.Array:
+                   scale=None, block_size: int = 512, window: int | None = None) -> jax.Array:
     """Impl "auto": per platform of the lowering (`jax.lax.platform_dependent`), `choose`'s pick."""
-    kwargs = dict(bias_fn=bias_fn, score_fn=score_fn, segment_ids=segment_ids, q_offset=q_offset, scale=scale)
+    window = check_window(window)
+    kwargs = dict(bias_fn=bias_fn, score_fn=score_fn, segment_ids=segment_ids, q_offset=q_offset, scale=scale,
+                  window=window)
     if ring_active():
         log_ring(label)
         return mesh_ring_attention(q, k, v, block_size=block_size, **kwargs)
@@ -158,16 +161,17 @@ def auto_attention(q, k, v, *, label: str = "", bias_fn=None, score_fn=None, seg
         if impl == "cudnn":
             def kernel(q, k, v, bias, seg):
                 fused = functools.partial(fused_attention, platform=platform, q_offset=q_offset, scale=scale,
-                                          bias_fn=bias)
+                                          bias_fn=bias, window=window)
                 return cudnn_call(q, k, v, bias=bias, segment_ids=seg, q_offset=q_offset, scale=scale,
-                                  overflow=fused)
+                                  overflow=fused, window=window)
         elif impl == "splash":
             def kernel(q, k, v, bias, seg):
-                return splash_call(q, k, v, bias=bias, segment_ids=seg, scale=scale, block_size=block_size)
+                return splash_call(q, k, v, bias=bias, segment_ids=seg, scale=scale, block_size=block_size,
+                                   window=window)
         elif impl == "pallas":
             def kernel(q, k, v, bias, seg):
                 return fused_attention(q, k, v, platform=platform, bias_fn=bias, score_fn=score_fn,
-                                       segment_ids=seg, q_offset=q_offset, scale=scale)
+                                       segment_ids=seg, q_offset=q_offset, scale=scale, window=window)
         else:
             return impl, why, lambda q, k, v: attention(q, k, v, impl=impl, block_size=block_size, **kwargs)
         return impl, why, lambda q, k, v: per_device(kernel, q, k, v, bias_fn=bias_fn, segment_ids=segment_ids)

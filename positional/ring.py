@@ -28,7 +28,10 @@ models/sharding.spec splits them outside; otherwise those dimensions are replica
 Causal skipping and load imbalance: a key shard wholly after the query shard (j > i) is skipped
 by a `lax.cond`, so device i computes i + 1 shard pairs: the last device n, the first one, and a
 step waits for the busiest (a zig-zag layout, device i holding chunks i and 2n-1-i, would even
-it out; not done). The transfers happen in every step on every device.
+it out; not done). With a sliding window a key shard wholly before a query shard's window is
+skipped the same way (and inside a visited pair, blockwise_lse skips the blocks outside it), so
+a device computes at most 1 + ceil((W - 1) / (T/n)) shard pairs. The transfers happen in every
+step on every device.
 
 Gradients: a custom VJP with a ring of its own. The forward keeps only its shard's output and
 row log-sum-exp; the backward recomputes each block's scores from them (no online softmax:
@@ -64,7 +67,7 @@ from jax.sharding import PartitionSpec as P
 
 from positional.logits import Bias
 from positional.softmax import (MASKED, BiasFn, ScoreFn, block_scores, blockwise_attention, blockwise_lse,
-                                causal_mask, check_shapes, matmul, merged)
+                                causal_mask, check_shapes, check_window, matmul, merged)
 
 Hooks = Callable[[Any], tuple[BiasFn | None, ScoreFn | None]]
 
@@ -145,6 +148,7 @@ class Ring:
     hooks: Hooks
     diagonal: bool = True
     key_map: Callable | None = None
+    window: int | None = None  # a sliding window (positional/softmax.py)
 
     @property
     def n(self) -> int:
@@ -157,8 +161,12 @@ class Ring:
         return P(b, self.axis, h, None), P(b, self.axis), P(b, self.axis, h)
 
     def visible(self, src, me):
-        """Whether device me scores key shard src: an earlier one (or its own, with `diagonal`)."""
-        return src <= me if self.diagonal else src < me
+        """Whether device me scores key shard src: an earlier one (or its own, with `diagonal`),
+        and with a window one whose last key lies within its first query's window."""
+        seen = src <= me if self.diagonal else src < me
+        if self.window is None:
+            return seen
+        return seen & ((me - src) * self.shard_len - self.shard_len + 1 < self.window)
 
     def own_part(self, x, dim, names, size):
         """This device's part of dimension `dim` of a bias computed for all `size` of it."""
@@ -187,7 +195,7 @@ class Ring:
                 keys = kv[0] if self.key_map is None else self.key_map(features, kv[0], src)
                 o_s, lse_s = blockwise_lse(q, keys, kv[1], bias_fn=bias, segment_ids=seg, key_segment_ids=kv[2],
                                            q_offset=me * shard_len, k_offset=src * shard_len, scale=self.scale,
-                                           score_fn=score, block_size=self.block)
+                                           score_fn=score, block_size=self.block, window=self.window)
                 return merged(o, lse, o_s, lse_s)
 
             return jax.lax.cond(self.visible(src, me), merge, lambda acc: acc, acc)  # else all in the future
@@ -232,7 +240,7 @@ class Ring:
                 return block_scores(qb, kb, qi, kj, bias, self.scale, score)
 
             s, vjp = jax.vjp(scores, qg[:, i], kk[:, j], diff)
-            keep = causal_mask(qi, kj, seg_q[:, i], sk[:, j])[:, :, None]
+            keep = causal_mask(qi, kj, seg_q[:, i], sk[:, j], self.window)[:, :, None]
             lse_b, do_b = jnp.moveaxis(lse_g[:, i], 1, -1)[..., None], dog[:, i]
             p = jnp.where(keep, jnp.exp(s - lse_b), 0.0)  # [B, K, G, tq, tk]
             dp = matmul("btkgd,bskd->bkgts", do_b, vv[:, j], v.dtype)  # fp32, as p and delta
@@ -255,8 +263,11 @@ class Ring:
                             gq, gk, gv, gf = pair_grads(i, j, keys, vb, sb, src)
                             return (dq.at[:, i].add(gq), [a + b for a, b in zip(dfeat, gf)], dk_j + gk,
                                     dv_j + gv)
-                        # Key block j wholly after query block i: nothing.
-                        visible = src * shard_len + j * blk <= me * shard_len + i * blk + blk - 1
+                        # Key block j wholly after query block i (or before its window): nothing.
+                        first_key, first_query = src * shard_len + j * blk, me * shard_len + i * blk
+                        visible = first_key <= first_query + blk - 1
+                        if self.window is not None:
+                            visible = visible & (first_query - (first_key + blk - 1) < self.window)
                         return jax.lax.cond(visible, add, lambda s: s, state), None
 
                     dq, dfeat, dk, dv = state
@@ -351,18 +362,19 @@ def ring_call(ring: Ring, forward, backward, arrays, specs, segment_ids, feature
 def ring_attention(q, k, v, *, mesh, axis: str = "sequence", bias_fn: BiasFn | None = None,
                    score_fn: ScoreFn | None = None, segment_ids=None, scale: float | None = None,
                    block_size: int = 512, hooks: Hooks | None = None, features=None,
-                   batch_axes=("data", "fsdp"), head_axes=("tensor",)) -> jax.Array:
+                   batch_axes=("data", "fsdp"), head_axes=("tensor",), window: int | None = None) -> jax.Array:
     """Causal attention of q [B, T, H, D] on k, v [B, T, K, D] with T split over mesh axis `axis`
     (T a multiple of its size), keys and values passed round the ring. Returns [B, T, H, D].
 
     `hooks(features) -> (bias_fn, score_fn)`, if given, replaces bias_fn and score_fn: it runs
     inside the shard_maps on `features` (a pytree of arrays, passed in replicated); plain
-    bias_fn / score_fn closures are converted to that form (`jax.closure_convert`).
+    bias_fn / score_fn closures are converted to that form (`jax.closure_convert`). `window`: a
+    sliding window; shards and blocks wholly outside it are skipped.
     """
     check_shapes(q, k, v, segment_ids)
     ring, features = make_ring(q, k, mesh=mesh, axis=axis, bias_fn=bias_fn, score_fn=score_fn, scale=scale,
                                block_size=block_size, hooks=hooks, features=features, batch_axes=batch_axes,
-                               head_axes=head_axes)
+                               head_axes=head_axes, window=check_window(window))
     if segment_ids is None:
         segment_ids = jnp.zeros(q.shape[:2], jnp.int32)
     return ring_call(ring, ring.forward, ring.backward, (q, k, v), (ring.specs[0],) * 3, segment_ids, features)

@@ -35,6 +35,12 @@ check sees an absolute bias. The decode cache keeps the positions of the cached 
 `biases` holds score-bias schemes added to this one's logits (a registry name such as
 "so2_learned_qkv+alibi"), so a transport can be combined with explicit far-mass control.
 
+`sliding_window` W > 0 makes every form of the scheme attend within a sliding window: query i
+sees key j iff i - W < j <= i (the attention implementations' `window`, which skip the work
+outside it). It is the layer's, not an option of the scheme (models/registry.py `make_scheme`
+takes it apart from the options); a scheme that brings its own attention takes none unless it
+declares `takes_window`.
+
 What a scheme can do is declared on its class (never inferred elsewhere), as class attributes:
 
   has_bias         bias_fn returns a bias (it is None otherwise)
@@ -55,6 +61,8 @@ What a scheme can do is declared on its class (never inferred elsewhere), as cla
   config_defaults  model config fields this scheme sets by default (configs/default.py)
   train_len_options  options that default to the training length of the run whose config builds
                    the model (config.seq_len, lab/state.py `model_config`): LM-Infinite's window
+  takes_window     its attention takes `sliding_window` (True unless it overrides
+                   `transformed_attention`)
 
 From those the base class derives the parallel form `attend` and an exact decode form
 (`init_cache` / `decode_step`) whose cache holds keys and values already transformed. Schemes
@@ -80,7 +88,7 @@ import jax.numpy as jnp
 from positional.attention import IMPLEMENTATIONS, attention, by_length, log_ring
 from positional.ring import ring_active
 from positional.logits import Bias, Score, sum_of
-from positional.softmax import MASKED, BiasFn, attention_logits, causal_softmax
+from positional.softmax import MASKED, BiasFn, attention_logits, causal_mask, causal_softmax
 
 Features = dict | None
 # Implementations of the generic `Scheme.transformed_attention` alone.
@@ -97,6 +105,7 @@ class Scheme:
     num_heads: int
     head_dim: int
     biases: tuple = ()  # bias-only schemes whose logit biases are added to this one's
+    sliding_window: int = 0  # > 0: attend within a sliding window of this many tokens (the module doc)
 
     #: rotary schemes rotate pairs of dimensions and need an even head_dim.
     needs_even_head_dim = False
@@ -112,6 +121,7 @@ class Scheme:
     probes = ()
     config_defaults = {}  # read only: copied where applied
     train_len_options = ()
+    takes_window = True
     #: attention implementations this scheme runs on.
     impls = ("auto", *IMPLEMENTATIONS)
 
@@ -135,8 +145,17 @@ class Scheme:
         # mesh where its `impls` list one, else its reference or blockwise, by length).
         if "transformed_attention" in vars(cls) and "impls" not in vars(cls):
             cls.impls = tuple(i for i in cls.impls if i not in GENERIC_ONLY)
+        if "transformed_attention" in vars(cls) and "takes_window" not in vars(cls):
+            cls.takes_window = False
 
     def __post_init__(self):
+        w = self.sliding_window
+        if isinstance(w, bool) or not isinstance(w, int) or w < 0:
+            raise ValueError(f"sliding_window={w!r} must be an int >= 0 (0: no window; W: each query sees itself "
+                             "and the W - 1 tokens before it)")
+        if w and not self.takes_window:
+            raise ValueError(f"{type(self).__name__} brings its own attention, which takes no sliding window "
+                             f"(sliding_window={w}); use window 0 for this layer, or a scheme with a window")
         if self.needs_even_head_dim and self.head_dim % 2:
             raise ValueError(f"{type(self).__name__} rotates pairs of dimensions, so head_dim must be "
                              f"even; got head_dim={self.head_dim}")
@@ -171,6 +190,11 @@ class Scheme:
         return dict(params)  # has_parameters: the features are the parameters
 
     # ---- derived -----------------------------------------------------------------------------
+    @property
+    def attention_window(self) -> int | None:
+        """The sliding window as the attention implementations take it (None: none)."""
+        return self.sliding_window or None
+
     @property
     def adds_bias(self) -> bool:
         """Whether any part (this scheme or one of `biases`) adds a logit bias."""
@@ -246,7 +270,7 @@ class Scheme:
 
     def weights(self, q, k, v, features=None, positions=None, *, key=None) -> jax.Array:
         """Softmax attention weights [B, K, G, T, T] of the parallel form (for the probes)."""
-        return causal_softmax(self.logits(q, k, v, features, positions, key=key))
+        return causal_softmax(self.logits(q, k, v, features, positions, key=key), window=self.attention_window)
 
     def placed_attention(self, q, k, v, features, *, positions, key_slots) -> jax.Array:
         """Causal attention in which key and value j sit at slot key_slots[b, j] instead of j.
@@ -273,7 +297,8 @@ class Scheme:
         at, v_at = self._scored(q, gather(k, src), gather(v, src), features, positions)
         at = jnp.take_along_axis(at, jnp.broadcast_to(key_slots[:, None, None, None], at.shape), axis=-1)
         scores = jnp.where(moved[:, None, None, None], at, own)
-        w = jax.nn.softmax(jnp.where(index[None, :] <= index[:, None], scores, MASKED), axis=-1)
+        seen = causal_mask(index, index, None, None, self.attention_window)[0, 0]
+        w = jax.nn.softmax(jnp.where(seen, scores, MASKED), axis=-1)
         values = jnp.where(moved[:, :, None, None], gather(v_at, key_slots), v_own)
         out = jnp.einsum("bkgts,bskd->btkgd", w, values.astype(jnp.float32)).reshape(b, t, h, -1)
         return self.transform_out(out.astype(q.dtype), features, positions)
@@ -291,7 +316,7 @@ class Scheme:
                      "features": {"features": features, "positions": positions}}
         label = {"label": type(self).__name__} if impl == "auto" else {}
         return attention(q, k, v, segment_ids=segment_ids, q_offset=q_offset, impl=impl,
-                         block_size=block_size, **hooks, **label)
+                         block_size=block_size, window=self.attention_window, **hooks, **label)
 
     # ---- decode form -------------------------------------------------------------------------
     def init_cache(self, batch: int, max_len: int, num_kv_heads: int, dtype=jnp.float32) -> dict:

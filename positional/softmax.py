@@ -6,7 +6,8 @@ positional/attention.py is the dispatcher that picks an implementation by name.
 Shapes: q [B, T, H, D]; k, v [B, S, K, D] with H % K == 0 (grouped-query attention: query head
 h reads key/value head h // (H // K)). Query t sits at absolute index `q_offset + t`, key s at
 index s, and query i sees key j iff j <= i (and, with segment ids, both are in the same
-segment). `q_offset` lets the same function serve decoding, where S is the cache length.
+segment; with a sliding `window` W, also i - j < W: the query and the W - 1 keys before it).
+`q_offset` lets the same function serve decoding, where S is the cache length.
 
 Schemes that change the score pass `bias_fn(qi, kj) -> [B or 1, H or 1, len(qi), len(kj)]`, an
 additive logit bias evaluated on index vectors, so the blockwise version only ever builds one
@@ -120,9 +121,23 @@ def merged(o1, lse1, o2, lse2):
     return o1 * jnp.exp(lse1 - lse)[..., None] + o2 * jnp.exp(lse2 - lse)[..., None], lse
 
 
-def causal_mask(qi, kj, seg_q, seg_k):
-    """Boolean [B or 1, 1, tq, tk]: causal and same-segment."""
-    m = (kj[None, :] <= qi[:, None])[None, None]
+def check_window(window) -> int | None:
+    """A sliding window as the implementations take it: None (every earlier key) or an int >= 1;
+    ValueError, one line, otherwise. 0 means None (a config's "no window")."""
+    if window is None or (isinstance(window, int) and not isinstance(window, bool) and window == 0):
+        return None
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"window={window!r} must be an int >= 1 (each query sees itself and the window - 1 keys "
+                         "before it) or None / 0 (every earlier key)")
+    return window
+
+
+def causal_mask(qi, kj, seg_q, seg_k, window: int | None = None):
+    """Boolean [B or 1, 1, tq, tk]: causal, same-segment and, with a window W, i - j < W."""
+    m = kj[None, :] <= qi[:, None]
+    if window is not None:
+        m = m & (qi[:, None] - kj[None, :] < window)
+    m = m[None, None]
     if seg_q is not None:
         m = m & (seg_q[:, None, :, None] == seg_k[:, None, None, :])
     return m
@@ -152,55 +167,61 @@ def attention_logits(q, k, *, bias_fn: BiasFn | None = None, q_offset=0, scale: 
                    bias_fn, scale, score_fn)
 
 
-def causal_softmax(logits, segment_ids=None, q_offset=0) -> jax.Array:
+def causal_softmax(logits, segment_ids=None, q_offset=0, window: int | None = None) -> jax.Array:
     """Softmax over the keys each query sees, of logits [B, K, G, T, S]."""
     qi, kj = q_offset + jnp.arange(logits.shape[-2]), jnp.arange(logits.shape[-1])
-    mask = causal_mask(qi, kj, segment_ids, segment_ids)[:, :, None]
+    mask = causal_mask(qi, kj, segment_ids, segment_ids, check_window(window))[:, :, None]
     return jax.nn.softmax(jnp.where(mask, logits, MASKED), axis=-1)
 
 
 def attention_weights(q, k, *, bias_fn: BiasFn | None = None, segment_ids=None, q_offset=0,
-                      scale: float | None = None, score_fn: ScoreFn | None = None) -> jax.Array:
+                      scale: float | None = None, score_fn: ScoreFn | None = None, window: int | None = None
+                      ) -> jax.Array:
     """Softmax attention weights [B, K, G, T, S] (fp32), query head h = k * G + g."""
     s = attention_logits(q, k, bias_fn=bias_fn, q_offset=q_offset, scale=scale, score_fn=score_fn)
-    return causal_softmax(s, segment_ids, q_offset)
+    return causal_softmax(s, segment_ids, q_offset, window)
 
 
 def reference_attention(q, k, v, *, bias_fn: BiasFn | None = None, segment_ids=None,
-                        q_offset=0, scale: float | None = None, score_fn: ScoreFn | None = None
-                        ) -> jax.Array:
+                        q_offset=0, scale: float | None = None, score_fn: ScoreFn | None = None,
+                        window: int | None = None) -> jax.Array:
     """Obviously correct causal attention; materialises the [B, H, T, S] score matrix."""
     check_shapes(q, k, v, segment_ids)
     p = attention_weights(q, k, bias_fn=bias_fn, segment_ids=segment_ids, q_offset=q_offset, scale=scale,
-                          score_fn=score_fn)
+                          score_fn=score_fn, window=window)
     o = matmul("bkgts,bskd->btkgd", p, v, v.dtype)
     return o.reshape(q.shape).astype(q.dtype)
 
 
 def blockwise_attention(q, k, v, *, bias_fn: BiasFn | None = None, segment_ids=None,
                         q_offset=0, scale: float | None = None, score_fn: ScoreFn | None = None,
-                        block_size: int = 512) -> jax.Array:
+                        block_size: int = 512, window: int | None = None) -> jax.Array:
     """Online-softmax attention over key blocks, for each query block in turn.
 
     Memory is O(B * H * block_size^2) for scores plus O(T * D) for the output, in the forward
     and, because both loops are rematerialised, in the backward too. Key blocks wholly in the
-    future of a query block are skipped (no FLOPs spent on them).
+    future of a query block are skipped (no FLOPs spent on them); with a sliding window, so are
+    those wholly before its window: a query block loops over the (W + block) / block key
+    blocks that can reach it, so time is O(T * W), not O(T^2).
     """
     check_shapes(q, k, v, segment_ids)
     out, _ = blockwise_lse(q, k, v, bias_fn=bias_fn, segment_ids=segment_ids, q_offset=q_offset, scale=scale,
-                           score_fn=score_fn, block_size=block_size)
+                           score_fn=score_fn, block_size=block_size, window=window)
     return out.astype(q.dtype)
 
 
 def blockwise_lse(q, k, v, *, bias_fn: BiasFn | None = None, segment_ids=None, key_segment_ids=None,
                   q_offset=0, k_offset=0, scale: float | None = None, score_fn: ScoreFn | None = None,
-                  block_size: int = 512) -> tuple[jax.Array, jax.Array]:
+                  block_size: int = 512, window: int | None = None) -> tuple[jax.Array, jax.Array]:
     """`blockwise_attention` with keys at indices k_offset + s, returning fp32 (out [B, T, H, D],
     lse [B, T, H]), lse the log-sum-exp of each row's masked scores: results over disjoint key
     sets merge by it (positional/ring.py). segment_ids [B, T] are the queries', key_segment_ids
     [B, S] the keys' (default: the same array). Every query block must see the first key
     block (k_offset <= q_offset); a query whose visible keys are all masked gets lse ~ MASKED.
+    `window`: a sliding window (`causal_mask`); a query block then loops over only the key
+    blocks that can hold a key of its rows' windows.
     """
+    window = check_window(window)
     b, t, h, d = q.shape
     s_len, kh = k.shape[1], k.shape[2]
     g = h // kh
@@ -222,13 +243,21 @@ def blockwise_lse(q, k, v, *, bias_fn: BiasFn | None = None, segment_ids=None, k
         seg_q = jnp.pad(segment_ids, ((0, 0), (0, pad_q)))
         seg_k = jnp.where(key_valid[None], jnp.pad(key_segment_ids, ((0, 0), (0, pad_k))), -1)
 
+    # Key blocks a query block loops over: all of them, or with a window those from the one
+    # holding its first row's first key on (a span of (W - 1 + bq) / bk blocks, rounded up, plus
+    # one for a span that does not start at a block's edge).
+    span = nk if window is None else min(nk, -(-(window - 1 + bq) // bk) + 1)
+
     def query_block(iq):
         q0 = iq * bq
         qb = jax.lax.dynamic_slice_in_dim(qg, q0, bq, axis=1)
         sq = jax.lax.dynamic_slice_in_dim(seg_q, q0, bq, axis=1)
         qi = q_offset + q0 + jnp.arange(bq)
+        first = 0 if window is None else jnp.clip((q_offset + q0 - window + 1 - k_offset) // bk, 0, nk - span)
 
         def key_block(carry, ik):
+            ik = first + ik
+
             def update(carry):
                 o, m, row_sum = carry
                 k0 = ik * bk
@@ -237,7 +266,7 @@ def blockwise_lse(q, k, v, *, bias_fn: BiasFn | None = None, segment_ids=None, k
                 sk = jax.lax.dynamic_slice_in_dim(seg_k, k0, bk, axis=1)
                 kj = k_offset + k0 + jnp.arange(bk)
                 s = block_scores(qb, kb, qi, kj, bias_fn, scale, score_fn)
-                s = jnp.where(causal_mask(qi, kj, sq, sk)[:, :, None], s, MASKED)
+                s = jnp.where(causal_mask(qi, kj, sq, sk, window)[:, :, None], s, MASKED)
                 m_new = jnp.maximum(m, s.max(-1))
                 # The weights as P.V takes them, so that row_sum normalises exactly those.
                 p = rounded(jnp.exp(s - m_new[..., None]), vb.dtype)
@@ -253,7 +282,7 @@ def blockwise_lse(q, k, v, *, bias_fn: BiasFn | None = None, segment_ids=None, k
         init = (jnp.zeros((b, kh, g, bq, d), jnp.float32),
                 jnp.full((b, kh, g, bq), MASKED, jnp.float32),
                 jnp.zeros((b, kh, g, bq), jnp.float32))
-        (o, m, row_sum), _ = jax.lax.scan(key_block, init, jnp.arange(nk))
+        (o, m, row_sum), _ = jax.lax.scan(key_block, init, jnp.arange(span))
         # row_sum >= 1 for every real query: the first key block is visible (masked keys count
         # until a visible one resets them, and blockwise_attention's queries always see themselves).
         return o / row_sum[..., None], m + jnp.log(row_sum)

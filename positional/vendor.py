@@ -85,7 +85,7 @@ from jax.experimental.pallas.ops.tpu import splash_attention as splash
 from positional.angles import split_bits
 from positional.kernels import per_platform
 from positional.logits import Bias
-from positional.softmax import BiasFn, ScoreFn, check_shapes, segment_starts
+from positional.softmax import BiasFn, ScoreFn, causal_mask, check_shapes, check_window, segment_starts
 
 INSTEAD = "use impl='blockwise' or 'auto'"
 # per_platform's backend names -> the platform names refusals use.
@@ -235,15 +235,16 @@ def packed_segments(segment_ids, max_segments: int):
     return seqlen.astype(jnp.int32), offsets.astype(jnp.int32), starts.sum(axis=1) <= max_segments
 
 
-def packed_mask(seqlen, offsets, length: int):
+def packed_mask(seqlen, offsets, length: int, window: int | None = None):
     """The [B, 1, T, T] boolean mask cuDNN's packed causal form applies: query i reads key j iff
-    both lie in one described segment and j <= i (tokens outside every segment read nothing)."""
+    both lie in one described segment and j <= i (and i - j < window, with one; tokens outside
+    every segment read nothing)."""
     pos = jnp.arange(length)
     inside = ((seqlen[..., None] > 0) & (pos >= offsets[:, :-1, None])
               & (pos < offsets[:, :-1, None] + seqlen[..., None]))  # [B, M, T]
     segment = jnp.where(inside.any(axis=1), jnp.argmax(inside, axis=1), -1)
     same = (segment[:, :, None] == segment[:, None, :]) & (segment[:, :, None] >= 0)
-    return (same & (pos[:, None] >= pos[None, :]))[:, None]
+    return same[:, None] & causal_mask(pos, pos, None, None, window)
 
 
 def cudnn_refusal(q, k, v, *, segment_ids=None, q_offset=0, bias_fn: BiasFn | None = None,
@@ -274,12 +275,15 @@ def cudnn_refusal(q, k, v, *, segment_ids=None, q_offset=0, bias_fn: BiasFn | No
 
 
 def cudnn_call(q, k, v, *, bias: Bias | None = None, segment_ids=None, q_offset=0, scale: float | None = None,
-               max_segments: int = PACKED_SEGMENTS, overflow=None, implementation: str = "cudnn") -> jax.Array:
+               max_segments: int = PACKED_SEGMENTS, overflow=None, implementation: str = "cudnn",
+               window: int | None = None) -> jax.Array:
     """The cuDNN call impl='cudnn' makes, with its masks, padding, packed form and bias channels
     (the module doc). max_segments=0: never the packed form. overflow(q, k, v, segment_ids=):
     the batches with a row of more runs than max_segments (default: the mask form).
     `implementation` is jax's ("cudnn", or "xla": the same masks on any platform, the packed
-    form as `packed_mask`, for tests)."""
+    form as `packed_mask`, for tests). A sliding `window` W is cuDNN's sliding window (its
+    `sliding_window_length`, jax's local_window_size (W - 1, 0)) in the causal and packed
+    forms, which then skip the tiles outside it; part of the mask in the mask form."""
     if bias is not None:
         d, dv = q.shape[-1], v.shape[-1]
         scale = d ** -0.5 if scale is None else scale
@@ -290,14 +294,15 @@ def cudnn_call(q, k, v, *, bias: Bias | None = None, segment_ids=None, q_offset=
                 out = given(q[..., :d], k[..., :d], v[..., :dv], segment_ids=segment_ids)
                 return jnp.pad(out, ((0, 0), (0, 0), (0, 0), (0, v.shape[-1] - dv)))
         out = cudnn_call(q, k, v, segment_ids=segment_ids, q_offset=q_offset, scale=scale,
-                         max_segments=max_segments, overflow=overflow, implementation=implementation)
+                         max_segments=max_segments, overflow=overflow, implementation=implementation, window=window)
         return out[..., :dv]
     b, t, s = q.shape[0], q.shape[1], k.shape[1]
     rows = max(1, (ELEMENTS_PER_CALL - 1) // max(math.prod(q.shape[1:]), math.prod(k.shape[1:])))
     if b > rows:  # split along the batch, under cuDNN's element limit per call
         pieces = [cudnn_call(q[i:i + rows], k[i:i + rows], v[i:i + rows], q_offset=q_offset, scale=scale,
                              segment_ids=None if segment_ids is None else segment_ids[i:i + rows],
-                             max_segments=max_segments, overflow=overflow, implementation=implementation)
+                             max_segments=max_segments, overflow=overflow, implementation=implementation,
+                             window=window)
                   for i in range(0, b, rows)]
         return jnp.concatenate(pieces)
     square = static_int(q_offset) == 0 and t == s  # the training case: cuDNN's own causal mask
@@ -308,28 +313,30 @@ def cudnn_call(q, k, v, *, bias: Bias | None = None, segment_ids=None, q_offset=
             pad = ((0, 0), (0, 1), (0, 0), (0, 0))
             out = cudnn_call(jnp.pad(q, pad), jnp.pad(k, pad), jnp.pad(v, pad), scale=scale,
                              segment_ids=jnp.pad(segment_ids, ((0, 0), (0, 1)), mode="edge"),
-                             max_segments=max_segments, overflow=overflow, implementation=implementation)
+                             max_segments=max_segments, overflow=overflow, implementation=implementation,
+                             window=window)
             return out[:, :t]
         seqlen, offsets, fits = packed_segments(segment_ids, max_segments)
 
         def packed(q, k, v, _):
             if implementation == "xla":
-                return jax.nn.dot_product_attention(q, k, v, mask=packed_mask(seqlen, offsets, t), scale=scale,
-                                                    implementation="xla").astype(q.dtype)
+                return jax.nn.dot_product_attention(q, k, v, mask=packed_mask(seqlen, offsets, t, window),
+                                                    scale=scale, implementation="xla").astype(q.dtype)
             return fused_attention_stablehlo.dot_product_attention(
                 q, k, v, q_seqlen=seqlen, kv_seqlen=seqlen, q_offsets=offsets, kv_offsets=offsets, scale=scale,
-                mask_type=fused_attention_stablehlo.MaskType.PADDING_CAUSAL).astype(q.dtype)
+                mask_type=fused_attention_stablehlo.MaskType.PADDING_CAUSAL,
+                sliding_window_length=window).astype(q.dtype)
 
         overflow = overflow or functools.partial(cudnn_call, scale=scale, max_segments=0,
-                                                 implementation=implementation)
+                                                 implementation=implementation, window=window)
         return jax.lax.cond(jnp.all(fits), packed, lambda *a: overflow(*a[:3], segment_ids=a[3]),
                             q, k, v, segment_ids)
     mask = None
     if segment_ids is not None:
         mask = (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]  # [B, 1, T, S]
     if not square:
-        causal = (q_offset + jnp.arange(t))[:, None] >= jnp.arange(s)[None, :]
-        mask = causal[None, None] if mask is None else mask & causal
+        causal = causal_mask(q_offset + jnp.arange(t), jnp.arange(s), None, None, window)
+        mask = causal if mask is None else mask & causal
     pt, ps = t % 2, s % 2
     if pt or ps:
         # jax lets cuDNN's backward take even lengths only: a padded query row sees every real
@@ -340,16 +347,19 @@ def cudnn_call(q, k, v, *, bias: Bias | None = None, segment_ids=None, q_offset=
         if mask is not None:
             mask = jnp.pad(mask, ((0, 0), (0, 0), (0, pt), (0, 0)), constant_values=True)
             mask = jnp.pad(mask, ((0, 0), (0, 0), (0, 0), (0, ps)), constant_values=False)
-    out = jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale, is_causal=square,
+    local = (window - 1, 0) if square and window is not None else None
+    out = jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale, is_causal=square, local_window_size=local,
                                        implementation=implementation)
     return out[:, :t].astype(q.dtype)
 
 
 def cudnn_attention(q, k, v, *, bias_fn: BiasFn | None = None, segment_ids=None, q_offset=0,
                     scale: float | None = None, score_fn: ScoreFn | None = None,
-                    block_size: int | None = None, max_segments: int = PACKED_SEGMENTS) -> jax.Array:
+                    block_size: int | None = None, max_segments: int = PACKED_SEGMENTS,
+                    window: int | None = None) -> jax.Array:
     """Causal softmax attention by cuDNN flash attention (the module doc); block_size is ignored."""
     del block_size
+    window = check_window(window)
     check_shapes(q, k, v, segment_ids)
     reason = cudnn_refusal(q, k, v, segment_ids=segment_ids, q_offset=q_offset, bias_fn=bias_fn,
                            score_fn=score_fn, platform="cuda")
@@ -369,7 +379,7 @@ def cudnn_attention(q, k, v, *, bias_fn: BiasFn | None = None, segment_ids=None,
         seg = rest.pop(0) if segment_ids is not None else None
         off = rest.pop(0) if offset is not None else q_offset
         return cudnn_call(q, k, v, bias=bias_fn, segment_ids=seg, q_offset=off, scale=scale,
-                          max_segments=max_segments)
+                          max_segments=max_segments, window=window)
 
     try:
         return per_platform(settings, run, args, interpret=False)
@@ -431,12 +441,15 @@ def splash_refusal(q, k, v, *, segment_ids=None, q_offset=0, bias_fn: BiasFn | N
     return None
 
 
-def _splash_kernel(heads: int, length: int, tile: int, interpret: bool):
+def _splash_kernel(heads: int, length: int, tile: int, interpret: bool, window: int | None = None):
     # Built per call: it holds its mask tables as jax arrays (traced under jit); the tables'
     # numpy computation is cached by jax. The backward is splash's two kernels (dq; dk, dv):
     # its fused one writes a partial dq per key tile, [T / tile] x the size of dq, which grows
-    # as T^2.
-    mask = splash.MultiHeadMask([splash.CausalMask((length, length))] * heads)
+    # as T^2. A sliding window is splash's local mask (W - 1 keys left, none right: causal),
+    # whose tables list only the tiles inside it.
+    one = (splash.CausalMask((length, length)) if window is None
+           else splash.LocalMask((length, length), window_size=(window - 1, 0), offset=0))
+    mask = splash.MultiHeadMask([one] * heads)
     tiles = splash.BlockSizes(block_q=tile, block_kv=tile, block_kv_compute=tile, block_q_dkv=tile,
                               block_kv_dkv=tile, block_kv_dkv_compute=tile, block_q_dq=tile, block_kv_dq=tile,
                               use_fused_bwd_kernel=False)
@@ -444,7 +457,7 @@ def _splash_kernel(heads: int, length: int, tile: int, interpret: bool):
 
 
 def splash_call(q, k, v, *, bias: Bias | None = None, segment_ids=None, scale: float | None = None,
-                block_size: int | None = 512, interpret: bool = False) -> jax.Array:
+                block_size: int | None = 512, interpret: bool = False, window: int | None = None) -> jax.Array:
     """The splash kernel on q [B, T, H, D], k, v [B, T, K, D] (the module doc: padding, tiles,
     bias channels, added after q is scaled: their ones stay exact)."""
     b, t, h, d = q.shape
@@ -457,7 +470,7 @@ def splash_call(q, k, v, *, bias: Bias | None = None, segment_ids=None, scale: f
     def heads_first(x):  # [B, T, N, D] -> [B, N, length, D]
         return jnp.pad(x, ((0, 0), (0, length - t), (0, 0), (0, 0))).transpose(0, 2, 1, 3)
 
-    kernel = _splash_kernel(h, length, tile, interpret)
+    kernel = _splash_kernel(h, length, tile, interpret, window)
     qh, kh, vh = heads_first(q), heads_first(k), heads_first(v)
     if segment_ids is None:
         out = jax.vmap(kernel)(qh, kh, vh)
@@ -469,9 +482,10 @@ def splash_call(q, k, v, *, bias: Bias | None = None, segment_ids=None, scale: f
 
 def splash_attention(q, k, v, *, bias_fn: BiasFn | None = None, segment_ids=None, q_offset=0,
                      scale: float | None = None, score_fn: ScoreFn | None = None,
-                     block_size: int | None = 512, interpret: bool = False) -> jax.Array:
+                     block_size: int | None = 512, interpret: bool = False, window: int | None = None) -> jax.Array:
     """Causal softmax attention by TPU splash attention (the module doc); block_size caps the tile."""
     check_shapes(q, k, v, segment_ids)
+    window = check_window(window)
     reason = splash_refusal(q, k, v, segment_ids=segment_ids, q_offset=q_offset, bias_fn=bias_fn,
                             score_fn=score_fn, platform="tpu", interpret=interpret)
     if reason:
@@ -487,6 +501,6 @@ def splash_attention(q, k, v, *, bias_fn: BiasFn | None = None, segment_ids=None
 
     def run(interp, q, k, v, seg=None):
         return splash_call(q, k, v, bias=bias_fn, segment_ids=seg, scale=scale, block_size=block_size,
-                           interpret=interp)
+                           interpret=interp, window=window)
 
     return per_platform(settings, run, args, interpret=True if interpret else False)

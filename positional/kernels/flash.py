@@ -19,8 +19,9 @@ Two loop structures share the tile functions: on GPU (Triton) and in the interpr
 loops over the other axis's blocks of whole-sequence refs (they stay in HBM, blocks are loaded
 as needed); on TPU (Mosaic, `stream`) that axis is the grid's last, sequential dimension, each
 step gets one block of K/V (or Q) by BlockSpec, and the running statistics live in VMEM
-scratch, so nothing whole-sequence is resident. Blocks past the diagonal are skipped (and on
-TPU their index maps repeat the last visible block, so they cost no copy).
+scratch, so nothing whole-sequence is resident. Blocks past the diagonal are skipped, and with
+a sliding window those wholly before it (on TPU their index maps repeat the nearest visible
+block, so they cost no copy): a windowed call does O(T x W) work.
 
 Statistics, the logit hooks and accumulation are fp32; matmuls take the input dtype (P and
 dS are cast to it, as flash attention does), fp32 parts at full fp32 precision.
@@ -46,7 +47,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from positional.kernels import backward_inputs, check_tile, per_platform
 from positional.logits import Bias, Score
-from positional.softmax import MASKED, check_shapes
+from positional.softmax import MASKED, check_shapes, check_window
 
 LOG2E = 1.4426950408889634
 # (block_q, block_k) when not given: the GPU tiles are the fastest forward + backward of the TAPA
@@ -71,6 +72,7 @@ class _Static:
     num_warps: int
     num_stages: int
     fast_math: bool
+    window: int | None = None  # sliding window: query i sees key j iff i - window < j <= i
 
 
 def check_blocks(block_q: int, block_k: int, backend: str, interpret: bool) -> None:
@@ -94,7 +96,8 @@ def _dots(qs, ks):
 
 
 def _mask(qi, kj, sq, sk, st: _Static):
-    return (kj <= qi) & (sq == sk) & (kj < st.kv_len)
+    m = (kj <= qi) & (sq == sk) & (kj < st.kv_len)
+    return m if st.window is None else m & (qi - kj < st.window)
 
 
 def _rows(start, size):
@@ -178,10 +181,17 @@ def _layout(side: str, name: str) -> tuple[str, int | None]:
 
 
 def _bounds(st: _Static, outer: str, o, n_inner: int):
-    """The inner blocks lo <= j < hi that outer block o sees (causality)."""
+    """The inner blocks lo <= j < hi that outer block o sees (causality; and the window)."""
+    w = st.window
     if outer == "q":
-        return 0, jnp.minimum(n_inner, lax.div(st.q_offset + (o + 1) * st.block_q + st.block_k - 1, st.block_k))
-    return lax.div(jnp.maximum(o * st.block_k - st.q_offset, 0), st.block_q), n_inner
+        first_query = st.q_offset + o * st.block_q
+        lo = 0 if w is None else lax.div(jnp.maximum(first_query - w + 1, 0), st.block_k)
+        return lo, jnp.minimum(n_inner, lax.div(first_query + st.block_q + st.block_k - 1, st.block_k))
+    lo = lax.div(jnp.maximum(o * st.block_k - st.q_offset, 0), st.block_q)
+    if w is None:
+        return lo, n_inner
+    last_query = o * st.block_k + st.block_k - 1 + w - 1 - st.q_offset  # the last that sees this block
+    return lo, jnp.clip(lax.div(last_query, st.block_q) + 1, lo + 1, n_inner)
 
 
 def _specs(st: _Static, side: str, arrays: dict, role: str, n_inner: int = 0, heads: str | None = None):
@@ -394,7 +404,8 @@ def fused_attention(q, k, v, *, bias_fn: Bias | None = None, score_fn: Score | N
                     q_offset: int = 0, scale: float | None = None, block_q: int | None = None,
                     block_k: int | None = None, interpret: bool | None = None, stream: bool | None = None,
                     num_warps: int = 4, num_stages: int = 2, fast_math: bool = True,
-                    block_size: int | None = None, platform: str | None = None) -> jax.Array:
+                    block_size: int | None = None, platform: str | None = None, window: int | None = None
+                    ) -> jax.Array:
     """Causal attention with the reference's signature and semantics, fused: q [B, T, H, D];
     k, v [B, S, K, D] -> [B, T, H, D]. bias_fn a `Bias`, score_fn a `Score` (positional/logits.py).
 
@@ -405,10 +416,12 @@ def fused_attention(q, k, v, *, bias_fn: Bias | None = None, score_fn: Score | N
     True/False forces it (the interpreter runs both). GPU only:
     `num_warps`, `num_stages` (Triton), `fast_math` (exp2 by one special-function instruction).
     `platform` ("cpu", "cuda", "tpu"): build that platform's kernel alone (for a caller that
-    branches per platform itself, the "auto" dispatcher). `block_size` (the plain-JAX paths' block) is the interpreter's tile where none is given, so a
+    branches per platform itself, the "auto" dispatcher). `window`: a sliding window
+    (positional/softmax.py), tiles outside it skipped. `block_size` (the plain-JAX paths' block) is the interpreter's tile where none is given, so a
     model's CPU tests run the kernel over several tiles; lowering for GPU or TPU ignores it.
     """
     check_shapes(q, k, v, segment_ids)
+    window = check_window(window)
     why = refusal(bias_fn, score_fn, q_offset)
     if why:
         raise ValueError(f"fused attention: {why}; use impl='blockwise'")
@@ -438,7 +451,7 @@ def fused_attention(q, k, v, *, bias_fn: Bias | None = None, score_fn: Score | N
         return _Static(logit=logit, q_offset=q_offset, kv_len=s, group=h // k.shape[2], block_q=bq, block_k=bk,
                        stream=backend != "gpu" if stream is None else bool(stream), interpret=interpret,
                        backend=backend, num_warps=num_warps, num_stages=num_stages,
-                       fast_math=bool(fast_math) and not interpret and backend == "gpu")
+                       fast_math=bool(fast_math) and not interpret and backend == "gpu", window=window)
 
     seg = jnp.zeros((b, t), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
     q_values = {n: x[:, q_offset:q_offset + t] for n, x in values.items()}

@@ -27,16 +27,17 @@ from configs import default
 from lab.cli import run_cli
 from data import DataError, local_text, pipeline
 from lab import retrieval
-from lab.hf import PUBLISHED, import_checkpoint, model_fields, caveats, read_safetensors_header, tensor_index, train_flags
+from lab.hf import PUBLISHED, import_checkpoint, model_fields, read_safetensors_header, tensor_index, train_flags
 from lab.lengths import evaluate_runs
 from lab.runs import held_out_stream, load_run
 from lab.training import TrainingError, train
-from models.lm import generate
+from models.lm import DecoderLM, ModelConfig, generate
 from positional.rope import dynamic_frequencies, rope_frequencies
 from helpers.tiny_setup import ROOT, cli
 
 FIXTURES = os.path.join(ROOT, "tests", "data", "hf")
-NAMES = ("llama", "llama_linear", "llama_dynamic", "llama_yarn", "mistral", "qwen2", "llama_bf16")
+NAMES = ("llama", "llama_linear", "llama_dynamic", "llama_yarn", "mistral", "qwen2", "llama_bf16", "mistral_window",
+         "qwen2_window")
 
 
 @pytest.fixture(scope="module")
@@ -91,6 +92,34 @@ def test_what_the_import_writes(imported):
                                                 "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                                 "original_max_len": 32}
     assert load_run(imported["mistral"])[0].model.head_dim == 16  # not hidden_size / heads = 8
+
+
+def test_sliding_windows_are_imported_per_layer(imported):
+    """Mistral's window in every layer, Qwen2's from max_window_layers on; the fixtures' inputs
+    pass the window (6), so the same model without it is far from transformers' logits."""
+    windows = {name: [b.attn.scheme.sliding_window for b in load_run(imported[name])[1].blocks]
+               for name in ("mistral_window", "qwen2_window", "mistral")}
+    assert windows == {"mistral_window": [6, 6], "qwen2_window": [0, 6], "mistral": [0, 0]}
+    config = load_run(imported["qwen2_window"])[0]
+    assert (config.model.layer_kinds.to_dict(), config.model.layer_overrides) == ({"sliding": {"window": 6}}, "1=sliding")
+    flags = train_flags(config)
+    assert "--config.model.layer_kinds.sliding={'window': 6}" in flags and "--config.model.layer_overrides=1=sliding" in flags
+    for name in ("mistral_window", "qwen2_window"):
+        config, _, _ = load_run(imported[name])
+        cfg = ModelConfig.from_dict({**config.model.to_dict(), "window": 0, "layer_overrides": ""})
+        unwindowed = DecoderLM(cfg, rngs=nnx.Rngs(0))
+        nnx.update(unwindowed, nnx.state(load_run(imported[name])[1]))
+        e = expected(name)
+        assert np.abs(logits_of(unwindowed, e["tokens_b"]) - e["logits_b"]).max() > 1e-2
+
+
+def test_layer_types_the_importer_does_not_know_get_one_line():
+    hf = {**PUBLISHED["Qwen2.5-7B-YaRN"], "use_sliding_window": True, "num_hidden_layers": 2,
+          "layer_types": ["full_attention", "chunked_attention"]}
+    with pytest.raises(ValueError, match=r"^config.json: layer_types \['chunked_attention'\] cannot be imported: the "
+                                         r"importer takes one of full_attention, sliding_attention per layer") as err:
+        model_fields(hf, "config.json")
+    assert "\n" not in str(err.value)
 
 
 def test_bf16_checkpoints_stay_bf16_and_compute_in_bf16_like_transformers(imported, tmp_path):
@@ -174,9 +203,9 @@ def test_published_configs():
     assert qwen["scheme_options"] == {"base": 1e6, "layout": "half", "scaling": "yarn", "factor": 4.0,
                                       "original_max_len": 32768, "beta_fast": 32.0, "beta_slow": 1.0,
                                       "ramp": "index", "attention_factor": pytest.approx(0.1 * math.log(4) + 1)}
-    assert caveats(QWEN25_7B_YARN) == []
-    assert model_fields(MISTRAL_7B_V01, "config.json")["scheme_options"] == {"base": 10000.0, "layout": "half"}
-    assert "sliding window of 4096 tokens" in caveats(MISTRAL_7B_V01)[0]
+    assert qwen["window"] == 0  # its sliding_window is off (use_sliding_window false)
+    mistral = model_fields(MISTRAL_7B_V01, "config.json")
+    assert mistral["scheme_options"] == {"base": 10000.0, "layout": "half"} and mistral["window"] == 4096
     # YaRN's factor from the lengths when the config leaves it out; an explicit attention factor.
     yarn = {**QWEN25_7B_YARN, "max_position_embeddings": 131072,
             "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": None, "attention_factor": 1.5,

@@ -121,6 +121,79 @@ def test_bad_model_inputs():
         ModelConfig.from_dict({"d_modle": 3})
 
 
+# Per-layer attention (models/layers.py): Gemma-style local layers (a window and a RoPE base of
+# their own) among global ones, NoPE layers (RNoPE-SWA), a learned scheme in one layer only.
+KINDS = {"local": {"window": 4, "scheme_options": {"base": 100.0}}, "global": {"scheme": "nope"},
+         "learned": {"scheme": "so2_learned_qk", "window": 5}}
+
+
+def layered(pattern="local*2,global", overrides="", num_layers=4, **kw):
+    cfg = ModelConfig.from_dict(dict(vocab_size=V, d_model=32, num_layers=num_layers, num_heads=4, num_kv_heads=2,
+                                     block_size=8, scheme_options={"base": 1e4}, layer_kinds=KINDS,
+                                     layer_pattern=pattern, layer_overrides=overrides, **kw))
+    return DecoderLM(cfg, rngs=nnx.Rngs(0))
+
+
+def test_each_layer_has_its_kind():
+    m = layered(num_layers=7, overrides="0=learned")
+    got = [(b.attn.scheme.__class__.__name__, b.attn.scheme.sliding_window, getattr(b.attn.scheme, "base", None))
+           for b in m.blocks]
+    # The pattern repeats and is cut at the seventh layer; layer 0 is overridden.
+    assert got == [("SO2", 5, None), ("Rope", 4, 100.0), ("NoPE", 0, None), ("Rope", 4, 100.0), ("Rope", 4, 100.0),
+                   ("NoPE", 0, None), ("Rope", 4, 100.0)]
+    assert [m.cfg.layer_kind(i) for i in range(7)] == ["learned", "local", "global", "local", "local", "global",
+                                                       "local"]
+    # Only the learned layer holds the learned step-angle table; the model's own options apply
+    # to a layer of its scheme whose kind sets none.
+    assert m.blocks[0].attn.features is not None and all(b.attn.features is None for b in m.blocks[1:])
+    assert layered(pattern="").blocks[0].attn.scheme.base == 1e4
+
+
+def test_layered_decode_equals_parallel_past_the_windows():
+    m = layered(overrides="3=learned")
+    forward, decode = jitted(m)
+    x = tokens(t=14)
+    parallel = forward(x)
+    cache = m.init_cache(2, 20)
+    logits, cache = decode(x[:, :6], cache)
+    steps = [logits]
+    for t in range(6, x.shape[1]):
+        logits, cache = decode(x[:, t:t + 1], cache)
+        steps.append(logits)
+    np.testing.assert_allclose(jnp.concatenate(steps, 1), parallel, atol=5e-5)
+    # The windows act: the same model without them gives other logits past the window.
+    full = layered(pattern="")
+    assert not np.allclose(jitted(full)[0](x)[:, 6:], parallel[:, 6:], atol=1e-3)
+
+
+def test_bad_layer_patterns_say_what_to_do():
+    cases = [(dict(pattern="local,glob"), r"^model.layer_pattern names the layer kind 'glob', which model.layer_kinds "
+                                          r"does not define \(defined: global, learned, local\); define it"),
+             (dict(pattern="local*0"), r"^model.layer_pattern item 'local\*0': the count after '\*' must be"),
+             (dict(overrides="9=local"), r"^model.layer_overrides item '9=local' must be <layer>=<kind> with a layer "
+                                         r"from 0 to 3"),
+             (dict(layer_kinds={"local": {"scheme": "spiral"}}), r"^model.layer_kinds.local.scheme \(layer 0\): "
+                                                                 r"unknown position scheme 'spiral'"),
+             (dict(layer_kinds={"local": {"windw": 3}}), r"^model.layer_kinds.local has unknown field\(s\) \['windw'\]"),
+             (dict(layer_kinds={"local": {"window": -2}}), r"^model.layer_kinds.local.window=-2 \(layer 0\) must be "
+                                                           r"an int >= 0"),
+             (dict(layer_kinds={"local": {"scheme": "path", "window": 4}}), r"^model.layer_kinds.local.window=4 \(layer 0\): "
+                                                                            r"scheme 'path' brings its own attention"),
+             (dict(mixer="sessa"), r"^model.layer_pattern / layer_overrides set the attention of each layer")]
+    for kw, message in cases:
+        args = {"pattern": kw.pop("pattern", "local*2,global"), "overrides": kw.pop("overrides", "")}
+        if "layer_kinds" in kw:
+            kw["layer_kinds"] = {**KINDS, **kw["layer_kinds"]}
+            with pytest.raises(ValueError, match=message) as err:
+                cfg = ModelConfig.from_dict(dict(vocab_size=V, d_model=32, num_layers=4, num_heads=4,
+                                                 layer_pattern=args["pattern"], **kw))
+                DecoderLM(cfg, rngs=nnx.Rngs(0))
+        else:
+            with pytest.raises(ValueError, match=message) as err:
+                layered(**args, **kw)
+        assert "\n" not in str(err.value)
+
+
 @pytest.mark.parametrize("head", ["tied", "tied_unscaled", "untied"])
 def test_a_large_vocabulary_is_scored_in_chunks_of_entries_and_positions_with_the_same_numbers(monkeypatch, head):
     """token_nll past VOCAB_PER_CHUNK entries scores the vocabulary in chunks (a running

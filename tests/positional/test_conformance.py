@@ -35,9 +35,9 @@ def tokens_of(x):
     return (jnp.abs(x[..., 0]) * 1000).astype(jnp.int32) % 16
 
 
-def make_layer(scheme, dtype="float32"):
+def make_layer(scheme, dtype="float32", window=0):
     cfg = ModelConfig(vocab_size=16, d_model=32, num_heads=4, num_kv_heads=2, scheme=scheme,
-                      block_size=4, dtype=dtype)
+                      block_size=4, dtype=dtype, window=window)
     return Attention(cfg, rngs=nnx.Rngs(0))
 
 
@@ -52,9 +52,9 @@ def perturbed(params):
 
 
 @functools.lru_cache(maxsize=None)
-def forward(scheme, dtype="float32"):
+def forward(scheme, dtype="float32", window=0):
     """Perturbed parameters (`perturbed`) and a jitted (params, x, positions, segment_ids, impl) -> out."""
-    graphdef, params = nnx.split(make_layer(scheme, dtype))
+    graphdef, params = nnx.split(make_layer(scheme, dtype, window))
     params = perturbed(params)
 
     @functools.partial(jax.jit, static_argnames="impl")
@@ -101,9 +101,15 @@ def test_causal(scheme):
     assert not np.allclose(a[:, 7:], b[:, 7:])
 
 
-@pytest.mark.parametrize("scheme", SCHEMES)
-def test_decode_equals_parallel(scheme):
-    params, apply = forward(scheme)
+# Every scheme whose attention takes a sliding window, and the window the window tests use (T = 12
+# tokens, blocks of 4: the blockwise and fused forms skip whole blocks).
+WINDOWED = [s for s in SCHEMES if REGISTRY[s.split("+")[0]].scheme_cls.takes_window]
+W = 3
+
+
+@pytest.mark.parametrize("scheme,window", [(s, 0) for s in SCHEMES] + [(s, W) for s in WINDOWED])
+def test_decode_equals_parallel(scheme, window):
+    params, apply = forward(scheme, window=window)
     x, pos = example()
     layer = nnx.merge(apply.graphdef, params)
     cache = layer.scheme.init_cache(2, T + 3, layer.cfg.resolved_kv_heads)
@@ -168,18 +174,19 @@ def test_packing_equals_separate_runs(scheme):
 
 
 def cudnn_by_xla(q, k, v, *, segment_ids=None, q_offset=0, scale=None, bias_fn=None, score_fn=None,
-                 block_size=None):
+                 block_size=None, window=None):
     """The jax.nn.dot_product_attention call of impl "cudnn", with jax's XLA implementation."""
     assert bias_fn is None and score_fn is None
-    return vendor.cudnn_call(q, k, v, segment_ids=segment_ids, q_offset=q_offset, scale=scale, implementation="xla")
+    return vendor.cudnn_call(q, k, v, segment_ids=segment_ids, q_offset=q_offset, scale=scale, implementation="xla",
+                             window=window)
 
 
-@pytest.mark.parametrize("scheme", SCHEMES)
-def test_implementations_agree_values_and_gradients(scheme, monkeypatch):
+@pytest.mark.parametrize("scheme,window", [(s, 0) for s in SCHEMES] + [(s, W) for s in WINDOWED])
+def test_implementations_agree_values_and_gradients(scheme, window, monkeypatch):
     """Every impl against the reference (the fused kernel in the interpreter; for plain softmax
     cuDNN's call, by XLA), GQA, two segments in one row, and a length that is not a multiple
-    of the block (4)."""
-    params, apply = forward(scheme)
+    of the block (4); with and without a sliding window."""
+    params, apply = forward(scheme, window=window)
     x, pos = example(t=T + 1)
     seg = jnp.asarray([[1] * 6 + [2] * 7, [1] * (T + 1)])
     monkeypatch.setitem(dispatch.IMPLEMENTATIONS, "cudnn", cudnn_by_xla)
@@ -190,6 +197,20 @@ def test_implementations_agree_values_and_gradients(scheme, monkeypatch):
         np.testing.assert_allclose(out, ref_out, atol=2e-5, rtol=RTOL)
         for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):  # per parameter, in norm
             assert np.linalg.norm(a - b) <= 1e-4 * np.linalg.norm(b) + 1e-6, (a, b)
+
+
+@pytest.mark.parametrize("scheme", WINDOWED)
+def test_window_reads_only_the_window(scheme):
+    """With a sliding window of W, a layer's output at t does not depend on the tokens before
+    t - W + 1 (their keys are masked, and no scheme's features carry them further: SO(2)'s
+    angles and FoX's gates between key and query lie inside the window: only their rounding
+    sees the tokens before), but does on those in it."""
+    params, apply = forward(scheme, window=W)
+    x, pos = example()
+    changed = x.at[:, :3].set(normal(jax.random.key(9), x[:, :3].shape))
+    a, b = apply(params, x, pos), apply(params, changed, pos)
+    np.testing.assert_allclose(a[:, 3 + W - 1:], b[:, 3 + W - 1:], atol=2e-5, rtol=RTOL)
+    assert not np.allclose(a[:, 3:3 + W - 1], b[:, 3:3 + W - 1])
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)

@@ -1,7 +1,8 @@
 """Write the Hugging Face parity fixtures of tests/lab/test_hf_import.py (needs torch and transformers,
 which the project does not: `pip install .[fixtures]` in a separate environment).
 
-    python tests/data/hf/make_fixtures.py    # rewrites tests/data/hf/<name>/
+    python tests/data/hf/make_fixtures.py                   # rewrites tests/data/hf/<name>/, every one
+    python tests/data/hf/make_fixtures.py mistral_window    # only those named
 
 Each fixture is a tiny randomly initialised model saved with `save_pretrained` (safetensors)
 and `expected.npz`, computed by the checkpoint as Hugging Face loads it back from that
@@ -28,6 +29,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 
 import numpy as np
 import torch
@@ -74,6 +76,15 @@ FIXTURES = {
                                                  tie_word_embeddings=True,
                                                  rope_parameters=dict(rope_theta=100.0, **LLAMA3)),
                    torch.bfloat16, {}, "rope_type"),
+    # Sliding windows of 6 tokens, which the 16- and 40-token inputs and the generation pass:
+    # Mistral's in every layer; Qwen2's in the layers from max_window_layers (1) on.
+    "mistral_window": (MistralForCausalLM, MistralConfig(**SMALL, vocab_size=64, head_dim=16, max_position_embeddings=64,
+                                                         sliding_window=6, rope_parameters=dict(rope_theta=100.0)),
+                       torch.float32, {}, "rope_type"),
+    "qwen2_window": (Qwen2ForCausalLM, Qwen2Config(**SMALL, vocab_size=64, max_position_embeddings=64,
+                                                   use_sliding_window=True, sliding_window=6, max_window_layers=1,
+                                                   rope_parameters=dict(rope_theta=100.0)),
+                     torch.float32, {}, "new"),
 }
 
 
@@ -128,8 +139,10 @@ def expected(directory: str, dtype, tokens: dict) -> dict:
     return out
 
 
-def main() -> None:
+def main(names) -> None:
     for seed, (name, (cls, config, dtype, save_options, layout)) in enumerate(FIXTURES.items()):
+        if names and name not in names:
+            continue
         directory = os.path.join(HERE, name)
         shutil.rmtree(directory, ignore_errors=True)
         torch.manual_seed(seed)
@@ -153,4 +166,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])
