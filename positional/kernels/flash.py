@@ -191,7 +191,8 @@ def _bounds(st: _Static, outer: str, o, n_inner: int):
     if w is None:
         return lo, n_inner
     last_query = o * st.block_k + st.block_k - 1 + w - 1 - st.q_offset  # the last that sees this block
-    return lo, jnp.clip(lax.div(last_query, st.block_q) + 1, lo + 1, n_inner)
+    hi = lax.div(jnp.maximum(last_query + st.block_q, 0), st.block_q)  # floor(last_query / block_q) + 1
+    return lo, jnp.clip(hi, lo, n_inner)  # hi = lo: no query sees this key block
 
 
 def _specs(st: _Static, side: str, arrays: dict, role: str, n_inner: int = 0, heads: str | None = None):
@@ -217,7 +218,7 @@ def _specs(st: _Static, side: str, arrays: dict, role: str, n_inner: int = 0, he
                 at = o
             else:  # a block outside the visible range repeats a visible one (no copy)
                 lo, hi = _bounds(st, outer, o, n_inner)
-                at = jnp.minimum(jnp.maximum(j[0], lo), hi - 1)
+                at = jnp.maximum(jnp.minimum(j[0], hi - 1), lo)
             pos = [0] * len(shape)
             pos[(axis or 2) - 2] = at
             return (b, {"q": h, "kv": h // st.group, "one": 0}[head_map], *pos)

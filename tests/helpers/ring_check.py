@@ -5,7 +5,8 @@ in a process of its own, since the device count is fixed when JAX starts).
         '[{"sequence": 4}, {"data": 2, "sequence": 4}]'
 
 For each mesh and case (GQA, packed documents crossing shard boundaries, an ALiBi-style bias,
-a FoX-style bias that reads per-token gates, bf16 inputs), prints JSON: the largest difference
+a FoX-style bias that reads per-token gates, bf16 inputs, sliding windows of 5 and 11 tokens
+with shards of 8), prints JSON: the largest difference
 of the output and of the gradients of sum(sin(out)) in q, k, v and the bias parameter, each
 relative to the largest reference value, and for cases without a bias ("held") the batch rows
 and key/value heads one device holds inside the ring.
@@ -42,12 +43,14 @@ def dot_score(qb, kb, qi, kj):
     return jnp.einsum("btkgd,bskd->bkgts", qb, kb, preferred_element_type=jnp.float32) * D ** -0.5
 
 
-CASES = {  # name -> (bias maker and its parameter's shape, packed, dtype); the FoX bias as schemes
-    "gqa": (None, False, jnp.float32),  # pass theirs, built from the features (`hooks`)
-    "packed": (None, True, jnp.float32),
-    "alibi": ((alibi_bias, (H,)), True, jnp.float32),
-    "fox": ((fox_bias, (B, T, H)), True, jnp.float32),
-    "bf16": ((fox_bias, (B, T, H)), True, jnp.bfloat16),
+CASES = {  # name -> (bias maker and its parameter's shape, packed, dtype, window); the FoX bias as
+    "gqa": (None, False, jnp.float32, None),  # schemes pass theirs, built from the features (`hooks`)
+    "packed": (None, True, jnp.float32, None),
+    "alibi": ((alibi_bias, (H,)), True, jnp.float32, None),
+    "fox": ((fox_bias, (B, T, H)), True, jnp.float32, None),
+    "bf16": ((fox_bias, (B, T, H)), True, jnp.bfloat16, None),
+    "window": (None, True, jnp.float32, 5),  # shards two apart wholly outside it
+    "window_fox": ((fox_bias, (B, T, H)), False, jnp.float32, 11),  # reaching into the shard before
 }
 
 
@@ -59,7 +62,7 @@ def inputs(dtype):
     return q, k, v, param
 
 
-def loss_and_grads(attend, q, k, v, param, bias, segment_ids):
+def loss_and_grads(attend, q, k, v, param, bias, segment_ids, window):
     def loss(q, k, v, param):
         if bias and bias[0] is fox_bias and attend is not reference_attention:
             hooks = {"hooks": lambda f: (fox_bias(f), None), "features": param}
@@ -68,7 +71,7 @@ def loss_and_grads(attend, q, k, v, param, bias, segment_ids):
             # block shapes, which SEEN records, and a cached trace would record nothing.
             hooks = {"bias_fn": bias[0](param) if bias else None,
                      "score_fn": None if bias else (lambda *a: dot_score(*a))}
-        out = attend(q, k, v, segment_ids=segment_ids, **hooks)
+        out = attend(q, k, v, segment_ids=segment_ids, window=window, **hooks)
         return jnp.sum(jnp.sin(out.astype(jnp.float32))), out
     return jax.jit(jax.value_and_grad(loss, (0, 1, 2, 3), has_aux=True))(q, k, v, param)
 
@@ -80,13 +83,13 @@ def main(meshes):
     for sizes in meshes:
         mesh, mesh_name = sub_mesh(sizes)
         ring = lambda *a, **kw: ring_attention(*a, mesh=mesh, block_size=4, **kw)  # noqa: E731
-        for name, (bias, is_packed, dtype) in CASES.items():
+        for name, (bias, is_packed, dtype, window) in CASES.items():
             q, k, v, param = inputs(dtype)
             if bias:
                 param = param if len(bias[1]) == 3 else jnp.abs(param[0, 0])
             segment_ids = packed if is_packed else None
-            (_, want), want_grads = loss_and_grads(reference_attention, q, k, v, param, bias, segment_ids)
-            (_, got), got_grads = loss_and_grads(ring, q, k, v, param, bias, segment_ids)
+            (_, want), want_grads = loss_and_grads(reference_attention, q, k, v, param, bias, segment_ids, window)
+            (_, got), got_grads = loss_and_grads(ring, q, k, v, param, bias, segment_ids, window)
             rel = lambda a, b: float(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32)).max()  # noqa: E731
                                      / jnp.abs(b.astype(jnp.float32)).max())
             result = {"out": rel(got, want), "dtype": str(got.dtype)}

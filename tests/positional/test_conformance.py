@@ -181,7 +181,15 @@ def cudnn_by_xla(q, k, v, *, segment_ids=None, q_offset=0, scale=None, bias_fn=N
                              window=window)
 
 
-@pytest.mark.parametrize("scheme,window", [(s, 0) for s in SCHEMES] + [(s, W) for s in WINDOWED])
+# With a window, in `make test` one scheme of each kind of logit (a transport under plain softmax,
+# a fixed bias, a learned per-key bias, a score, a mask of its own); the others are slow (every
+# one passed when windows were added).
+FAST_WINDOWED = {"rope", "alibi", "fox", "tapa", "rope_lm_infinite"}
+WINDOW_CASES = [(s, 0) for s in SCHEMES] + [pytest.param(s, W, marks=() if s in FAST_WINDOWED else pytest.mark.slow)
+                                            for s in WINDOWED]
+
+
+@pytest.mark.parametrize("scheme,window", WINDOW_CASES)
 def test_implementations_agree_values_and_gradients(scheme, window, monkeypatch):
     """Every impl against the reference (the fused kernel in the interpreter; for plain softmax
     cuDNN's call, by XLA), GQA, two segments in one row, and a length that is not a multiple

@@ -15,6 +15,7 @@ from helpers.exported import MOSAIC, TRITON, compiled_for, lowered
 from lab.lowering import max_registers, triton_kernels
 from models.registry import REGISTRY, Entry, make_scheme
 from positional import kernels
+from positional.kernels import flash
 from positional.kernels.flash import fused_attention
 from positional.logits import Bias, lookup, sum_of
 from positional.scheme import Scheme, position_values
@@ -124,6 +125,25 @@ def test_a_query_offset_prefill(stream):
     bias = make_scheme("alibi", num_heads=2, head_dim=16).bias_fn(None, jnp.arange(21)[None] + 7)
     got = fused_attention(q, k, v, bias_fn=bias, q_offset=16, block_q=8, block_k=8, interpret=True, stream=stream)
     np.testing.assert_allclose(got, reference_attention(q, k, v, bias_fn=bias, q_offset=16), atol=1e-5)
+
+
+@pytest.mark.parametrize("window,q_offset,block_q,block_k", [(None, 0, 16, 16), (40, 0, 16, 16), (1, 0, 8, 16),
+                                                              (100, 24, 16, 8), (7, 40, 8, 8)])
+def test_the_tiles_visited_are_those_with_a_visible_key(window, q_offset, block_q, block_k):
+    """Both loop orders visit exactly the tiles holding a (query, key) pair the mask keeps
+    (causal and, with a window, i - j < W): O(T W) tiles with a window, not O(T^2)."""
+    t, s = 128 - q_offset, 128
+    st = flash._Static(logit=None, q_offset=q_offset, kv_len=s, group=1, block_q=block_q, block_k=block_k,
+                       stream=True, interpret=True, backend="cpu", num_warps=4, num_stages=2, fast_math=False,
+                       window=window)
+    qi, kj = q_offset + np.arange(t)[:, None], np.arange(s)[None, :]
+    keep = (kj <= qi) & ((qi - kj < window) if window else True)
+    nq, nk = t // block_q, s // block_k
+    want = {(i, j) for i in range(nq) for j in range(nk)
+            if keep[i * block_q:(i + 1) * block_q, j * block_k:(j + 1) * block_k].any()}
+    by_query = {(i, j) for i in range(nq) for j in range(*map(int, flash._bounds(st, "q", i, nk)))}
+    by_key = {(i, j) for j in range(nk) for i in range(*map(int, flash._bounds(st, "k", j, nq)))}
+    assert by_query == want and by_key == want
 
 
 @dataclasses.dataclass(frozen=True)

@@ -70,21 +70,24 @@ def fp32(*xs):
     (11, 11, 0, False),   # odd, no mask: the padded key is after every query
     pytest.param(3, 10, 6, False, marks=pytest.mark.slow),  # decoding, a static offset (causal mask)
     (1, 9, "traced", False),  # one decoding step at a traced index
+    (12, 12, 0, "window"),    # a sliding window of 5: cuDNN's, in the causal form
+    (1, 9, "traced", "window"),  # and in the mask form
 ])
 def test_cudnn_call_by_xla_equals_reference(t, s, q_offset, with_segments):
     """GQA (4 query heads on 2 kv heads), bf16: the output within bf16 rounding of the fp32
     reference on the same inputs, the gradients likewise."""
     q, k, v = inputs(t + s, t=t, s=s)
-    seg = segments(2, t) if with_segments else None
+    window = 5 if with_segments == "window" else None
+    seg = segments(2, t) if with_segments is True else None
     traced = q_offset == "traced"
     offset = 8 if traced else q_offset
 
     def ours(q, k, v, off):
         return vendor.cudnn_call(q, k, v, segment_ids=seg, q_offset=off if traced else offset,
-                                 implementation="xla")
+                                 implementation="xla", window=window)
 
     def ref(q, k, v, off):
-        return reference_attention(q, k, v, segment_ids=seg, q_offset=offset)
+        return reference_attention(q, k, v, segment_ids=seg, q_offset=offset, window=window)
 
     out, grads = values_and_grads(ours, q, k, v, jnp.int32(offset))
     want, want_grads = values_and_grads(ref, *fp32(q, k, v), jnp.int32(offset))
@@ -142,19 +145,22 @@ def test_packed_segments_equal_the_segment_mask():
     assert (offsets[:, -1] == -1).all() and ((seqlen == -1) == (offsets[:, :-1] == -1)).all()
 
 
-@pytest.mark.parametrize("t,max_segments", [(12, 3), (11, 1)])
-def test_cudnn_packed_by_xla_equals_reference(t, max_segments):
+@pytest.mark.parametrize("t,max_segments,window", [(12, 3, None), (11, 1, None), (12, 3, 4), (11, 1, 4)])
+def test_cudnn_packed_by_xla_equals_reference(t, max_segments, window):
     """The packed form (run by XLA through `packed_mask`) with its overflow branch: rows of 1-3
     documents, max_segments 3 (every batch packed) or 1 (the batch overflows: the mask form
-    computes it); values and gradients against the fp32 reference, GQA, bf16, an odd length."""
+    computes it); values and gradients against the fp32 reference, GQA, bf16, an odd length;
+    with and without a sliding window."""
     q, k, v = inputs(t, t=t)
     seg = segments(2, t)
 
     def ours(q, k, v):
-        return vendor.cudnn_call(q, k, v, segment_ids=seg, max_segments=max_segments, implementation="xla")
+        return vendor.cudnn_call(q, k, v, segment_ids=seg, max_segments=max_segments, implementation="xla",
+                                 window=window)
 
     out, grads = values_and_grads(ours, q, k, v)
-    want, want_grads = values_and_grads(lambda q, k, v: reference_attention(q, k, v, segment_ids=seg), *fp32(q, k, v))
+    want, want_grads = values_and_grads(lambda q, k, v: reference_attention(q, k, v, segment_ids=seg, window=window),
+                                        *fp32(q, k, v))
     assert out.dtype == jnp.bfloat16
     assert_close(out, want, 6e-3)
     for g, w in zip(grads, want_grads):
@@ -361,15 +367,18 @@ def test_splash_tiling():
     assert vendor.splash_tiling(4096, None) == (4096, 512)
 
 
-@pytest.mark.parametrize("t,with_segments,dtype", [
-    (200, True, jnp.float32), pytest.param(12, False, jnp.bfloat16, marks=pytest.mark.slow)])
-def test_splash_interpreted_equals_reference(t, with_segments, dtype):
-    """GQA; t=200 pads to 256, two 128-tiles (block_size=128), with packed segments."""
+@pytest.mark.parametrize("t,with_segments,dtype,window", [
+    (200, True, jnp.float32, None), (200, True, jnp.float32, 100),
+    pytest.param(12, False, jnp.bfloat16, None, marks=pytest.mark.slow)])
+def test_splash_interpreted_equals_reference(t, with_segments, dtype, window):
+    """GQA; t=200 pads to 256, two 128-tiles (block_size=128), with packed segments; a sliding
+    window of 100 (splash's local mask) crossing the tiles' edge."""
     q, k, v = inputs(t, t=t, dtype=dtype)
     seg = segments(2, t, seed=t) if with_segments else None
-    ours = functools.partial(vendor.splash_attention, segment_ids=seg, block_size=128, interpret=True)
+    ours = functools.partial(vendor.splash_attention, segment_ids=seg, block_size=128, interpret=True, window=window)
     out, grads = values_and_grads(ours, q, k, v)
-    want, want_grads = values_and_grads(functools.partial(reference_attention, segment_ids=seg), *fp32(q, k, v))
+    want, want_grads = values_and_grads(functools.partial(reference_attention, segment_ids=seg, window=window),
+                                        *fp32(q, k, v))
     assert out.dtype == dtype and out.shape == q.shape
     rel = 1e-5 if dtype == jnp.float32 else 6e-3
     assert_close(out, want, rel)
