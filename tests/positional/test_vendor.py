@@ -432,6 +432,26 @@ def test_cudnn_lowers_for_cuda(cudnn_version):
     assert "__cudnn$fmhaScaleBiasSoftmax" in text
 
 
+def test_a_window_reaches_cudnn_and_splash(cudnn_version):
+    """A sliding window of 64 is cuDNN's own in every call, forward and backward, plain and packed
+    (`sliding_window_length`, whose tiles outside it cuDNN skips); splash's local mask lists only
+    the tiles within it (2 of 16 key tiles per query tile at 8,192 tokens in tiles of 512 with a
+    window of 512, against the causal mask's 136 of 256)."""
+    q = jax.ShapeDtypeStruct((2, 256, 4, 64), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((2, 256, 2, 64), jnp.bfloat16)
+    seg = jax.ShapeDtypeStruct((2, 256), jnp.int32)
+    for fn in (lambda q, k, v, seg: vendor.cudnn_attention(q, k, v, window=64),
+               lambda q, k, v, seg: vendor.cudnn_attention(q, k, v, segment_ids=seg, window=64)):
+        for f in (fn, grad_of(fn)):
+            text = lowered(f, q, k, k, seg, platforms=["cuda"])
+            calls = re.findall(r"__cudnn\$\w+", text)
+            assert calls
+            assert re.findall(r"sliding_window_length\\22: (\d+)", text) == ["64"] * len(calls), calls
+    causal, local = (vendor._splash_kernel(2, 8192, 512, True, w).fwd_mask_info.block_mask for w in (None, 512))
+    assert (np.asarray(causal) > 0).sum() == 136 and np.asarray(local).shape == (1, 16, 2)
+    assert (np.asarray(local) > 0).sum() == 31  # the first query tile has one key tile
+
+
 def test_cudnn_on_cpu_refuses_in_one_line(cudnn_version):
     q, k, v = inputs(2)
     with pytest.raises(ValueError) as error:
