@@ -110,6 +110,9 @@ class ModelConfig:
         if (self.layer_pattern or self.layer_overrides) and self.mixer != "attention":
             raise ValueError(f"model.layer_pattern / layer_overrides set the attention of each layer, and "
                              f"model.mixer={self.mixer!r} has one attention for every block; leave them empty")
+        if self.window and self.mixer != "attention":
+            raise ValueError(f"model.window={self.window}: the sliding window is the attention blocks', and "
+                             f"model.mixer={self.mixer!r} has none; set window 0")
         for field, kind in [("layer_pattern", k) for k in _pattern(self.layer_pattern)] + [
                 ("layer_overrides", k) for k in _overrides(self.layer_overrides, self.num_layers).values()]:
             if kind not in kinds:

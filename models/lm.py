@@ -112,8 +112,9 @@ def _layer_key(rng, layer: int):
 
 
 def cache_len(cache) -> int | float:
-    """Tokens the cache can hold; unbounded for a running-state cache (random-feature attention)."""
-    return cache[0]["k"].shape[1] if "k" in cache[0] else float("inf")
+    """Tokens the cache can hold: its shortest layer's; unbounded for a running state
+    (random-feature attention, a mixer's) and a windowed layer's ring buffer."""
+    return min(float("inf") if "ring" in c or "k" not in c else c["k"].shape[1] for c in cache)
 
 
 def check_prefill_chunk(chunk) -> int | None:

@@ -304,9 +304,10 @@ class Scheme:
         return self.transform_out(out.astype(q.dtype), features, positions)
 
     def transformed_attention(self, q, k, v, features, *, positions=None, segment_ids=None, q_offset=0, impl="reference",
-                  block_size=512) -> jax.Array:
+                  block_size=512, **decoding) -> jax.Array:
         """Attention on transformed q, k, v with this scheme's score and bias; positions [B, S] of
-        the key slots (the bias reads them; None: the slot indices)."""
+        the key slots (the bias reads them; None: the slot indices). `decoding`: the reference's
+        key_segment_ids, which a decode step on a ring buffer passes (`ring_step`)."""
         if impl == "auto" and ring_active():
             impl = "ring"
             log_ring(type(self).__name__)
@@ -316,18 +317,26 @@ class Scheme:
                      "features": {"features": features, "positions": positions}}
         label = {"label": type(self).__name__} if impl == "auto" else {}
         return attention(q, k, v, segment_ids=segment_ids, q_offset=q_offset, impl=impl,
-                         block_size=block_size, window=self.attention_window, **hooks, **label)
+                         block_size=block_size, window=self.attention_window, **hooks, **label, **decoding)
 
     # ---- decode form -------------------------------------------------------------------------
     def init_cache(self, batch: int, max_len: int, num_kv_heads: int, dtype=jnp.float32) -> dict:
-        shape = (batch, max_len, num_kv_heads, self.head_dim)
+        """The decode cache of up to max_len tokens: every token's key and value (and cached
+        features, and positions where a bias reads them); with a sliding window W < max_len a
+        ring buffer of the last W tokens (`ring_step`: no earlier key can reach a query), marked
+        by its entry "ring", which holds no more than W tokens whatever the sequence's length."""
+        ring = bool(self.sliding_window) and self.sliding_window < max_len
+        slots = self.sliding_window if ring else max_len
+        shape = (batch, slots, num_kv_heads, self.head_dim)
         cached = {}
         for part in (self, *self.biases):
-            cached.update(part.feature_cache(batch, max_len))
+            cached.update(part.feature_cache(batch, slots))
         cache = {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype),
                  "index": jnp.zeros((), jnp.int32), "features": cached}
         if self.adds_bias:  # the bias reads the positions of the cached keys
-            cache["positions"] = jnp.zeros((batch, max_len), jnp.int32)
+            cache["positions"] = jnp.zeros((batch, slots), jnp.int32)
+        if ring:
+            cache["ring"] = jnp.zeros((), jnp.int32)
         return cache
 
     def remember(self, cache: dict, features, positions):
@@ -355,12 +364,43 @@ class Scheme:
         if positions is None:
             positions = jnp.broadcast_to(index + jnp.arange(n, dtype=jnp.int32), (b, n))
         q, k, v = self.transform(q, k, v, features, positions)
+        if "ring" in cache:
+            return self.ring_step(cache, q, k, v, features, positions)
         ck = jax.lax.dynamic_update_slice_in_dim(cache["k"], k.astype(cache["k"].dtype), index, axis=1)
         cv = jax.lax.dynamic_update_slice_in_dim(cache["v"], v.astype(cache["v"].dtype), index, axis=1)
         cache, attn_features, key_positions = self.remember(cache, features, positions)
         out = self.transformed_attention(q, ck, cv, attn_features, positions=key_positions, q_offset=index)
         out = self.transform_out(out, features, positions)
         return out, {**cache, "k": ck, "v": cv, "index": index + n}
+
+    def ring_step(self, cache: dict, q, k, v, features, positions):
+        """`decode_step` on a ring buffer of the last C tokens (q, k, v transformed): the cached
+        keys in token order, then the n new ones, the queries at slots C .. C + n - 1 (so slots
+        differ as positions do), the slots no token has been written to yet masked (key segment
+        -1); then the last min(n, C) new tokens overwrite the oldest."""
+        b, n = q.shape[:2]
+        index, c = cache["index"], cache["k"].shape[1]
+        order = (index - c + jnp.arange(c)) % c  # the ring slots of tokens index - C .. index - 1
+        kept = min(n, c)
+        dest = (index + n - kept + jnp.arange(kept)) % c
+
+        def view(buf, new):
+            return jnp.concatenate([buf[:, order], new.astype(buf.dtype)], axis=1)
+
+        def put(buf, new):
+            return buf.at[:, dest].set(new[:, n - kept:].astype(buf.dtype))
+
+        cached = {name: view(buf, features[name]) for name, buf in cache["features"].items()}
+        key_positions = view(cache["positions"], positions) if "positions" in cache else None
+        written = jnp.where(jnp.arange(c + n) >= c - index, 0, -1)
+        out = self.transformed_attention(q, view(cache["k"], k), view(cache["v"], v),
+                                         {**features, **cached} if cached else features, positions=key_positions,
+                                         q_offset=c, key_segment_ids=jnp.broadcast_to(written, (b, c + n)))
+        new = {**cache, "k": put(cache["k"], k), "v": put(cache["v"], v), "index": index + n,
+               "features": {name: put(buf, features[name]) for name, buf in cache["features"].items()}}
+        if "positions" in cache:
+            new["positions"] = put(cache["positions"], positions)
+        return self.transform_out(out, features, positions), new
 
 
 def position_values(positions) -> dict:

@@ -167,28 +167,35 @@ def attention_logits(q, k, *, bias_fn: BiasFn | None = None, q_offset=0, scale: 
                    bias_fn, scale, score_fn)
 
 
-def causal_softmax(logits, segment_ids=None, q_offset=0, window: int | None = None) -> jax.Array:
-    """Softmax over the keys each query sees, of logits [B, K, G, T, S]."""
+def causal_softmax(logits, segment_ids=None, q_offset=0, window: int | None = None, key_segment_ids=None
+                   ) -> jax.Array:
+    """Softmax over the keys each query sees, of logits [B, K, G, T, S]; key_segment_ids [B, S]
+    where the keys' segments are not the queries' (a decode cache's unwritten slots: -1 against
+    the new tokens' 0)."""
     qi, kj = q_offset + jnp.arange(logits.shape[-2]), jnp.arange(logits.shape[-1])
-    mask = causal_mask(qi, kj, segment_ids, segment_ids, check_window(window))[:, :, None]
+    if key_segment_ids is not None and segment_ids is None:
+        segment_ids = jnp.zeros(logits.shape[:1] + logits.shape[-2:-1], jnp.int32)
+    key_segment_ids = segment_ids if key_segment_ids is None else key_segment_ids
+    mask = causal_mask(qi, kj, segment_ids, key_segment_ids, check_window(window))[:, :, None]
     return jax.nn.softmax(jnp.where(mask, logits, MASKED), axis=-1)
 
 
 def attention_weights(q, k, *, bias_fn: BiasFn | None = None, segment_ids=None, q_offset=0,
-                      scale: float | None = None, score_fn: ScoreFn | None = None, window: int | None = None
-                      ) -> jax.Array:
+                      scale: float | None = None, score_fn: ScoreFn | None = None, window: int | None = None,
+                      key_segment_ids=None) -> jax.Array:
     """Softmax attention weights [B, K, G, T, S] (fp32), query head h = k * G + g."""
     s = attention_logits(q, k, bias_fn=bias_fn, q_offset=q_offset, scale=scale, score_fn=score_fn)
-    return causal_softmax(s, segment_ids, q_offset, window)
+    return causal_softmax(s, segment_ids, q_offset, window, key_segment_ids)
 
 
 def reference_attention(q, k, v, *, bias_fn: BiasFn | None = None, segment_ids=None,
                         q_offset=0, scale: float | None = None, score_fn: ScoreFn | None = None,
-                        window: int | None = None) -> jax.Array:
-    """Obviously correct causal attention; materialises the [B, H, T, S] score matrix."""
+                        window: int | None = None, key_segment_ids=None) -> jax.Array:
+    """Obviously correct causal attention; materialises the [B, H, T, S] score matrix.
+    key_segment_ids [B, S]: the keys' segment ids where they are not `segment_ids` (`causal_softmax`)."""
     check_shapes(q, k, v, segment_ids)
     p = attention_weights(q, k, bias_fn=bias_fn, segment_ids=segment_ids, q_offset=q_offset, scale=scale,
-                          score_fn=score_fn, window=window)
+                          score_fn=score_fn, window=window, key_segment_ids=key_segment_ids)
     o = matmul("bkgts,bskd->btkgd", p, v, v.dtype)
     return o.reshape(q.shape).astype(q.dtype)
 

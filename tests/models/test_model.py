@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from models import lm
 from models.lm import DecoderLM, ModelConfig, generate
 from models.registry import REGISTRY
 
@@ -155,7 +156,9 @@ def test_layered_decode_equals_parallel_past_the_windows():
     x = tokens(t=14)
     parallel = forward(x)
     cache = m.init_cache(2, 20)
-    logits, cache = decode(x[:, :6], cache)
+    # Windowed layers keep a ring buffer of their window (4, 4, the learned one's 5); the global one 20.
+    assert [c["k"].shape[1] for c in cache] == [4, 4, 20, 5] and lm.cache_len(cache) == 20
+    logits, cache = decode(x[:, :6], cache)  # a prefill longer than the rings
     steps = [logits]
     for t in range(6, x.shape[1]):
         logits, cache = decode(x[:, t:t + 1], cache)
@@ -164,6 +167,21 @@ def test_layered_decode_equals_parallel_past_the_windows():
     # The windows act: the same model without them gives other logits past the window.
     full = layered(pattern="")
     assert not np.allclose(jitted(full)[0](x)[:, 6:], parallel[:, 6:], atol=1e-3)
+
+
+def test_a_windowed_model_decodes_past_max_len_in_bounded_memory():
+    """Every layer windowed: the cache is W slots a layer, whatever max_len, and decoding goes on
+    past it, equal to the parallel forward."""
+    m = model(window=3)
+    forward, decode = jitted(m)
+    x = tokens(t=14)
+    cache = m.init_cache(2, 5)
+    assert [c["k"].shape[1] for c in cache] == [3, 3] and lm.cache_len(cache) == float("inf")
+    steps = []
+    for t in range(0, 14, 2):
+        logits, cache = decode(x[:, t:t + 2], cache)
+        steps.append(logits)
+    np.testing.assert_allclose(jnp.concatenate(steps, 1), forward(x), atol=5e-5)
 
 
 def test_bad_layer_patterns_say_what_to_do():
@@ -179,7 +197,8 @@ def test_bad_layer_patterns_say_what_to_do():
                                                            r"an int >= 0"),
              (dict(layer_kinds={"local": {"scheme": "path", "window": 4}}), r"^model.layer_kinds.local.window=4 \(layer 0\): "
                                                                             r"scheme 'path' brings its own attention"),
-             (dict(mixer="sessa"), r"^model.layer_pattern / layer_overrides set the attention of each layer")]
+             (dict(mixer="sessa"), r"^model.layer_pattern / layer_overrides set the attention of each layer"),
+             (dict(pattern="", mixer="sessa", window=4), r"^model.window=4: the sliding window is the attention blocks'")]
     for kw, message in cases:
         args = {"pattern": kw.pop("pattern", "local*2,global"), "overrides": kw.pop("overrides", "")}
         if "layer_kinds" in kw:

@@ -128,18 +128,19 @@ def test_decode_equals_parallel(scheme, window):
 # a windowed mask, a mixer's state); the others are slow (every one passed when this was added).
 FAST_PREFILL = {("rope", "attention"), ("path_fox", "attention"), ("so2_random_qkv", "attention"),
                 ("rope_lm_infinite", "attention"), ("rope", "sessa")}
-PREFILL_CASES = [pytest.param(*case, marks=() if case in FAST_PREFILL else pytest.mark.slow)
+PREFILL_CASES = [pytest.param(*case, 0, marks=() if case in FAST_PREFILL else pytest.mark.slow)
                  for case in [(scheme, "attention") for scheme in SCHEMES] + [("rope", "sessa"), ("rope", "mamba2")]]
+PREFILL_CASES.append(pytest.param("fox", "attention", W))  # a ring buffer of W slots (with cached features)
 PROMPT = 11
 
 
-@pytest.mark.parametrize("scheme,mixer", PREFILL_CASES)
-def test_chunked_prefill_equals_the_whole_prompt(scheme, mixer):
+@pytest.mark.parametrize("scheme,mixer,window", PREFILL_CASES)
+def test_chunked_prefill_equals_the_whole_prompt(scheme, mixer, window):
     """Pieces of 1 token and of 3 (multi-token decodes on a non-empty cache, then a last piece
     of 2) give the last prompt token's logits and every cache entry of the one-call prefill,
     and generate the same greedy tokens; a piece longer than the prompt is the one call."""
     cfg = ModelConfig(vocab_size=16, d_model=32, num_layers=1, num_heads=4, num_kv_heads=2, scheme=scheme,
-                      block_size=4, mixer=mixer)
+                      block_size=4, mixer=mixer, window=window)
     graphdef, params = nnx.split(DecoderLM(cfg, rngs=nnx.Rngs(0)))
     params = perturbed(params)
     prompt = jax.random.randint(jax.random.key(3), (2, PROMPT), 0, 16)
