@@ -8,6 +8,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from configs import layers
+from lab.state import check_windows
 from models import lm
 from models.lm import DecoderLM, ModelConfig, generate
 from models.registry import REGISTRY
@@ -182,6 +184,21 @@ def test_a_windowed_model_decodes_past_max_len_in_bounded_memory():
         logits, cache = decode(x[:, t:t + 2], cache)
         steps.append(logits)
     np.testing.assert_allclose(jnp.concatenate(steps, 1), forward(x), atol=5e-5)
+
+
+def test_the_layer_experiment_arms_are_as_documented():
+    """configs/layers.py: 12 layers each; the windowed RoPE layers and the global ones in the
+    papers' ratios (RNoPE-SWA 3:1 with NoPE globals, Gemma 5:1 with bases 10K and 1M)."""
+    layouts = {}
+    for arm in layers.VARIANTS:
+        c = layers.get_config(arm)
+        check_windows(c)
+        cfg = ModelConfig.from_dict({**c.model.to_dict(), "vocab_size": V})
+        layouts[arm] = [(a.scheme, dict(a.scheme_options).get("base", 1e4), a.window) for a in cfg.layers]
+    local = swa = ("rope", 1e4, 64)
+    assert layouts == {"rope": [("rope", 1e4, 0)] * 12, "nope": [("nope", 1e4, 0)] * 12, "rope_swa": [swa] * 12,
+                       "rnope_swa": ([swa] * 3 + [("nope", 1e4, 0)]) * 3,
+                       "local_global": ([local] * 5 + [("rope", 1e6, 0)]) * 2}
 
 
 def test_bad_layer_patterns_say_what_to_do():
