@@ -134,11 +134,13 @@ def decompose(model, tokens, train_len: int) -> tuple[list[dict], dict]:
                "three_axis_a": three["a"].mean(0), "fake_a": fake["a"].mean(0)}
         if "rope_pairs" in scheme.probes:
             q, k = jnp.moveaxis(layer["q"], 2, 1), _per_head(layer["k"], heads)
-            stats = [lp.pair_stats(q[:, h], k[:, h], scheme.theta, train_len, scheme.layout)
+            stats = [lp.pair_stats(scheme.rotated_part(q[:, h]), scheme.rotated_part(k[:, h]), scheme.theta, train_len,
+                                   scheme.layout)
                      for h in range(heads)]
             for m in SLOW_PAIRS:
                 slow = [lp.slow_pairs(st, m) for st in stats]
-                rs = [lp.explicit_fg(q[:, h], k[:, h], scheme.theta, slow[h], scheme.layout)["r"]
+                rs = [lp.explicit_fg(scheme.rotated_part(q[:, h]), scheme.rotated_part(k[:, h]), scheme.theta, slow[h],
+                                 scheme.layout)["r"]
                       for h in range(heads)]
                 rec[f"fg_r_{m}"] = jnp.stack(rs, -1).mean(0)
             rec["pairs"] = {key: jnp.stack([st[key] for st in stats])  # [H, D/2]

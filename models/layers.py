@@ -35,6 +35,10 @@ from models.registry import get_entry, make_features, make_scheme
 
 
 INITS = ("normal", "torch")
+# QK-norm, an RMS norm (with a learned scale) of the queries and keys before the scheme's transform:
+# "head" over each head's D dimensions (Qwen3, Gemma 3), "projection" over the whole projection,
+# H x D or K x D (OLMo 2).
+QK_NORMS = ("none", "head", "projection")
 KIND_FIELDS = ("scheme", "scheme_options", "window")
 REMAT_POLICIES = {"none": None, "block": jax.checkpoint_policies.nothing_saveable,
                   "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
@@ -62,6 +66,7 @@ class ModelConfig:
     # (Hugging Face checkpoints).
     scale_tied_logits: bool = True
     qkv_bias: bool = False  # biases on the q, k, v projections (Qwen2)
+    qk_norm: str = "none"  # QK_NORMS
     norm_eps: float = 1e-6  # RMSNorm epsilon
     # Linear layers: "normal" weights N(0, 1/fan_in) and zero biases; "torch" PyTorch's nn.Linear
     # default, weights and biases U(-1/sqrt(fan_in), 1/sqrt(fan_in)) (the Sessa authors' code).
@@ -94,6 +99,9 @@ class ModelConfig:
     def __post_init__(self):
         if self.init not in INITS:
             raise ValueError(f"model.init={self.init!r} is not an initialisation; valid: {', '.join(INITS)}")
+        if self.qk_norm not in QK_NORMS:
+            raise ValueError(f"model.qk_norm={self.qk_norm!r}; valid: {', '.join(QK_NORMS)} (an RMS norm of q and k "
+                             "per head, or over the whole projection)")
         if self.mixer == "attention" and self.mixer_options:
             raise ValueError(f"model.mixer_options {dict(self.mixer_options)} set, but model.mixer='attention' "
                              "has none; they configure the Sessa macro-block mixers (models/sessa.py)")
@@ -233,8 +241,8 @@ def linear(din, dout, cfg, rngs, bias: bool = False):
     return nnx.Linear(din, dout, use_bias=bias, dtype=jnp.dtype(cfg.dtype), rngs=rngs, **inits)
 
 
-def rms_norm(cfg: ModelConfig, rngs) -> nnx.RMSNorm:
-    return nnx.RMSNorm(cfg.d_model, epsilon=cfg.norm_eps, dtype=jnp.dtype(cfg.dtype), rngs=rngs)
+def rms_norm(cfg: ModelConfig, rngs, size: int = 0) -> nnx.RMSNorm:
+    return nnx.RMSNorm(size or cfg.d_model, epsilon=cfg.norm_eps, dtype=jnp.dtype(cfg.dtype), rngs=rngs)
 
 
 class Attention(nnx.Module):
@@ -246,6 +254,9 @@ class Attention(nnx.Module):
         self.k = linear(cfg.d_model, kh * d, cfg, rngs, cfg.qkv_bias)
         self.v = linear(cfg.d_model, kh * d, cfg, rngs, cfg.qkv_bias)
         self.o = linear(h * d, cfg.d_model, cfg, rngs)
+        per_head, normed = cfg.qk_norm == "head", cfg.qk_norm != "none"
+        self.q_norm = rms_norm(cfg, rngs, d if per_head else h * d) if normed else None
+        self.k_norm = rms_norm(cfg, rngs, d if per_head else kh * d) if normed else None
         self.features = make_features(self.scheme, cfg, rngs=rngs)
 
     def project(self, x, tokens, index, segment_ids=None, rng=None, past=None):
@@ -253,8 +264,13 @@ class Attention(nnx.Module):
         index [B, T] is each token's index (the cache slot when decoding)."""
         b, t, _ = x.shape
         d = self.cfg.resolved_head_dim
-        q = self.q(x).reshape(b, t, self.cfg.num_heads, d)
-        k = self.k(x).reshape(b, t, self.cfg.resolved_kv_heads, d)
+        q, k = self.q(x), self.k(x)
+        if self.cfg.qk_norm == "projection":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.reshape(b, t, self.cfg.num_heads, d)
+        k = k.reshape(b, t, self.cfg.resolved_kv_heads, d)
+        if self.cfg.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
         v = self.v(x).reshape(b, t, self.cfg.resolved_kv_heads, d)
         features = None
         if self.features is not None:

@@ -23,7 +23,7 @@ from positional.fox import Fox
 from positional.path.scheme import Path
 from positional.kerple import KerpleLog
 from positional.lm_infinite import LMInfinite
-from positional.nope import NoPE
+from positional.nope import NoPE, TemperedNoPE
 from positional.prope import PRope
 from positional.rope import Rope
 from positional.scheme import Scheme
@@ -180,6 +180,8 @@ STEP_DOCS = {"random": "steps ~ U(-f_b, f_b) drawn afresh every forward pass (`d
              "hidden": "steps omega + W h, a projection of the layer input (not in the paper)"}
 
 register("nope", Entry(NoPE, doc="no position information"))
+register("nope_temperature", Entry(TemperedNoPE, doc="NoPE with Llama 4's query temperature 1 + `attn_scale` log(1 + "
+                                                     "floor((p + 1) / `floor_scale`)) at the query's position p"))
 register("alibi", Entry(Alibi, doc="linear distance bias, slopes 2^(-8h/H)"))
 register("rope", Entry(Rope, doc="rotary q/k; `layout` `half` or `interleaved`, `scaling` `none`, `pi`, `ntk`, "
                                  "`yarn`, `llama3` or `dynamic`"))

@@ -55,6 +55,8 @@ class LMInfinite(Rope):
         if self.global_tokens < 0:
             raise ValueError(f"rope_lm_infinite global_tokens={self.global_tokens} must be >= 0: the starting "
                              "tokens every query sees")
+        if self.rotary_dim:
+            raise ValueError("rope_lm_infinite rotates every dimension of a head: leave rotary_dim 0")
         if self.scaling == "dynamic":
             raise ValueError("rope_lm_infinite caps distances at the window, and scaling='dynamic' changes the "
                              "frequencies with the sequence length; use scaling none, pi, ntk, yarn or llama3")

@@ -30,6 +30,11 @@ Extensions (`scaling`, with `factor` s and the pretraining length `original_max_
 
 HF checkpoints (Llama, Mistral, Qwen2) rotate pairs (x[i], x[i + D/2]) ("rotate_half"): the
 "half" layout, with no permutation of their q/k weights.
+
+Partial rotary (GPT-NeoX's rotary_pct, Phi's partial_rotary_factor): `rotary_dim` R < D rotates
+the first R dimensions of each head as RoPE of head dimension R (frequencies base^(-2i/R), pairs
+in the layout over those R), and leaves the other D - R as they are. Not p-RoPE (positional/
+prope.py), which keeps all D/2 pairs and stops the slowest.
 """
 
 from __future__ import annotations
@@ -241,6 +246,7 @@ class Rope(Scheme):
     attention_factor: float = 0.0  # yarn: sqrt(1/t) (0: 0.1 ln factor + 1)
     low_freq_factor: float = 1.0  # llama3: ratio L / wavelength below which theta / factor
     high_freq_factor: float = 4.0  # llama3: ... above which theta is kept
+    rotary_dim: int = 0  # partial rotary: the first rotary_dim dimensions rotate (0: all of them)
 
     needs_even_head_dim = True
     probes = ("rope_pairs",)
@@ -249,13 +255,25 @@ class Rope(Scheme):
         super().__post_init__()
         if self.layout not in LAYOUTS:
             raise ValueError(f"unknown RoPE layout {self.layout!r}; valid: {LAYOUTS}")
-        if self.scaling == "dynamic" and self.head_dim < 4:
-            raise ValueError(f"dynamic RoPE scaling needs head_dim >= 4; got {self.head_dim}")
+        if self.scaling == "dynamic" and self.rotary_dims < 4:
+            raise ValueError(f"dynamic RoPE scaling needs head_dim >= 4; got {self.rotary_dims}")
+        if not (0 <= self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0):
+            raise ValueError(f"rotary_dim={self.rotary_dim} must be an even number from 2 to head_dim="
+                             f"{self.head_dim} (the dimensions of each head that rotate), or 0 for all of them")
         self.theta  # validates the options
 
     @property
+    def rotary_dims(self) -> int:
+        """The dimensions of each head that rotate: the first rotary_dims."""
+        return self.rotary_dim or self.head_dim
+
+    def rotated_part(self, x) -> jax.Array:
+        """x [..., D] cut to the dimensions that rotate, those whose pairs `theta` gives."""
+        return x[..., :self.rotary_dims]
+
+    @property
     def theta(self) -> np.ndarray:
-        return rope_frequencies(self.head_dim, self.base, self.scaling, self.factor,
+        return rope_frequencies(self.rotary_dims, self.base, self.scaling, self.factor,
                                 self.original_max_len, self.beta_fast, self.beta_slow, ramp=self.ramp,
                                 low_freq_factor=self.low_freq_factor, high_freq_factor=self.high_freq_factor)
 
@@ -268,10 +286,21 @@ class Rope(Scheme):
         return rope_angles(positions, theta)
 
     def transform(self, q, k, v, features, positions):
-        q, k, v = rotate_qkv(q, k, v, self.angles(positions), self.layout, self.rotate_values)
+        angles = self.angles(positions)
+        q, k, v = self.partly(lambda q, k, v: rotate_qkv(q, k, v, angles, self.layout, self.rotate_values), q, k, v)
         if self.scaling == "yarn":
             q = q * jnp.asarray(yarn_attention_factor(self.factor, self.attention_factor) ** 2, q.dtype)
         return q, k, v
 
     def transform_out(self, out, features, positions):
-        return rotate_out(out, self.angles(positions), self.layout, self.rotate_values)
+        angles = self.angles(positions)
+        return self.partly(lambda out: rotate_out(out, angles, self.layout, self.rotate_values), out)
+
+    def partly(self, fn, *xs):
+        """fn on the dimensions that rotate of each x [..., D], the others passed through."""
+        r = self.rotary_dims
+        if r == self.head_dim:
+            return fn(*xs)
+        out = fn(*(x[..., :r] for x in xs))
+        joined = [jnp.concatenate([a, x[..., r:]], axis=-1) for a, x in zip(out if len(xs) > 1 else (out,), xs)]
+        return tuple(joined) if len(xs) > 1 else joined[0]

@@ -265,3 +265,34 @@ def test_a_large_vocabulary_is_scored_in_chunks_of_entries_and_positions_with_th
         np.testing.assert_array_equal(parts[1], whole[1])
         for a, b in zip(parts[2], whole[2]):
             np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5 * np.abs(b).max())  # fp32 sums in another order
+
+
+@pytest.mark.parametrize("qk_norm", ["head", "projection"])
+def test_qk_norm_normalises_queries_and_keys_before_the_scheme(qk_norm):
+    """RMS norm of q and k (learned scale, here perturbed) per head or over the projection, before
+    RoPE; the decode path too."""
+    m = model(qk_norm=qk_norm)
+    attn = m.blocks[0].attn
+    attn.q_norm.scale[...] = attn.q_norm.scale[...] * 1.5
+    x = jax.random.normal(jax.random.key(0), (2, 5, 32))
+    q, k, _, _ = attn.project(x, None, None)
+    q_raw, k_raw = attn.q(x), attn.k(x)
+
+    def rms(a, axes):
+        return a / jnp.sqrt(jnp.mean(a * a, axis=axes, keepdims=True) + 1e-6)
+
+    if qk_norm == "head":
+        want_q = rms(q_raw.reshape(2, 5, 4, 8), -1) * 1.5
+        want_k = rms(k_raw.reshape(2, 5, 2, 8), -1)
+    else:
+        want_q = (rms(q_raw, -1) * 1.5).reshape(2, 5, 4, 8)
+        want_k = rms(k_raw, -1).reshape(2, 5, 2, 8)
+    np.testing.assert_allclose(q, want_q, atol=1e-5)
+    np.testing.assert_allclose(k, want_k, atol=1e-5)
+    forward, decode = jitted(m)
+    x = tokens()
+    logits, cache = decode(x[:, :6], m.init_cache(2, 20))
+    last, _ = decode(x[:, 6:7], cache)
+    np.testing.assert_allclose(jnp.concatenate([logits, last], 1), forward(x)[:, :7], atol=5e-5)
+    with pytest.raises(ValueError, match=r"^model.qk_norm='both'; valid: none, head, projection"):
+        ModelConfig(qk_norm="both")

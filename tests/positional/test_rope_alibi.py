@@ -221,3 +221,50 @@ def test_p_rope_keeps_the_highest_frequencies():
     np.testing.assert_array_equal(theta[6:], 0.0)
     with pytest.raises(ValueError, match="fraction=1.5 must be in"):
         make_scheme("p_rope", num_heads=4, head_dim=16, fraction=1.5)
+
+
+def rotate_half_by_hand(x, positions, rotary_dim, base):
+    """GPT-NeoX / Phi partial rotary, written out: the first R dimensions as RoPE of head dim R
+    (pairs (i, i + R/2), theta_i = base^(-2i/R)), the rest untouched."""
+    r = rotary_dim
+    theta = base ** (-np.arange(0, r, 2) / r)
+    angle = positions[..., None, None] * theta  # [B, T, 1, R/2]
+    x1, x2, rest = x[..., :r // 2], x[..., r // 2:r], x[..., r:]
+    return np.concatenate([x1 * np.cos(angle) - x2 * np.sin(angle), x2 * np.cos(angle) + x1 * np.sin(angle), rest], -1)
+
+
+@pytest.mark.parametrize("rotary_dim", [4, 12, 16])
+def test_partial_rotary_rotates_the_first_dims_as_rope_of_that_size(rotary_dim):
+    q, k, v = (np.asarray(normal(jax.random.key(i), (2, 9, 2, 16))) for i in range(3))
+    pos = np.broadcast_to(np.arange(9) + 3, (2, 9))
+    s = make_scheme("rope", num_heads=2, head_dim=16, rotary_dim=rotary_dim, base=500.0)
+    rq, rk, rv = s.transform(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), None, jnp.asarray(pos))
+    np.testing.assert_allclose(rq, rotate_half_by_hand(q, pos, rotary_dim, 500.0), atol=1e-5)
+    np.testing.assert_allclose(rk, rotate_half_by_hand(k, pos, rotary_dim, 500.0), atol=1e-5)
+    np.testing.assert_array_equal(rv, v)
+    # Relative: shifting every position leaves the attention output unchanged.
+    out = s.attend(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), positions=jnp.asarray(pos))
+    np.testing.assert_allclose(s.attend(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), positions=jnp.asarray(pos) + 100),
+                               out, atol=1e-5)
+    with pytest.raises(ValueError, match=r"^rotary_dim=5 must be an even number from 2 to head_dim=16"):
+        make_scheme("rope", num_heads=2, head_dim=16, rotary_dim=5)
+
+
+def test_llama4_query_temperature_by_hand_and_in_decoding():
+    """nope_temperature at floor_scale 4: queries at positions 0..2 unscaled, 3..6 by 1 + 0.1 log 2,
+    7..10 by 1 + 0.1 log 3 (Llama 4's floor((p + 1) / 4)); decoding equals the parallel form."""
+    s = make_scheme("nope_temperature", num_heads=2, head_dim=8, floor_scale=4, attn_scale=0.1)
+    pos = jnp.broadcast_to(jnp.arange(11), (1, 11))
+    want = 1 + 0.1 * np.log1p(np.floor((np.arange(11) + 1) / 4))
+    np.testing.assert_allclose(s.temperature(pos)[0, :, 0, 0], want, rtol=1e-6)
+    assert want[2] == 1 and want[3] > 1
+    q, k, v = (normal(jax.random.key(i), (1, 11, 2, 8)) for i in range(3))
+    out = s.attend(q, k, v, positions=pos)
+    nope = make_scheme("nope", num_heads=2, head_dim=8)
+    np.testing.assert_allclose(out, nope.attend(q * want[None, :, None, None], k, v, positions=pos), atol=1e-5)
+    cache = s.init_cache(1, 11, 2)
+    steps = []
+    for t in (slice(0, 5), *(slice(i, i + 1) for i in range(5, 11))):
+        o, cache = s.decode_step(cache, q[:, t], k[:, t], v[:, t])
+        steps.append(o)
+    np.testing.assert_allclose(jnp.concatenate(steps, 1), out, atol=1e-5)
