@@ -39,6 +39,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         scale_tied_logits=True,  # tied head: logits x E^T / sqrt(d_model); False: x E^T (HF checkpoints)
         qkv_bias=False,  # biases on the q, k, v projections (Qwen2)
         qk_norm="none",  # "head" (Qwen3, Gemma 3) or "projection" (OLMo 2): RMS norm of q and k
+        sinks=False,  # a learned sink logit per head in each row's softmax (gpt-oss)
         init="normal",  # linear layers: "normal" N(0, 1/fan_in) weights, zero biases; "torch" (models/layers.py)
         norm_eps=1e-6,  # RMSNorm epsilon
         attention_impl="auto",  # the fastest valid per platform (positional/attention.py), or by name:

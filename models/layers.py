@@ -67,6 +67,7 @@ class ModelConfig:
     scale_tied_logits: bool = True
     qkv_bias: bool = False  # biases on the q, k, v projections (Qwen2)
     qk_norm: str = "none"  # QK_NORMS
+    sinks: bool = False  # a learned sink logit per head in every row's softmax normaliser (gpt-oss)
     norm_eps: float = 1e-6  # RMSNorm epsilon
     # Linear layers: "normal" weights N(0, 1/fan_in) and zero biases; "torch" PyTorch's nn.Linear
     # default, weights and biases U(-1/sqrt(fan_in), 1/sqrt(fan_in)) (the Sessa authors' code).
@@ -168,9 +169,12 @@ class ModelConfig:
             entry = get_entry(scheme)
         except ValueError as e:
             raise ValueError(f"{where}.scheme (layer {i}): {e}") from None
-        if window and not entry.scheme_cls.takes_window:
+        if window and not entry.scheme_cls.generic_attention:
             raise ValueError(f"{where}.window={window} (layer {i}): scheme {scheme!r} brings its own attention, which "
                              "takes no sliding window; set window 0 for its layers")
+        if self.sinks and not entry.scheme_cls.generic_attention:
+            raise ValueError(f"model.sinks (layer {i}): scheme {scheme!r} brings its own attention, which takes no "
+                             "sink logits; set model.sinks=False or use another scheme")
         return LayerAttention(scheme, tuple(sorted(options.items())), window)
 
     @property
@@ -258,6 +262,8 @@ class Attention(nnx.Module):
         self.q_norm = rms_norm(cfg, rngs, d if per_head else h * d) if normed else None
         self.k_norm = rms_norm(cfg, rngs, d if per_head else kh * d) if normed else None
         self.features = make_features(self.scheme, cfg, rngs=rngs)
+        # Sink logits start at 0: each row's normaliser gains exp(0) = 1 beside its keys'.
+        self.sink = nnx.Param(jnp.zeros((h,), jnp.float32)) if cfg.sinks else None
 
     def project(self, x, tokens, index, segment_ids=None, rng=None, past=None):
         """(q [B, T, H, D], k, v [B, T, K, D], features) of the layer input x [B, T, d_model];
@@ -277,6 +283,8 @@ class Attention(nnx.Module):
             # Features that read earlier tokens (a short convolution) get the cache when decoding.
             extra = {"past": past} if self.features.reads_past else {}
             features = self.features(x, tokens=tokens, index=index, segment_ids=segment_ids, rng=rng, **extra)
+        if self.sink is not None:
+            features = {**(features or {}), "sink": self.sink[...]}
         return q, k, v, features
 
     def __call__(self, x, *, tokens, positions, segment_ids=None, impl=None, rng=None, key_slots=None):

@@ -4,7 +4,8 @@
 
 Implementations (same arguments, same semantics; see positional/softmax.py for the shapes and
 the bias and score hooks, and the sliding `window`, which every implementation takes and
-skips the work outside of: blocks, tiles, shards):
+skips the work outside of: blocks, tiles, shards; a `sink` [H], gpt-oss's logit per head in
+every row's normaliser, reference, blockwise and pallas take, the others refuse in one line):
   "reference"  materialises the [B, H, T, S] scores (positional/softmax.py);
   "blockwise"  online softmax over key blocks, O(T * block) memory (positional/softmax.py);
   "ring"       the sequence split over the `sequence` axis of the enclosing `ring_mesh`, keys
@@ -50,6 +51,7 @@ from positional.vendor import (CHANNEL_BOUND, PACKED_SEGMENTS, cudnn_attention, 
 IMPLEMENTATIONS = {"reference": reference_attention, "blockwise": blockwise_attention,
                    "ring": mesh_ring_attention, "pallas": fused_attention, "cudnn": cudnn_attention,
                    "splash": splash_attention}
+SINKS = ("reference", "blockwise", "pallas")  # the implementations that take sink logits
 REFERENCE_MAX = 2048  # "auto" on CPU: reference attention up to this many keys, blockwise past it
 LOG = logging.getLogger("positional.attention")
 _LOGGED: set = set()
@@ -98,7 +100,7 @@ def by_length(keys: int) -> tuple[str, str]:
 
 
 def choose(q, k, v, *, platform: str, bias_fn=None, score_fn=None, segment_ids=None, q_offset=0,
-           own: OwnKernel | None = None) -> tuple[str, str]:
+           own: OwnKernel | None = None, sink=None) -> tuple[str, str]:
     """(impl, why): what impl="auto" runs for this call lowered for `platform` ("cpu", "cuda",
     "tpu"), off a sequence mesh; `own`: the scheme brings its own kernel (else the vendor
     kernels and the fused hook kernel are considered). Reads shapes, dtypes and the hooks'
@@ -127,6 +129,8 @@ def choose(q, k, v, *, platform: str, bias_fn=None, score_fn=None, segment_ids=N
             why_not = "this JAX has no cuDNN"
     else:
         vendor, why_not = "splash", splash_refusal(q, k, v, platform=platform, **hooks)
+    if why_not is None and sink is not None:
+        why_not = f"{vendor} takes no sink logit"
     bound = getattr(bias_fn, "key_bound", None) and bias_fn.key_bound(k.shape[1])
     if why_not is None and bound and bound > CHANNEL_BOUND:
         why_not = (f"its per-key bias reaches {bound:,.0f} at {k.shape[1]} keys, past {CHANNEL_BOUND:,.0f}, where "
@@ -146,18 +150,21 @@ def choose(q, k, v, *, platform: str, bias_fn=None, score_fn=None, segment_ids=N
 
 
 def auto_attention(q, k, v, *, label: str = "", bias_fn=None, score_fn=None, segment_ids=None, q_offset=0,
-                   scale=None, block_size: int = 512, window: int | None = None) -> jax.Array:
+                   scale=None, block_size: int = 512, window: int | None = None, sink=None) -> jax.Array:
     """Impl "auto": per platform of the lowering (`jax.lax.platform_dependent`), `choose`'s pick."""
     window = check_window(window)
     kwargs = dict(bias_fn=bias_fn, score_fn=score_fn, segment_ids=segment_ids, q_offset=q_offset, scale=scale,
-                  window=window)
+                  window=window, **({} if sink is None else {"sink": sink}))
     if ring_active():
+        if sink is not None:
+            raise ValueError("sink logits on a sequence mesh: the ring takes none yet; split the mesh by data, fsdp "
+                             "or tensor instead (mesh.sequence=1), or leave the sinks out")
         log_ring(label)
         return mesh_ring_attention(q, k, v, block_size=block_size, **kwargs)
 
     def pick(platform):
         impl, why = choose(q, k, v, platform=platform, bias_fn=bias_fn, score_fn=score_fn,
-                           segment_ids=segment_ids, q_offset=q_offset)
+                           segment_ids=segment_ids, q_offset=q_offset, sink=sink)
         if impl == "cudnn":
             def kernel(q, k, v, bias, seg):
                 fused = functools.partial(fused_attention, platform=platform, q_offset=q_offset, scale=scale,
@@ -171,7 +178,7 @@ def auto_attention(q, k, v, *, label: str = "", bias_fn=None, score_fn=None, seg
         elif impl == "pallas":
             def kernel(q, k, v, bias, seg):
                 return fused_attention(q, k, v, platform=platform, bias_fn=bias, score_fn=score_fn,
-                                       segment_ids=seg, q_offset=q_offset, scale=scale, window=window)
+                                       segment_ids=seg, q_offset=q_offset, scale=scale, window=window, sink=sink)
         else:
             return impl, why, lambda q, k, v: attention(q, k, v, impl=impl, block_size=block_size, **kwargs)
         return impl, why, lambda q, k, v: per_device(kernel, q, k, v, bias_fn=bias_fn, segment_ids=segment_ids)
@@ -244,6 +251,9 @@ def attention(q, k, v, *, impl: str = "reference", **kwargs) -> jax.Array:
     kwargs.pop("label", None)
     if impl not in IMPLEMENTATIONS:
         raise ValueError(f"unknown attention impl {impl!r}; valid: auto, {', '.join(sorted(IMPLEMENTATIONS))}")
+    if kwargs.get("sink") is not None and impl not in SINKS:
+        raise ValueError(f"impl {impl!r} takes no sink logits; use one of {', '.join(SINKS)} (or auto)")
+    kwargs = {name: x for name, x in kwargs.items() if not (name == "sink" and x is None)}
     if impl == "reference":
         kwargs.pop("block_size", None)
     return IMPLEMENTATIONS[impl](q, k, v, **kwargs)

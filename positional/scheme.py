@@ -39,7 +39,9 @@ check sees an absolute bias. The decode cache keeps the positions of the cached 
 sees key j iff i - W < j <= i (the attention implementations' `window`, which skip the work
 outside it). It is the layer's, not an option of the scheme (models/registry.py `make_scheme`
 takes it apart from the options); a scheme that brings its own attention takes none unless it
-declares `takes_window`.
+declares `generic_attention`. So with sink logits: where the features hold "sink" [H] (the
+layer's learned per-head sinks, models/layers.py), every form's softmax has that one more logit
+per row (positional/softmax.py).
 
 What a scheme can do is declared on its class (never inferred elsewhere), as class attributes:
 
@@ -61,8 +63,8 @@ What a scheme can do is declared on its class (never inferred elsewhere), as cla
   config_defaults  model config fields this scheme sets by default (configs/default.py)
   train_len_options  options that default to the training length of the run whose config builds
                    the model (config.seq_len, lab/state.py `model_config`): LM-Infinite's window
-  takes_window     its attention takes `sliding_window` (True unless it overrides
-                   `transformed_attention`)
+  generic_attention  its attention is the generic one, which takes `sliding_window` and sinks
+                   (True unless it overrides `transformed_attention`)
 
 From those the base class derives the parallel form `attend` and an exact decode form
 (`init_cache` / `decode_step`) whose cache holds keys and values already transformed. Schemes
@@ -88,7 +90,7 @@ import jax.numpy as jnp
 from positional.attention import IMPLEMENTATIONS, attention, by_length, log_ring
 from positional.ring import ring_active
 from positional.logits import Bias, Score, sum_of
-from positional.softmax import MASKED, BiasFn, attention_logits, causal_mask, causal_softmax
+from positional.softmax import BiasFn, attention_logits, causal_softmax
 
 Features = dict | None
 # Implementations of the generic `Scheme.transformed_attention` alone.
@@ -121,7 +123,7 @@ class Scheme:
     probes = ()
     config_defaults = {}  # read only: copied where applied
     train_len_options = ()
-    takes_window = True
+    generic_attention = True
     #: attention implementations this scheme runs on.
     impls = ("auto", *IMPLEMENTATIONS)
 
@@ -145,15 +147,15 @@ class Scheme:
         # mesh where its `impls` list one, else its reference or blockwise, by length).
         if "transformed_attention" in vars(cls) and "impls" not in vars(cls):
             cls.impls = tuple(i for i in cls.impls if i not in GENERIC_ONLY)
-        if "transformed_attention" in vars(cls) and "takes_window" not in vars(cls):
-            cls.takes_window = False
+        if "transformed_attention" in vars(cls) and "generic_attention" not in vars(cls):
+            cls.generic_attention = False
 
     def __post_init__(self):
         w = self.sliding_window
         if isinstance(w, bool) or not isinstance(w, int) or w < 0:
             raise ValueError(f"sliding_window={w!r} must be an int >= 0 (0: no window; W: each query sees itself "
                              "and the W - 1 tokens before it)")
-        if w and not self.takes_window:
+        if w and not self.generic_attention:
             raise ValueError(f"{type(self).__name__} brings its own attention, which takes no sliding window "
                              f"(sliding_window={w}); use window 0 for this layer, or a scheme with a window")
         if self.needs_even_head_dim and self.head_dim % 2:
@@ -270,7 +272,9 @@ class Scheme:
 
     def weights(self, q, k, v, features=None, positions=None, *, key=None) -> jax.Array:
         """Softmax attention weights [B, K, G, T, T] of the parallel form (for the probes)."""
-        return causal_softmax(self.logits(q, k, v, features, positions, key=key), window=self.attention_window)
+        features = self.features_or_default(features, q, k, positions=positions, key=key)
+        return causal_softmax(self.logits(q, k, v, features, positions, key=key), window=self.attention_window,
+                              sink=sink_in(features))
 
     def placed_attention(self, q, k, v, features, *, positions, key_slots) -> jax.Array:
         """Causal attention in which key and value j sit at slot key_slots[b, j] instead of j.
@@ -297,8 +301,7 @@ class Scheme:
         at, v_at = self._scored(q, gather(k, src), gather(v, src), features, positions)
         at = jnp.take_along_axis(at, jnp.broadcast_to(key_slots[:, None, None, None], at.shape), axis=-1)
         scores = jnp.where(moved[:, None, None, None], at, own)
-        seen = causal_mask(index, index, None, None, self.attention_window)[0, 0]
-        w = jax.nn.softmax(jnp.where(seen, scores, MASKED), axis=-1)
+        w = causal_softmax(scores, window=self.attention_window, sink=sink_in(features))
         values = jnp.where(moved[:, :, None, None], gather(v_at, key_slots), v_own)
         out = jnp.einsum("bkgts,bskd->btkgd", w, values.astype(jnp.float32)).reshape(b, t, h, -1)
         return self.transform_out(out.astype(q.dtype), features, positions)
@@ -316,8 +319,9 @@ class Scheme:
             hooks = {"hooks": lambda f: (self.score_bias(f["features"], f["positions"]), self.score_fn(f["features"])),
                      "features": {"features": features, "positions": positions}}
         label = {"label": type(self).__name__} if impl == "auto" else {}
+        sink = {} if sink_in(features) is None else {"sink": sink_in(features)}
         return attention(q, k, v, segment_ids=segment_ids, q_offset=q_offset, impl=impl,
-                         block_size=block_size, window=self.attention_window, **hooks, **label, **decoding)
+                         block_size=block_size, window=self.attention_window, **hooks, **label, **decoding, **sink)
 
     # ---- decode form -------------------------------------------------------------------------
     def init_cache(self, batch: int, max_len: int, num_kv_heads: int, dtype=jnp.float32) -> dict:
@@ -401,6 +405,11 @@ class Scheme:
         if "positions" in cache:
             new["positions"] = put(cache["positions"], positions)
         return self.transform_out(out, features, positions), new
+
+
+def sink_in(features):
+    """The sink logits [H] the features hold (a layer with sinks puts them there), else None."""
+    return features.get("sink") if isinstance(features, dict) else None
 
 
 def position_values(positions) -> dict:

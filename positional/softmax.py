@@ -7,6 +7,8 @@ Shapes: q [B, T, H, D]; k, v [B, S, K, D] with H % K == 0 (grouped-query attenti
 h reads key/value head h // (H // K)). Query t sits at absolute index `q_offset + t`, key s at
 index s, and query i sees key j iff j <= i (and, with segment ids, both are in the same
 segment; with a sliding `window` W, also i - j < W: the query and the W - 1 keys before it).
+A `sink` [H] (fp32 logits, one per query head: gpt-oss's learned sinks) is one more logit in
+every row's softmax normaliser, with no value: the weights of a row sum to less than 1.
 `q_offset` lets the same function serve decoding, where S is the cache length.
 
 Schemes that change the score pass `bias_fn(qi, kj) -> [B or 1, H or 1, len(qi), len(kj)]`, an
@@ -167,42 +169,54 @@ def attention_logits(q, k, *, bias_fn: BiasFn | None = None, q_offset=0, scale: 
                    bias_fn, scale, score_fn)
 
 
-def causal_softmax(logits, segment_ids=None, q_offset=0, window: int | None = None, key_segment_ids=None
-                   ) -> jax.Array:
+def causal_softmax(logits, segment_ids=None, q_offset=0, window: int | None = None, key_segment_ids=None,
+                   sink=None) -> jax.Array:
     """Softmax over the keys each query sees, of logits [B, K, G, T, S]; key_segment_ids [B, S]
     where the keys' segments are not the queries' (a decode cache's unwritten slots: -1 against
-    the new tokens' 0)."""
+    the new tokens' 0); `sink` [H], a logit per query head in every row's normaliser."""
     qi, kj = q_offset + jnp.arange(logits.shape[-2]), jnp.arange(logits.shape[-1])
     if key_segment_ids is not None and segment_ids is None:
         segment_ids = jnp.zeros(logits.shape[:1] + logits.shape[-2:-1], jnp.int32)
     key_segment_ids = segment_ids if key_segment_ids is None else key_segment_ids
     mask = causal_mask(qi, kj, segment_ids, key_segment_ids, check_window(window))[:, :, None]
-    return jax.nn.softmax(jnp.where(mask, logits, MASKED), axis=-1)
+    logits = jnp.where(mask, logits, MASKED)
+    if sink is None:
+        return jax.nn.softmax(logits, axis=-1)
+    column = jnp.broadcast_to(sink_of(sink, logits.shape[1:3])[..., None, None], logits.shape[:-1] + (1,))
+    return jax.nn.softmax(jnp.concatenate([logits, column], axis=-1), axis=-1)[..., :-1]
+
+
+def sink_of(sink, heads) -> jax.Array:
+    """A sink [H] as fp32 [K, G] (heads = (K, G)); one line when it is not one logit per query head."""
+    if jnp.shape(sink) != (heads[0] * heads[1],):
+        raise ValueError(f"sink has shape {tuple(jnp.shape(sink))}; it must be [H] = [{heads[0] * heads[1]}], one "
+                         "logit per query head")
+    return jnp.asarray(sink, jnp.float32).reshape(heads)
 
 
 def attention_weights(q, k, *, bias_fn: BiasFn | None = None, segment_ids=None, q_offset=0,
                       scale: float | None = None, score_fn: ScoreFn | None = None, window: int | None = None,
-                      key_segment_ids=None) -> jax.Array:
+                      key_segment_ids=None, sink=None) -> jax.Array:
     """Softmax attention weights [B, K, G, T, S] (fp32), query head h = k * G + g."""
     s = attention_logits(q, k, bias_fn=bias_fn, q_offset=q_offset, scale=scale, score_fn=score_fn)
-    return causal_softmax(s, segment_ids, q_offset, window, key_segment_ids)
+    return causal_softmax(s, segment_ids, q_offset, window, key_segment_ids, sink)
 
 
 def reference_attention(q, k, v, *, bias_fn: BiasFn | None = None, segment_ids=None,
                         q_offset=0, scale: float | None = None, score_fn: ScoreFn | None = None,
-                        window: int | None = None, key_segment_ids=None) -> jax.Array:
+                        window: int | None = None, key_segment_ids=None, sink=None) -> jax.Array:
     """Obviously correct causal attention; materialises the [B, H, T, S] score matrix.
     key_segment_ids [B, S]: the keys' segment ids where they are not `segment_ids` (`causal_softmax`)."""
     check_shapes(q, k, v, segment_ids)
     p = attention_weights(q, k, bias_fn=bias_fn, segment_ids=segment_ids, q_offset=q_offset, scale=scale,
-                          score_fn=score_fn, window=window, key_segment_ids=key_segment_ids)
+                          score_fn=score_fn, window=window, key_segment_ids=key_segment_ids, sink=sink)
     o = matmul("bkgts,bskd->btkgd", p, v, v.dtype)
     return o.reshape(q.shape).astype(q.dtype)
 
 
 def blockwise_attention(q, k, v, *, bias_fn: BiasFn | None = None, segment_ids=None,
                         q_offset=0, scale: float | None = None, score_fn: ScoreFn | None = None,
-                        block_size: int = 512, window: int | None = None) -> jax.Array:
+                        block_size: int = 512, window: int | None = None, sink=None) -> jax.Array:
     """Online-softmax attention over key blocks, for each query block in turn.
 
     Memory is O(B * H * block_size^2) for scores plus O(T * D) for the output, in the forward
@@ -213,20 +227,21 @@ def blockwise_attention(q, k, v, *, bias_fn: BiasFn | None = None, segment_ids=N
     """
     check_shapes(q, k, v, segment_ids)
     out, _ = blockwise_lse(q, k, v, bias_fn=bias_fn, segment_ids=segment_ids, q_offset=q_offset, scale=scale,
-                           score_fn=score_fn, block_size=block_size, window=window)
+                           score_fn=score_fn, block_size=block_size, window=window, sink=sink)
     return out.astype(q.dtype)
 
 
 def blockwise_lse(q, k, v, *, bias_fn: BiasFn | None = None, segment_ids=None, key_segment_ids=None,
                   q_offset=0, k_offset=0, scale: float | None = None, score_fn: ScoreFn | None = None,
-                  block_size: int = 512, window: int | None = None) -> tuple[jax.Array, jax.Array]:
+                  block_size: int = 512, window: int | None = None, sink=None) -> tuple[jax.Array, jax.Array]:
     """`blockwise_attention` with keys at indices k_offset + s, returning fp32 (out [B, T, H, D],
     lse [B, T, H]), lse the log-sum-exp of each row's masked scores: results over disjoint key
     sets merge by it (positional/ring.py). segment_ids [B, T] are the queries', key_segment_ids
     [B, S] the keys' (default: the same array). Every query block must see the first key
     block (k_offset <= q_offset); a query whose visible keys are all masked gets lse ~ MASKED.
     `window`: a sliding window (`causal_mask`); a query block then loops over only the key
-    blocks that can hold a key of its rows' windows.
+    blocks that can hold a key of its rows' windows. `sink` [H]: the online softmax starts from
+    it (running max the sink, running sum 1), so lse includes it.
     """
     window = check_window(window)
     b, t, h, d = q.shape
@@ -286,9 +301,12 @@ def blockwise_lse(q, k, v, *, bias_fn: BiasFn | None = None, segment_ids=None, k
             visible = k_offset + ik * bk <= q_offset + q0 + bq - 1
             return jax.lax.cond(visible, jax.checkpoint(update), lambda c: c, carry), None
 
-        init = (jnp.zeros((b, kh, g, bq, d), jnp.float32),
-                jnp.full((b, kh, g, bq), MASKED, jnp.float32),
-                jnp.zeros((b, kh, g, bq), jnp.float32))
+        if sink is None:
+            start, total = jnp.full((b, kh, g, bq), MASKED, jnp.float32), jnp.zeros((b, kh, g, bq), jnp.float32)
+        else:
+            start = jnp.broadcast_to(sink_of(sink, (kh, g))[None, :, :, None], (b, kh, g, bq))
+            total = jnp.ones((b, kh, g, bq), jnp.float32)
+        init = (jnp.zeros((b, kh, g, bq, d), jnp.float32), start, total)
         (o, m, row_sum), _ = jax.lax.scan(key_block, init, jnp.arange(span))
         # row_sum >= 1 for every real query: the first key block is visible (masked keys count
         # until a visible one resets them, and blockwise_attention's queries always see themselves).

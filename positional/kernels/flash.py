@@ -47,7 +47,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from positional.kernels import backward_inputs, check_tile, per_platform
 from positional.logits import Bias, Score
-from positional.softmax import MASKED, check_shapes, check_window
+from positional.softmax import MASKED, check_shapes, check_window, sink_of
 
 LOG2E = 1.4426950408889634
 # (block_q, block_k) when not given: the GPU tiles are the fastest forward + backward of the TAPA
@@ -247,7 +247,8 @@ def _run(st: _Static, outer: str, step, init, finish, arrays: dict, outputs: dic
     (TPU), one block per step of the grid's last dimension, the carry in VMEM scratch.
 
     arrays {"q": {...}, "k": {...}} (see _layout); outputs: ShapeDtypeStructs laid out as the
-    outer side's arrays, per query head; init() -> carry; finish(out_refs, carry) writes them."""
+    outer side's arrays, per query head; init() -> carry; finish(out_refs, carry, outer block)
+    writes them."""
     inner = "k" if outer == "q" else "q"
     b, h = arrays["q"]["parts"][0].shape[:2]
     length = lambda side: arrays[side]["seg"].shape[_layout(side, "seg")[1]]  # noqa: E731
@@ -273,7 +274,7 @@ def _run(st: _Static, outer: str, step, init, finish, arrays: dict, outputs: dic
         if not st.stream:
             def body(j, carry):
                 return do_step(carry, _load(in_refs[inner], inner, pl.multiple_of(j * size, size), size), j)
-            finish(out_refs, lax.fori_loop(lo, hi, body, init()))
+            finish(out_refs, lax.fori_loop(lo, hi, body, init()), ob)
             return
         j, tree = pl.program_id(3), jax.tree.structure(carry_shapes)
 
@@ -286,7 +287,7 @@ def _run(st: _Static, outer: str, step, init, finish, arrays: dict, outputs: dic
 
         pl.when(j == 0)(lambda: write(init()))
         pl.when((j >= lo) & (j < hi))(lambda: write(do_step(read(), _load(in_refs[inner], inner), j)))
-        pl.when(j == n_inner - 1)(lambda: finish(out_refs, read()))
+        pl.when(j == n_inner - 1)(lambda: finish(out_refs, read(), ob))
 
     params = {}
     if st.stream:
@@ -313,8 +314,12 @@ def _forward(st: _Static, arrays: dict):
     def init():
         return jnp.zeros((bq, v.shape[-1]), f32), jnp.full((bq, 1), MASKED, f32), jnp.zeros((bq, 1), f32)
 
-    def finish(out, carry):
+    def finish(out, carry, qb):
         o, m, row_sum = carry
+        if "sink" in qb:  # one more logit in the normaliser, no value (base 2, as m)
+            m_new = jnp.maximum(m, qb["sink"])
+            corr = _exp2(m - m_new, st)
+            o, row_sum, m = o * corr, row_sum * corr + _exp2(qb["sink"] - m_new, st), m_new
         out["o"][...] = (o / row_sum).astype(out["o"].dtype)
         out["lse"][...] = m + jnp.log2(row_sum)  # of the base-2 logits
 
@@ -348,7 +353,7 @@ def _gradients(st: _Static, side: str, step, arrays: dict):
         return jax.tree.map(lambda t: jnp.zeros(t, jnp.float32), tiles, is_leaf=lambda t: isinstance(t, tuple)
                             and all(isinstance(i, int) for i in t))
 
-    def finish(out, carry):
+    def finish(out, carry, _):
         for ref, x in zip(jax.tree.leaves(out), jax.tree.leaves(carry)):
             ref[...] = x
 
@@ -374,13 +379,23 @@ def _fused_bwd(st, res, do):
     group_sum = lambda x, like: x.reshape(b, kh, st.group, *x.shape[2:]).sum(2).astype(like.dtype)  # noqa: E731
     grads = {"q": {"parts": tuple(g.astype(x.dtype) for g, x in zip(dq["parts"], arrays["q"]["parts"])),
                    "values": dq["values"], "seg": None,
-                   "tables": {n: x.sum(2) for n, x in dq["table_sums"].items()}},
+                   "tables": {n: x.sum(2) for n, x in dq["table_sums"].items()}, **sink_grad(arrays, full)},
              "k": {"parts": tuple(map(group_sum, dk["parts"], arrays["k"]["parts"])),
                    "v": group_sum(dk["v"], v), "values": dk["values"], "seg": None}}
     return (grads,)
 
 
 _fused.defvjp(_fused_fwd, _fused_bwd)
+
+
+def sink_grad(arrays: dict, full: dict) -> dict:
+    """{"sink": the gradient of the rows' base-2 sink logits}, {} without one: the sink's weight
+    in row i is p_i = 2^(sink - lse_i), and d loss / d sink = -p_i delta_i (in base-2 units, so
+    divided by log2(e)); the kernels need no code of their own for it."""
+    if "sink" not in arrays["q"]:
+        return {}
+    q = full["q"]
+    return {"sink": -jnp.exp2(arrays["q"]["sink"] - q["lse"]) * q["delta"] / LOG2E}
 
 
 # ---- the public function -------------------------------------------------------------------------
@@ -405,8 +420,8 @@ def fused_attention(q, k, v, *, bias_fn: Bias | None = None, score_fn: Score | N
                     q_offset: int = 0, scale: float | None = None, block_q: int | None = None,
                     block_k: int | None = None, interpret: bool | None = None, stream: bool | None = None,
                     num_warps: int = 4, num_stages: int = 2, fast_math: bool = True,
-                    block_size: int | None = None, platform: str | None = None, window: int | None = None
-                    ) -> jax.Array:
+                    block_size: int | None = None, platform: str | None = None, window: int | None = None,
+                    sink=None) -> jax.Array:
     """Causal attention with the reference's signature and semantics, fused: q [B, T, H, D];
     k, v [B, S, K, D] -> [B, T, H, D]. bias_fn a `Bias`, score_fn a `Score` (positional/logits.py).
 
@@ -418,7 +433,8 @@ def fused_attention(q, k, v, *, bias_fn: Bias | None = None, score_fn: Score | N
     `num_warps`, `num_stages` (Triton), `fast_math` (exp2 by one special-function instruction).
     `platform` ("cpu", "cuda", "tpu"): build that platform's kernel alone (for a caller that
     branches per platform itself, the "auto" dispatcher). `window`: a sliding window
-    (positional/softmax.py), tiles outside it skipped. `block_size` (the plain-JAX paths' block) is the interpreter's tile where none is given, so a
+    (positional/softmax.py), tiles outside it skipped. `sink` [H]: one more logit per query
+    head in every row's normaliser, merged into the online softmax when a row is done. `block_size` (the plain-JAX paths' block) is the interpreter's tile where none is given, so a
     model's CPU tests run the kernel over several tiles; lowering for GPU or TPU ignores it.
     """
     check_shapes(q, k, v, segment_ids)
@@ -456,10 +472,14 @@ def fused_attention(q, k, v, *, bias_fn: Bias | None = None, score_fn: Score | N
 
     seg = jnp.zeros((b, t), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
     q_values = {n: x[:, q_offset:q_offset + t] for n, x in values.items()}
-    return per_platform(settings, _padded, (q_parts, k_parts, v, q_values, values, tables, seg), interpret, platform)
+    # The sink per query row, as [B, H, T, 1] in base 2 (read by the forward's last step of a row).
+    sinks = {} if sink is None else {"sink": jnp.broadcast_to(
+        sink_of(sink, (h, 1)).reshape(1, h, 1, 1) * LOG2E, (b, h, t, 1))}
+    return per_platform(settings, _padded, (q_parts, k_parts, v, q_values, values, tables, seg, sinks), interpret,
+                        platform)
 
 
-def _padded(st: _Static, q_parts, k_parts, v, q_values, k_values, tables, seg):
+def _padded(st: _Static, q_parts, k_parts, v, q_values, k_values, tables, seg, sinks):
     """The kernel on inputs padded to st's tiles (and head parts to a power of two >= 16)."""
     b, t = seg.shape
     s, d = v.shape[1], v.shape[-1]
@@ -473,7 +493,8 @@ def _padded(st: _Static, q_parts, k_parts, v, q_values, k_values, tables, seg):
     seg_k = seg if s == t else jnp.zeros((b, s), jnp.int32)
     arrays = {"q": {"parts": tuple(layout(x, tp) for x in q_parts),
                     "values": {n: jnp.swapaxes(_pad_to(x, 1, tp), 1, 2)[..., None] for n, x in q_values.items()},
-                    "tables": tables, "seg": _pad_to(seg, 1, tp)[:, None, :, None]},
+                    "tables": tables, "seg": _pad_to(seg, 1, tp)[:, None, :, None],
+                    **{n: _pad_to(x, 2, tp) for n, x in sinks.items()}},
               "k": {"parts": tuple(layout(x, sp) for x in k_parts), "v": layout(v, sp),
                     "values": {n: jnp.swapaxes(_pad_to(x, 1, sp), 1, 2)[:, :, None] for n, x in k_values.items()},
                     "seg": _pad_to(seg_k, 1, sp)[:, None, None, :]}}
