@@ -19,7 +19,7 @@ from flax import nnx
 from models.layers import REMAT_POLICIES, Block, ModelConfig, linear, rms_norm
 from models.sessa import MacroBlock
 from models.sharding import constrain
-from positional.scheme import check_cache_room
+from positional.scheme import check_cache_room, sink_in
 from positional.softmax import causal_softmax
 
 
@@ -316,10 +316,10 @@ def attention_internals(model: DecoderLM, tokens, *, rng=None, maps: bool = True
         h = block.attn_norm(x)
         q, k, v, features = attn.project(h, tokens, index, None, key)
         layer = {"q": q, "k": k, "v": v, "features": features}
-        if maps:
+        if maps:  # the weights under the layer's window and sinks
             logits = attn.scheme.logits(q, k, v, features, index)
-            layer |= {"logits": logits.reshape(b, -1, t, t),
-                      "weights": causal_softmax(logits).reshape(b, -1, t, t)}
+            weights = causal_softmax(logits, window=attn.scheme.attention_window, sink=sink_in(features))
+            layer |= {"logits": logits.reshape(b, -1, t, t), "weights": weights.reshape(b, -1, t, t)}
         layer["out"] = attn(h, tokens=tokens, positions=index, rng=key)
         x = x + layer["out"]
         x = x + block.mlp(block.mlp_norm(x))

@@ -23,6 +23,10 @@ scratch, so nothing whole-sequence is resident. Blocks past the diagonal are ski
 a sliding window those wholly before it (on TPU their index maps repeat the nearest visible
 block, so they cost no copy): a windowed call does O(T x W) work.
 
+A sink logit per head (gpt-oss's: one more logit in each row's normaliser, no value) is merged
+into a row's running statistics when the row is done; its gradient is -sum_i p_sink,i delta_i
+from the saved log-sum-exp (`sink_grad`), so neither backward kernel changes.
+
 Statistics, the logit hooks and accumulation are fp32; matmuls take the input dtype (P and
 dS are cast to it, as flash attention does), fp32 parts at full fp32 precision.
 

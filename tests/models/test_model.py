@@ -201,6 +201,27 @@ def test_the_layer_experiment_arms_are_as_documented():
                        "local_global": ([local] * 5 + [("rope", 1e6, 0)]) * 2}
 
 
+def test_the_probes_attention_maps_are_each_layers_own():
+    """attention_internals (what the probes and logit analyses read) on a model whose layers
+    differ, with sinks: each layer's weights under its own window (nothing outside it), rows
+    summing to less than 1 (the sink's share), and weights x values through the output
+    projection give the layer's output."""
+    m = layered(sinks=True)
+    for block in m.blocks:
+        block.attn.sink[...] = jnp.full(block.attn.sink[...].shape, 0.5)
+    x = tokens(t=12)
+    layers = lm.attention_internals(m, x)
+    for i, (block, layer) in enumerate(zip(m.blocks, layers)):
+        w = np.asarray(layer["weights"])  # [B, H, T, T]
+        window = block.attn.scheme.sliding_window or 12
+        far = np.arange(12)[:, None] - np.arange(12)[None, :] >= window
+        assert (w[..., far] == 0).all() and (w.sum(-1) < 1 - 1e-3).all(), i
+        if block.attn.scheme.__class__.__name__ in ("Rope", "NoPE"):  # values untransformed
+            v = jnp.repeat(layer["v"], 2, axis=2)  # per query head
+            heads = jnp.einsum("bhts,bshd->bthd", w, v).reshape(2, 12, -1)
+            np.testing.assert_allclose(block.attn.o(heads), layer["out"], atol=2e-5)
+
+
 def test_bad_layer_patterns_say_what_to_do():
     cases = [(dict(pattern="local,glob"), r"^model.layer_pattern names the layer kind 'glob', which model.layer_kinds "
                                           r"does not define \(defined: global, learned, local\); define it"),
