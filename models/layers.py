@@ -130,6 +130,7 @@ class ModelConfig:
                                  f"--config.model.layer_kinds.{kind}=\"{{'window': 512}}\"")
         for i in range(self.num_layers):
             self.layer(i)  # each layer's fields checked
+
     # The fields above are what was asked for, 0 meaning "derive it"; the model reads the values
     # below. The fields stay as given (a width change, `models.lm.matched_width`, derives again).
     @property

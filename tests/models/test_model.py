@@ -296,8 +296,9 @@ def test_qk_norm_normalises_queries_and_keys_before_the_scheme(qk_norm):
     attn = m.blocks[0].attn
     attn.q_norm.scale[...] = attn.q_norm.scale[...] * 1.5
     x = jax.random.normal(jax.random.key(0), (2, 5, 32))
-    q, k, _, _ = attn.project(x, None, None)
-    q_raw, k_raw = attn.q(x), attn.k(x)
+    graphdef, state = nnx.split(attn)
+    q, k, q_raw, k_raw = jax.jit(lambda state, x: (lambda a: (*a.project(x, None, None)[:2], a.q(x), a.k(x)))(
+        nnx.merge(graphdef, state)))(state, x)
 
     def rms(a, axes):
         return a / jnp.sqrt(jnp.mean(a * a, axis=axes, keepdims=True) + 1e-6)

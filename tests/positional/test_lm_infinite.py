@@ -37,8 +37,8 @@ def test_the_conformance_suite_with_the_mask_in_play(small, monkeypatch):
     """The registered scheme's window (512) covers the suite's 12 tokens; at window 4 the suite's
     tests run with keys masked and capped (the rest of them: the slow test below), and the shift
     check finds the scheme absolute."""
-    conformance.test_decode_equals_parallel(small)
-    conformance.test_implementations_agree_values_and_gradients(small, monkeypatch)
+    conformance.test_decode_equals_parallel(small, 0, False)
+    conformance.test_implementations_agree_values_and_gradients(small, 0, False, monkeypatch)
     assert conformance.shift_error(small) > 1e-2  # the starting tokens are positions 0 and 1
 
 

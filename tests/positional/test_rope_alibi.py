@@ -238,14 +238,13 @@ def test_partial_rotary_rotates_the_first_dims_as_rope_of_that_size(rotary_dim):
     q, k, v = (np.asarray(normal(jax.random.key(i), (2, 9, 2, 16))) for i in range(3))
     pos = np.broadcast_to(np.arange(9) + 3, (2, 9))
     s = make_scheme("rope", num_heads=2, head_dim=16, rotary_dim=rotary_dim, base=500.0)
-    rq, rk, rv = s.transform(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), None, jnp.asarray(pos))
+    rq, rk, rv = jax.jit(s.transform)(q, k, v, None, jnp.asarray(pos))
     np.testing.assert_allclose(rq, rotate_half_by_hand(q, pos, rotary_dim, 500.0), atol=1e-5)
     np.testing.assert_allclose(rk, rotate_half_by_hand(k, pos, rotary_dim, 500.0), atol=1e-5)
     np.testing.assert_array_equal(rv, v)
     # Relative: shifting every position leaves the attention output unchanged.
-    out = s.attend(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), positions=jnp.asarray(pos))
-    np.testing.assert_allclose(s.attend(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), positions=jnp.asarray(pos) + 100),
-                               out, atol=1e-5)
+    attend = jax.jit(lambda pos: s.attend(q, k, v, positions=pos))
+    np.testing.assert_allclose(attend(jnp.asarray(pos) + 100), attend(jnp.asarray(pos)), atol=1e-5)
     with pytest.raises(ValueError, match=r"^rotary_dim=5 must be an even number from 2 to head_dim=16"):
         make_scheme("rope", num_heads=2, head_dim=16, rotary_dim=5)
 
@@ -259,12 +258,13 @@ def test_llama4_query_temperature_by_hand_and_in_decoding():
     np.testing.assert_allclose(s.temperature(pos)[0, :, 0, 0], want, rtol=1e-6)
     assert want[2] == 1 and want[3] > 1
     q, k, v = (normal(jax.random.key(i), (1, 11, 2, 8)) for i in range(3))
-    out = s.attend(q, k, v, positions=pos)
+    out = jax.jit(s.attend)(q, k, v, positions=pos)
     nope = make_scheme("nope", num_heads=2, head_dim=8)
-    np.testing.assert_allclose(out, nope.attend(q * want[None, :, None, None], k, v, positions=pos), atol=1e-5)
-    cache = s.init_cache(1, 11, 2)
+    np.testing.assert_allclose(out, jax.jit(nope.attend)(q * want[None, :, None, None], k, v, positions=pos),
+                               atol=1e-5)
+    cache, step = s.init_cache(1, 11, 2), jax.jit(s.decode_step)
     steps = []
     for t in (slice(0, 5), *(slice(i, i + 1) for i in range(5, 11))):
-        o, cache = s.decode_step(cache, q[:, t], k[:, t], v[:, t])
+        o, cache = step(cache, q[:, t], k[:, t], v[:, t])
         steps.append(o)
     np.testing.assert_allclose(jnp.concatenate(steps, 1), out, atol=1e-5)
