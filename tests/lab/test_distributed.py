@@ -99,7 +99,8 @@ def test_sigterm_to_one_process_stops_all_at_one_step_and_a_rerun_resumes_exactl
 STACKS = ("Traceback", "stack trace", "Fatal", "terminate called", "Check failed", "Aborted")
 
 
-@pytest.mark.parametrize("fault", ["sigkill", "exception", "sigint"])
+@pytest.mark.parametrize("fault", ["sigkill", pytest.param("exception", marks=pytest.mark.slow),
+                                   pytest.param("sigint", marks=pytest.mark.slow)])  # 50 s, 45 s
 def test_a_fault_on_one_process_ends_the_job_fast_with_one_line_each_and_a_rerun_resumes_exactly(
         tmp_path, one_process, fault):
     """SIGKILL of process 1, an exception on it (a data read failing), SIGINT to it: every
@@ -154,6 +155,7 @@ def test_processes_with_different_configs_stop_at_start_naming_the_field(tmp_pat
     assert not (tmp_path / "checkpoints").exists()
 
 
+@pytest.mark.slow  # 15 s; processes with different configs stop at start in make test
 def test_processes_with_different_device_counts_stop_at_start_naming_them(tmp_path):
     """Was `cannot reshape array of size 3 into shape (2,1)`."""
     results = finish(launch(tmp_path, 2, devices={0: 2, 1: 1}))
@@ -248,6 +250,7 @@ def test_analyze_over_two_processes_writes_the_numbers_of_one(one_process, tmp_p
         np.testing.assert_allclose(two["feature_shift"][key], one["feature_shift"][key], rtol=1e-5, err_msg=key)
 
 
+@pytest.mark.slow  # 23 s; eval over two processes (the test above) scores like one in make test
 def test_retrieval_and_transport_over_two_processes_score_like_one(one_process, tmp_path):
     """eval.py --evals=retrieval,transport as 2 processes: 2 retrieval examples padded to the 4
     devices' rows (teacher-forced and greedily decoded), the transport probes' 2 windows whole

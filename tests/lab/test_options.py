@@ -34,6 +34,7 @@ def test_options_are_an_evaluators_keyword_arguments_checked_by_name_and_type():
         assert str(raised.value).startswith(error) and "\n" not in str(raised.value)
 
 
+@pytest.mark.slow  # 24 s
 def test_eval_py_takes_the_training_spelling_and_gives_what_the_shorthands_give(tiny_run, tmp_path):
     workdir = tiny_run[0].workdir
     short = cli("eval.py", f"--workdirs={workdir}", f"--out={tmp_path / 'short'}", "--probe_length=64",
@@ -65,6 +66,7 @@ def test_eval_py_bad_options_are_one_line(tiny_run, tmp_path, flags, error):
     assert run.stderr.strip().splitlines()[-1].startswith(error), run.stderr
 
 
+@pytest.mark.slow  # 32 s
 def test_train_py_spells_evaluator_options_as_eval_py_does(tmp_path):
     workdir = tmp_path / "run"
     flags = [*overrides(tiny_config(workdir)), "--config.train.steps=2", "--config.train.eval_every=2",

@@ -79,23 +79,29 @@ BAD_VALUES = [
     ("train.steps", -3, "train.steps=-3; valid: an integer >= 1", True),
     ("train.checkpoint_every", 0, "train.checkpoint_every=0; valid: an integer >= 1", False),
     ("train.log_every", 0, "train.log_every=0; valid: an integer >= 1", False),
-    ("train.keep_checkpoints", 0, "train.keep_checkpoints=0; valid: an integer >= 1", True),
+    ("train.keep_checkpoints", 0, "train.keep_checkpoints=0; valid: an integer >= 1", "slow"),
     ("train.lr", 0.0, "train.lr=0.0; valid: a number > 0", False),
     ("train.explode_factor", 0.5, "train.explode_factor=0.5; valid: a number > 1, or 0", False),
-    ("mesh.fsdp", 0, "mesh.fsdp=0; valid: an integer >= 1, or -1", True),
+    ("mesh.fsdp", 0, "mesh.fsdp=0; valid: an integer >= 1, or -1", "slow"),
     ("mesh.data", -2, "mesh.data=-2; valid: an integer >= 1, or -1", False),
     ("model.d_model", 0, "model.d_model=0; valid: an integer >= 1", False),
     ("model.num_layers", 0, "model.num_layers=0; valid: an integer >= 1", False),
     ("model.num_heads", 0, "model.num_heads=0; valid: an integer >= 1", False),
     ("model.num_kv_heads", 3, "model.num_heads=2 must be a multiple of model.num_kv_heads=3", False),
-    ("model.dtype", "float8", "model.dtype='float8'; valid: float32, bfloat16, float16", True),
-    ("distributed.timeout_s", -5, "distributed.timeout_s=-5; valid: a number of seconds > 0", True),
+    ("model.dtype", "float8", "model.dtype='float8'; valid: float32, bfloat16, float16", "slow"),
+    ("distributed.timeout_s", -5, "distributed.timeout_s=-5; valid: a number of seconds > 0", "slow"),
     ("model.scheme_options.base", "abc", "scheme 'rope' option base='abc' must be a number; set it as "
      "model.scheme_options.base=<float>", True),
 ]
 
 
-@pytest.mark.parametrize("field,value,error,through_cli", BAD_VALUES)
+# through_cli: also through train.py's command line ("slow": that part in `make test-slow` only;
+# the command line's path is the same for every field, and two fields take it in `make test`).
+@pytest.mark.parametrize("field,value,error,through_cli",
+                         [case for case in BAD_VALUES if case[3] != "slow"]
+                         + [(*case[:3], False) for case in BAD_VALUES if case[3] == "slow"]
+                         + [pytest.param(*case[:3], True, marks=pytest.mark.slow) for case in BAD_VALUES
+                            if case[3] == "slow"])
 def test_a_bad_value_is_one_line_naming_the_field_before_any_work(tmp_path, field, value, error, through_cli):
     config = tiny_config(tmp_path / "run")
     *groups, name = field.split(".")
@@ -297,6 +303,7 @@ def fill(path) -> None:
     assert shutil.disk_usage(os.path.dirname(path)).free == 0
 
 
+@pytest.mark.slow  # 30 s
 def test_a_full_disk_twice_is_one_true_line_each_time_and_nothing_is_lost(small_disk, tmp_path):
     """train.py on a disk that fills up: one line naming the write that failed, the newest
     complete checkpoint and the emergency save of the live state (orbax's tracebacks in a log,

@@ -312,6 +312,7 @@ def test_gpu_chunk_fits_the_widths():
     assert feedback_solve_pallas(x * 0.01, x * 0.01, jnp.full((1, 16), 0.5), x).shape == (1, 16, 1024)
 
 
+@pytest.mark.slow  # 25 s
 def test_kernel_compiles_for_an_h100_at_a_models_widths():
     """configs/default.py's Sessa (d_model 256, feedback_dim its default D): forward + backward
     compiled for an H100 by XLA's GPU compiler with the default chunk (32). The former default

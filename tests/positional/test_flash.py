@@ -236,7 +236,7 @@ def test_kernels_lower_for_gpu_and_tpu(platform, call, monkeypatch):
     assert longest == (t if platform == "cuda" else 128)
 
 
-@pytest.mark.parametrize("topology", ["v4:1x1x1", "v6e:1x1"])
+@pytest.mark.parametrize("topology", ["v4:1x1x1", pytest.param("v6e:1x1", marks=pytest.mark.slow)])  # v6e: 16 s
 def test_kernels_compile_for_tpu(topology):
     """Forward + backward of each fused variant compiled by the TPU compiler (libtpu) for one
     chip of each generation named, at 2,048 tokens, bf16, d = 128, GQA: within its VMEM, Mosaic's

@@ -385,7 +385,7 @@ def test_auto_on_a_sequence_mesh_is_the_ring(monkeypatch, caplog):
     assert [kernel and kernel["platform"] for _, kernel in calls] == [None, None, "tpu"]  # cpu, cuda, tpu
 
 
-@pytest.mark.parametrize("topology", ["v5e:1x1", "v6e:1x1"])
+@pytest.mark.parametrize("topology", ["v5e:1x1", pytest.param("v6e:1x1", marks=pytest.mark.slow)])  # v6e: 39 s
 def test_compiles_for_tpu(topology):
     """Forward + backward with FoX gates and segment ids compiled by the TPU compiler (libtpu)
     for one chip, 1,000 tokens, bf16, head dim 128, GQA. (On a v4, 16 MiB of VMEM, it fails
@@ -425,6 +425,7 @@ def test_a_chunk_one_platform_refuses_fails_only_its_lowering():
         lowered(path_attention, *long, platforms=["tpu"])
 
 
+@pytest.mark.slow  # 16 s
 def test_gpu_settings_reach_triton_alone():
     """transport, num_warps, num_stages and groups change what is lowered for cuda (the Triton
     kernel's dots, launch and backward grid), not the TPU kernel."""

@@ -100,6 +100,7 @@ def test_path_ring_train_step_equals_one_device():
     check_sharded(sharded_step(["path", "path_fox"], meshes, 8, impl="ring"))
 
 
+@pytest.mark.slow  # 44 s
 def test_path_auto_on_a_sequence_mesh_trains_as_one_device():
     """path_fox with impl "auto" on sequence=4: PaTH's ring in a platform_dependent branch (its own
     shard chosen per platform: the kernel's TPU branch traced, the chunked form run on CPU): loss,

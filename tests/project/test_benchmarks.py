@@ -34,6 +34,7 @@ def test_train_throughput_runs(capsys):
     assert "| alibi |" in out and "ratio to rope (CPU time)" in out
 
 
+@pytest.mark.slow  # 12 s
 def test_long_context_runs(capsys):
     rows = run("long_context", ["--lengths", "512", "--memory-cap-gib", "1e-9"])
     by_impl = {r["impl"]: r for r in rows}
@@ -137,6 +138,7 @@ def test_path_kernel_runs(capsys, tmp_path):
     assert "cudnn D16 T40: failed" in text and "| 16 | 40 | yes | path/blockwise 8 |" in text
 
 
+@pytest.mark.slow  # 36 s; PaTH's kernel compiles for TPU in tests/positional/test_path_kernel.py too
 def test_path_kernel_compiles_for_tpu(capsys, tmp_path):
     """--tpu: a two-level form by kernels (across="chunks") compiled for a v5e chip by libtpu,
     nothing run: the compiler's temporaries in the table and the JSON."""
@@ -184,7 +186,7 @@ def test_lowering_check_picks_the_fused_kernel(capsys, monkeypatch):
         assert kernels in out and "T x T tensor (two axes >= 256): none" in out and out.rstrip().endswith("result: ok"), out
 
 
-@pytest.mark.parametrize("scheme", ["rope", "path_fox"])
+@pytest.mark.parametrize("scheme", ["rope", pytest.param("path_fox", marks=pytest.mark.slow)])  # path_fox: 19 s
 def test_lowering_check_names_the_ring_on_a_sequence_mesh(scheme):
     """On a sequence mesh (2 simulated devices, its own process) auto is the ring at every call
     site, and the report says so: a call site that logs nothing fails the check."""
@@ -210,6 +212,7 @@ def test_lowering_check_fails_on_a_t_by_t_path(capsys, monkeypatch):
     assert "\n" not in error and error.startswith("error: alibi (Alibi) runs 'reference' on tpu"), error
 
 
+@pytest.mark.slow  # 52 s; run it before a GPU session (`make test-slow`, or this test alone)
 def test_gpu_check_runs_end_to_end_at_toy_sizes(tmp_path, capsys, monkeypatch):
     """`make gpu-check`'s script with --tiny on this CPU: every item runs or says why in one line
     (cuDNN: no GPU here), every Pallas path passes its check interpreted, and the json holds it."""
@@ -237,6 +240,7 @@ def test_gpu_check_runs_end_to_end_at_toy_sizes(tmp_path, capsys, monkeypatch):
     assert "| pallas PaTH-FoX (its kernel) | yes |" in out and "| fox auto |" in out and "| path_fox blockwise |" in out
 
 
+@pytest.mark.slow  # 60 s; the fused paths compile for an H100 in tests/project/test_compile.py too
 def test_gpu_checks_fused_paths_compile_for_an_h100():
     """Every fused path the GPU check runs compiles for an H100 by XLA's GPU compiler on this
     host (no GPU; lab.lowering.compiled_for), forward + backward in bf16 at the check's toy shape:
@@ -316,6 +320,7 @@ def test_triton_compile_finds_each_forms_kernels():
                                           "path_backward"]
 
 
+@pytest.mark.slow  # 19 s
 def test_sessa_gpu_tiles_tells_a_fit_from_an_overflow():
     """benchmarks/sessa_gpu_tiles.py: Sessa's solve compiled for an H100 with a chunk that fits
     (16 at width 64) and one whose kernels ask more shared memory than a block has (16 at 1,024)."""
@@ -325,6 +330,7 @@ def test_sessa_gpu_tiles_tells_a_fit_from_an_overflow():
     assert not wide["fits"] and wide["asked_kib"] > 227, wide
 
 
+@pytest.mark.slow  # 17 s
 def test_triton_compile_reads_xlas_ptxas_report_of_each_kernel():
     """The script compiles through XLA's GPU compiler for an H100 (no GPU) and finds each Pallas
     kernel in ptxas's report and XLA's launch plan: registers used (a Triton kernel of 4 warps

@@ -29,9 +29,10 @@ def compile_for(*argv) -> subprocess.CompletedProcess:
                           text=True, timeout=600)
 
 
-@pytest.mark.parametrize("scheme,site", [("alibi", "1 x Alibi (layer 0): pallas -- the fused kernel"),
-                                         ("tapa", "1 x Tapa (layer 0): pallas -- the fused kernel"),
-                                         ("path_fox", "1 x Path (layer 0): pallas -- PaTH's kernel")])
+@pytest.mark.parametrize("scheme,site", [
+    pytest.param("alibi", "1 x Alibi (layer 0): pallas -- the fused kernel", marks=pytest.mark.slow),  # 17 s
+    ("tapa", "1 x Tapa (layer 0): pallas -- the fused kernel"),
+    pytest.param("path_fox", "1 x Path (layer 0): pallas -- PaTH's kernel", marks=pytest.mark.slow)])  # 46 s
 def test_a_train_step_compiles_for_tpu(scheme, site):
     run = compile_for("--topology", "v5e:1x1", "--config", f"configs/default.py:{scheme}", *TINY)
     assert run.returncode == 0, run.stdout + run.stderr
@@ -44,8 +45,9 @@ def test_a_train_step_compiles_for_tpu(scheme, site):
 
 @pytest.mark.parametrize("scheme,site,calls", [
     ("alibi", "1 x Alibi (layer 0): cudnn -- plain softmax, packed rows as cuDNN segments", "cudnn fmha 2"),
-    ("tapa", "1 x Tapa (layer 0): pallas -- the fused kernel", "triton 3"),
-    ("path_fox", "every call site runs 'pallas'", "triton 2")])  # PaTH's kernel is not auto's on GPU
+    pytest.param("tapa", "1 x Tapa (layer 0): pallas -- the fused kernel", "triton 3", marks=pytest.mark.slow),
+    pytest.param("path_fox", "every call site runs 'pallas'", "triton 2", marks=pytest.mark.slow)])  # 16 s, 25 s
+# (PaTH's kernel is not auto's on GPU.)
 def test_a_train_step_compiles_for_gpu(scheme, site, calls):
     """XLA's GPU compiler (jax's CUDA plugin, no GPU) takes the step whole: the Triton kernels
     through Triton's passes and ptxas for sm_90, cuDNN's calls, the memory plan for an H100."""
@@ -58,7 +60,8 @@ def test_a_train_step_compiles_for_gpu(scheme, site, calls):
 
 
 @pytest.mark.parametrize("scheme,site", [("alibi", "1 x Alibi (layer 0): splash"),
-                                         ("tapa", "1 x Tapa (layer 0): pallas -- the fused kernel"),
+                                         pytest.param("tapa", "1 x Tapa (layer 0): pallas -- the fused kernel",
+                                                      marks=pytest.mark.slow),  # 15 s
                                          pytest.param("path_fox", "1 x Path (layer 0): pallas -- PaTH's kernel",
                                                       marks=pytest.mark.slow)])  # 47 s
 def test_a_train_step_compiles_for_several_chips(scheme, site):
