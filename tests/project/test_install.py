@@ -98,6 +98,8 @@ def test_a_compiler_that_cannot_be_installed_is_one_line_and_its_checks_skip(tmp
                             cwd=ROOT, capture_output=True, text=True, timeout=600,
                             env={**without_libtpu_path(), "POSITIONAL_COMPILERS": str(venv)})
     assert checks.returncode == 0, checks.stdout[-3000:]
-    assert "7 skipped" in checks.stdout.splitlines()[-1], checks.stdout[-3000:]
+    # Every check selected (those of `make test`: the slow ones are deselected) skips, none fails.
+    assert re.fullmatch(r"[3-9] skipped(, \d+ deselected)? in [\d.]+s", checks.stdout.splitlines()[-1]), \
+        checks.stdout[-3000:]
     summary = [line for line in checks.stdout.splitlines() if line.startswith("SKIPPED")]
     assert {line.split(": ", 1)[1] for line in summary} == set(lines), summary
