@@ -111,8 +111,8 @@ QUICK_SKIP := lab/test_train lab/test_runs_safety lab/test_distributed lab/test_
 	lab/test_hf_import lab/test_analyze lab/test_evaluators lab/test_sweep lab/test_options models/test_scale positional/test_ring \
 	positional/test_perturb positional/test_logit_probes positional/test_lm_infinite data/test_grid2d \
 	project/test_seeds project/test_compile project/test_readme
-# ... and, in the modules it runs, the compiles through libtpu and the GPU check's run at toy sizes.
-QUICK_DESELECT := -k "not compile_for_tpu and not compiles_for_tpu and not gpu_check_runs_end_to_end"
+# ... and, in the modules it runs, the compiles through libtpu (the GPU check's run at toy sizes is slow).
+QUICK_DESELECT := -k "not compile_for_tpu and not compiles_for_tpu"
 
 # The lent GPU machine (python3 with jax[cuda] 0.11.2, no network): `make gpu-wheels` here fetches
 # what it lacks into .whl (git-ignored: the device call carries it), the releases `make test-min`
@@ -196,7 +196,7 @@ test: lint $(call COMPILERS,$(VENV))
 
 test-quick: lint $(call COMPILERS,$(VENV))
 	$(foreach m,$(QUICK_SKIP),$(if $(wildcard tests/$(m).py),,$(error QUICK_SKIP: no file tests/$(m).py)))
-	@echo "test-quick leaves out: $(QUICK_SKIP), and the TPU compiles and the GPU check elsewhere (make test runs them)"
+	@echo "test-quick leaves out: $(QUICK_SKIP), and the TPU compiles elsewhere (make test runs them)"
 	$(PY) -m pytest -q -n 2 $(foreach m,$(QUICK_SKIP),--ignore=tests/$(m).py) $(QUICK_DESELECT)
 
 # The older JAX keeps its own compilation cache: one release need not read what the other wrote.
