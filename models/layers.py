@@ -157,11 +157,12 @@ class ModelConfig:
 
     def layer(self, i: int) -> "LayerAttention":
         """Layer i's attention: the model's scheme, options and window, with its kind's applied."""
-        fields = self.layer_kinds_by_name.get(self.layer_kind(i), {})
+        kind = self.layer_kind(i)
+        fields = self.layer_kinds_by_name.get(kind, {})
         scheme = fields.get("scheme", self.scheme)
         options = dict(self.scheme_options) if scheme == self.scheme else {}
         options.update(dict(fields.get("scheme_options", ())))
-        where = f"model.layer_kinds.{self.layer_kind(i)}" if fields else "model"
+        where = f"model.layer_kinds.{kind}" if fields else "model"
         window = fields.get("window", self.window)
         if isinstance(window, bool) or not isinstance(window, int) or window < 0:
             raise ValueError(f"{where}.window={window!r} (layer {i}) must be an int >= 0: 0 for none, W for a "

@@ -186,7 +186,11 @@ LOWERED = {"plain": lambda t: (None, None),
                {"kerple_r1": jnp.ones(4), "kerple_r2": jnp.ones(4)}, jnp.arange(t)[None]), None),
            "tapa+alibi": lambda t: (make_scheme("alibi", num_heads=4, head_dim=128).bias_fn(None, None),
                                     tapa_score_fn(128)),
-           "table": lambda t: (distance_table(jnp.ones((1, 4, 32))), None)}
+           "table": lambda t: (distance_table(jnp.ones((1, 4, 32))), None),
+           "window+sinks": lambda t: (None, None)}
+# Options of a variant beside its hooks: a sliding window (tiles outside it skipped, on TPU their
+# index maps clamped) and sink logits (merged when a row is done).
+OPTIONS = {"window+sinks": dict(window=300, sink=jnp.linspace(-1.0, 1.0, 4))}
 
 
 def test_triton_kernels_are_read_back_from_the_exported_module():
@@ -228,7 +232,7 @@ def test_kernels_lower_for_gpu_and_tpu(platform, call, monkeypatch):
     for name, make in LOWERED.items():
         def f(q, k, v):
             bias, score = make(t)
-            return fused_attention(q, k, v, bias_fn=bias, score_fn=score)
+            return fused_attention(q, k, v, bias_fn=bias, score_fn=score, **OPTIONS.get(name, {}))
         grad = jax.grad(lambda q, k, v: f(q, k, v).astype(jnp.float32).sum(), (0, 1, 2))
         assert lowered(f, q, k, k, platforms=[platform]).count(call) == 1, name
         assert lowered(grad, q, k, k, platforms=[platform]).count(call) == 3, name
@@ -247,7 +251,8 @@ def test_kernels_compile_for_tpu(topology):
     for name, make in LOWERED.items():
         def loss(q, k, v):
             bias, score = make(t)
-            return fused_attention(q, k, v, bias_fn=bias, score_fn=score).astype(jnp.float32).sum()
+            return fused_attention(q, k, v, bias_fn=bias, score_fn=score,
+                                   **OPTIONS.get(name, {})).astype(jnp.float32).sum()
         compiled = compiled_for(jax.grad(loss, (0, 1, 2)), q, k, k, topology=topology)
         assert compiled.as_text().count("tpu_custom_call") >= 3, name
 
