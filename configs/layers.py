@@ -2,7 +2,14 @@
 model, same budget, trained at 128 tokens and evaluated to 64x (perplexity) and 16x (retrieval).
 
     python train.py --config configs/layers.py:rnope_swa
-    python sweep.py --config configs/layers.py --seeds=0,1,2,3,4 --out=runs/layers
+    python sweep.py --config configs/layers.py --seeds=0,1,2,3,4 --out=runs/layers --evals=
+    python eval.py --workdirs=<the 25 runs> --out=runs/layers/eval --evals=lengths,retrieval \
+        --within_documents=true --retrieval_tasks=passkey,single \
+        --retrieval_lengths=64,128,256,512,1024,2048 --decode_max_length=512
+
+Every training row is a passkey example whose haystack is the row's own text, each answer digit
+weighted 20x in the loss (the recipe that teaches a small model to copy, docs/results/
+retrieval_mix.md), so one run gives both perplexity on the corpus and retrieval.
 
 Every arm has the same 12 layers of width 64 (4 heads of 16), data order, step budget and seed;
 only each layer's scheme, RoPE base and window differ (docs/schemes.md, "Attention per layer"):
@@ -40,7 +47,8 @@ def get_config(arg: str | None = None):
     c.model.update(d_model=64, num_layers=12, num_heads=4, layer_kinds=kinds, layer_pattern=pattern,
                    scheme_options=options, window=WINDOW if arm == "rope_swa" else 0)
     c.seq_len, c.batch_size = 128, 16
-    c.train.update(steps=600, warmup_steps=50, lr=3e-3, log_every=50, checkpoint_every=200)
+    c.data.update(retrieval_mix=1.0, retrieval_tasks="passkey", retrieval_answer_weight=20.0)
+    c.train.update(steps=800, warmup_steps=50, lr=3e-3, log_every=50, checkpoint_every=200)
     c.eval.update(multipliers=(0.5, 1, 2, 4, 8, 16, 32, 64), tokens=16384, batch_size=8, blockwise_from=1024)
     c.workdir = f"runs/layers/{arm}"
     return c
