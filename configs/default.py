@@ -42,6 +42,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         sinks=False,  # a learned sink logit per head in each row's softmax (gpt-oss)
         init="normal",  # linear layers: "normal" N(0, 1/fan_in) weights, zero biases; "torch" (models/layers.py)
         norm_eps=1e-6,  # RMSNorm epsilon
+        norms="pre",  # "pre" | "post" (OLMo 2) | "sandwich" (Gemma 2/3): where each block's norms sit
+        norm_offset=0.0,  # norms scale by offset + their learned scale (Gemma: 1.0)
+        mlp_act="silu",  # the gated MLP's activation: "silu" (SwiGLU) | "gelu_tanh" (Gemma's GeGLU)
+        embed_scale=False,  # embeddings times sqrt(d_model) (Gemma)
+        scale_dim=0,  # attention logits q.k / sqrt(scale_dim); 0: head_dim (Gemma's query_pre_attn_scalar)
         attention_impl="auto",  # the fastest valid per platform (positional/attention.py), or by name:
         # 'reference' | 'blockwise' | 'ring' | 'pallas' | 'cudnn' | 'splash
         block_size=512,

@@ -48,9 +48,20 @@ from configs import default
 from data.tokenizers import PretrainedTokenizer, read_json, tokenizer_files
 from lab.checkpoints import checkpoint_manager, identity, save
 from lab.state import check_config, init_state, make_mesh
+from models.registry import get_entry
 
-SUPPORTED = ("llama", "mistral", "qwen2")
-ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "olmo2", "gemma3_text", "phi3")
+# What each family's block adds to Llama's (models/layers.py's ModelConfig fields); Gemma 3's
+# scale_dim is its query_pre_attn_scalar.
+FAMILY_FIELDS = {
+    "qwen2": {"qkv_bias": True},
+    "qwen3": {"qk_norm": "head"},
+    "olmo2": {"qk_norm": "projection", "norms": "post"},
+    "gemma3_text": {"qk_norm": "head", "norms": "sandwich", "norm_offset": 1.0, "mlp_act": "gelu_tanh",
+                    "embed_scale": True},
+}
+ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # HF's hidden_act -> model.mlp_act
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope", "su")  # su: LongRoPE's older name
 DTYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype(jnp.bfloat16),
           "F64": np.dtype("<f8")}
 # Tensors a checkpoint may hold that the model does not need: rotary frequencies older
@@ -141,23 +152,22 @@ def read_hf_config(directory: str) -> dict:
     return read_json(path, ValueError)
 
 
-def rope_options(hf: dict, where: str) -> dict:
+def rope_options(hf: dict, where: str, params: dict | None = None) -> dict:
     """Options of this project's "rope" scheme for the RoPE of an HF config: rope_theta and
-    rope_scaling (transformers 4.x) or rope_parameters (5.x)."""
-    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
-    if params and all(isinstance(v, dict) for v in params.values()):
-        raise ValueError(f"{where}: RoPE parameters per layer type ({', '.join(params)}) are not supported")
+    rope_scaling (transformers 4.x) or rope_parameters (5.x); `params` those of one layer type."""
+    if params is None:
+        params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
     kind = params.get("rope_type", params.get("type", "default"))
     if kind not in ROPE_TYPES:
         raise ValueError(f"{where}: unsupported rope_scaling type {kind!r}; supported: {', '.join(ROPE_TYPES)}")
-    partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
-    if partial not in (None, 1, 1.0):
-        raise ValueError(f"{where}: partial_rotary_factor={partial} (RoPE on part of each head) is not supported")
     max_len = hf["max_position_embeddings"]
     # HF gives a top-level original_max_position_embeddings (Phi-3's layout) priority.
     original = int(hf.get("original_max_position_embeddings")
                    or params.get("original_max_position_embeddings", max_len))
     options = {"base": float(params.get("rope_theta", hf.get("rope_theta", 10000.0))), "layout": "half"}
+    partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor")) or 1.0
+    if partial != 1:  # the first int(D x partial) dims rotate, with their own frequencies (HF's)
+        options["rotary_dim"] = int((hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]) * partial)
     if kind == "linear":
         options |= {"scaling": "pi", "factor": float(params["factor"])}
     elif kind == "dynamic":
@@ -166,6 +176,13 @@ def rope_options(hf: dict, where: str) -> dict:
         options |= {"scaling": "llama3", "factor": float(params["factor"]),
                     "low_freq_factor": float(params["low_freq_factor"]),
                     "high_freq_factor": float(params["high_freq_factor"]), "original_max_len": original}
+    elif kind in ("longrope", "su"):
+        factor = float(params.get("factor") or max_len / original)
+        options |= {"scaling": "longrope", "factor": factor, "original_max_len": original,
+                    "short_factor": tuple(map(float, params["short_factor"])),
+                    "long_factor": tuple(map(float, params["long_factor"]))}
+        if params.get("attention_factor") is not None:
+            options["attention_factor"] = float(params["attention_factor"])
     elif kind == "yarn":
         factor = float(params.get("factor") or max_len / original)
         options |= {"scaling": "yarn", "factor": factor, "original_max_len": original,
@@ -191,51 +208,132 @@ def model_fields(hf: dict, where: str) -> dict:
     """The model config fields of this project for an HF config (`where` names it in errors)."""
     kind = hf.get("model_type")
     if kind not in SUPPORTED:
-        raise ValueError(f"{where}: unsupported model_type {kind!r}; supported: {', '.join(SUPPORTED)}")
-    if hf.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"{where}: hidden_act {hf['hidden_act']!r}; the MLP is SwiGLU (silu)")
+        hint = (" (the multimodal Gemma 3: import a text-only gemma3_text checkpoint)" if kind == "gemma3" else "")
+        raise ValueError(f"{where}: unsupported model_type {kind!r}{hint}; supported: {', '.join(SUPPORTED)}")
+    act = hf.get("hidden_activation") or hf.get("hidden_act") or "silu"
+    if act not in ACTIVATIONS:
+        raise ValueError(f"{where}: hidden activation {act!r}; the gated MLP takes {', '.join(ACTIVATIONS)}")
     for flag, what in (("attention_bias", "q, k, v and o"), ("mlp_bias", "the MLP's")):
-        if kind == "llama" and hf.get(flag):
+        if kind != "qwen2" and hf.get(flag):
             raise ValueError(f"{where}: {flag}=true (biases on {what} projections) is not supported")
+    for flag in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if hf.get(flag):
+            raise ValueError(f"{where}: {flag}={hf[flag]} (a tanh cap on the logits, Gemma 2's) is not supported")
+    if hf.get("use_bidirectional_attention"):
+        raise ValueError(f"{where}: use_bidirectional_attention=true (an encoder) is not supported: the model is "
+                         "causal")
     heads = hf["num_attention_heads"]
+    extra = {"qkv_bias": False, "qk_norm": "none", "norms": "pre", **FAMILY_FIELDS.get(kind, {})}
+    if kind == "gemma3_text":
+        extra["scale_dim"] = int(hf.get("query_pre_attn_scalar") or 0)
     return {"vocab_size": hf["vocab_size"], "d_model": hf["hidden_size"], "num_layers": hf["num_hidden_layers"],
             "num_heads": heads, "num_kv_heads": hf.get("num_key_value_heads") or heads,
             "head_dim": hf.get("head_dim") or hf["hidden_size"] // heads, "mlp_dim": hf["intermediate_size"],
-            "scheme": "rope", "scheme_options": rope_options(hf, where),
             "tie_embeddings": bool(hf.get("tie_word_embeddings", False)), "scale_tied_logits": False,
-            "qkv_bias": kind == "qwen2", "norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
-            **window_fields(layer_windows(hf, where))}
+            "norm_eps": float(hf.get("rms_norm_eps", 1e-6)), "mlp_act": ACTIVATIONS[act], **extra,
+            **layer_fields(layer_attention(hf, where))}
 
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
-def layer_windows(hf: dict, where: str) -> list[int]:
-    """Each layer's sliding window (0: full attention) as transformers builds the model: Mistral's
-    `sliding_window` in every layer; Qwen2's, where use_sliding_window, in the layers its
-    `layer_types` say (else those from max_window_layers on); none in Llama's."""
+def layer_types(hf: dict, where: str) -> list[str]:
+    """Each layer's type, full or sliding attention, as transformers builds the model: Mistral's
+    and Phi-3's `sliding_window` in every layer; Qwen2's, Qwen3's and SmolLM3's, where
+    use_sliding_window, in the layers `layer_types` says (else those from max_window_layers on);
+    Gemma 3's as `layer_types` says (else every sliding_window_pattern-th layer full); none in
+    Llama's and OLMo 2's."""
     n, kind = hf["num_hidden_layers"], hf.get("model_type")
-    window = hf.get("sliding_window") or 0
-    if kind == "mistral":
-        return [window] * n
-    if kind != "qwen2" or not hf.get("use_sliding_window") or not window:
-        return [0] * n
-    first = hf.get("max_window_layers", n)
-    types = hf.get("layer_types") or [LAYER_TYPES[i >= first] for i in range(n)]
+    if not hf.get("sliding_window"):
+        return ["full_attention"] * n
+    if kind in ("mistral", "phi3"):
+        return ["sliding_attention"] * n
+    if kind == "gemma3_text":
+        every = hf.get("sliding_window_pattern") or hf.get("_sliding_window_pattern") or 6
+        types = hf.get("layer_types") or [LAYER_TYPES[(i + 1) % every != 0] for i in range(n)]
+    elif kind in ("qwen2", "qwen3", "smollm3") and hf.get("use_sliding_window"):
+        first = hf.get("max_window_layers", n)
+        types = hf.get("layer_types") or [LAYER_TYPES[i >= first] for i in range(n)]
+    else:
+        return ["full_attention"] * n
     unknown = sorted(set(types) - set(LAYER_TYPES))
     if unknown or len(types) != n:
         raise ValueError(f"{where}: layer_types {unknown or types} cannot be imported: the importer takes one of "
                          f"{', '.join(LAYER_TYPES)} per layer ({n} layers)")
-    return [window if t == "sliding_attention" else 0 for t in types]
+    return list(types)
 
 
-def window_fields(windows: list[int]) -> dict:
-    """The model config fields of per-layer windows: one `window` where every layer has the same,
-    else a kind "sliding" set on the windowed layers (models/layers.py)."""
-    if len(set(windows)) <= 1:
-        return {"window": windows[0] if windows else 0}
-    return {"window": 0, "layer_kinds": {"sliding": {"window": max(windows)}},
-            "layer_overrides": ",".join(f"{i}=sliding" for i, w in enumerate(windows) if w)}
+def layer_attention(hf: dict, where: str) -> list[dict]:
+    """Each layer's attention as {scheme, scheme_options, window}: RoPE with the options of its
+    layer type (Gemma 3's local and global bases), its window, and no RoPE in SmolLM3's layers
+    whose `no_rope_layers` entry is 0."""
+    n, types = hf["num_hidden_layers"], layer_types(hf, where)
+    params = dict(hf.get("rope_parameters") or {})
+    per_type = bool(params) and all(isinstance(v, dict) for v in params.values())
+    unknown = sorted(set(params) - set(LAYER_TYPES)) if per_type else []
+    if unknown:
+        raise ValueError(f"{where}: RoPE parameters for the layer type(s) {unknown}; the importer knows "
+                         f"{', '.join(LAYER_TYPES)}")
+    full = rope_options(hf, where, params.get("full_attention") if per_type else None)
+    if per_type and "sliding_attention" in params:
+        local = rope_options(hf, where, params["sliding_attention"])
+    elif hf.get("rope_local_base_freq"):  # Gemma 3 in the transformers 4.x layout: plain RoPE
+        local = {"base": float(hf["rope_local_base_freq"]), "layout": "half"}
+    else:
+        local = full
+    rope = hf.get("no_rope_layers") or [1] * n
+    if len(rope) != n:
+        raise ValueError(f"{where}: no_rope_layers has {len(rope)} entries for {n} layers")
+    window = hf.get("sliding_window") or 0
+    return [{"scheme": "rope" if rope[i] else "nope",
+             "scheme_options": (local if sliding else full) if rope[i] else {},
+             "window": window if sliding else 0}
+            for i, sliding in enumerate(t == "sliding_attention" for t in types)]
+
+
+def layer_fields(layers: list[dict]) -> dict:
+    """The model config fields of per-layer attention (models/layers.py): the model's scheme,
+    options and window are the commonest full-attention layer's (the commonest layer's if every
+    layer has a window); every other layer gets a kind, "sliding" (a window), "nope" (another
+    scheme) or "layer" (other options), numbered where two differ, set by `layer_overrides`; a
+    kind sets the fields where its layers differ from the model's (its scheme options whole, so
+    none of the model's carries over)."""
+    def key(layer):
+        return json.dumps(layer, sort_keys=True)
+
+    counts = {}
+    for layer in layers:
+        counts[key(layer)] = counts.get(key(layer), 0) + 1
+    full = [k for k in counts if not json.loads(k)["window"]] or list(counts)
+    base = json.loads(max(full, key=lambda k: counts[k]))
+    fields = {"scheme": base["scheme"], "scheme_options": base["scheme_options"], "window": base["window"],
+              "layer_kinds": {}, "layer_overrides": ""}
+    names, overrides = {}, []
+    for i, layer in enumerate(layers):
+        if key(layer) == key(base):
+            continue
+        if key(layer) not in names:
+            name = "sliding" if layer["window"] else layer["scheme"] if layer["scheme"] != base["scheme"] else "layer"
+            name = name if name not in fields["layer_kinds"] else f"{name}{len(fields['layer_kinds'])}"
+            names[key(layer)] = name
+            kind = {"scheme": layer["scheme"]} if layer["scheme"] != base["scheme"] else {}
+            if layer["window"] != base["window"]:
+                kind["window"] = layer["window"]
+            if not kind.get("scheme") and layer["scheme_options"] != base["scheme_options"]:
+                kind["scheme_options"] = _all_options(layer, base)
+            fields["layer_kinds"][name] = kind
+        overrides.append(f"{i}={names[key(layer)]}")
+    fields["layer_overrides"] = ",".join(overrides)
+    return fields
+
+
+def _all_options(layer: dict, base: dict) -> dict:
+    """A layer's scheme options with every option the model's carries that it does not set given
+    the scheme's default, so that the kind's options are the layer's own (models/layers.py: a
+    kind of the model's scheme updates the model's options)."""
+    defaults = {f.name: f.default for f in dataclasses.fields(get_entry(layer["scheme"]).scheme_cls)}
+    return {**{k: defaults[k] for k in base["scheme_options"] if k not in layer["scheme_options"]},
+            **layer["scheme_options"]}
 
 
 def run_config(hf: dict, where: str, workdir: str, seq_len: int = 0,
@@ -258,36 +356,60 @@ def run_config(hf: dict, where: str, workdir: str, seq_len: int = 0,
     return config
 
 
-def hf_name(path) -> tuple[str, bool]:
-    """(HF tensor name, whether it is transposed) of the parameter at `path` of DecoderLM."""
+# Each block's modules by the HF name of each family's (models/layers.py's Block and Attention);
+# the norms by where `model.norms` puts them.
+MODULES = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
+           "q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm",
+           "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
+NORM_MODULES = {"pre": {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"},
+                "post": {"attn_norm": "post_attention_layernorm", "mlp_norm": "post_feedforward_layernorm"},
+                "sandwich": {"attn_norm": "input_layernorm", "attn_post_norm": "post_attention_layernorm",
+                             "mlp_norm": "pre_feedforward_layernorm", "mlp_post_norm": "post_feedforward_layernorm"}}
+# Phi-3 keeps q, k, v in one tensor and gate, up in another: (fused module, its part before this one).
+FUSED = {"q": ("self_attn.qkv_proj", ()), "k": ("self_attn.qkv_proj", ("q",)), "v": ("self_attn.qkv_proj", ("q", "k")),
+         "gate": ("mlp.gate_up_proj", ()), "up": ("mlp.gate_up_proj", ("gate",))}
+
+
+def hf_name(path, cfg, fused: bool = False) -> tuple[str, bool, slice | None]:
+    """(HF tensor name, whether it is transposed, the rows of it that are this parameter or None
+    for all) of the parameter at `path` of DecoderLM whose model config (with every size given,
+    as an import's) is `cfg`; `fused`: q, k, v and gate, up in Phi-3's fused tensors."""
     keys = tuple(str(getattr(k, "key", k)) for k in path)
     top = {("embed", "embedding"): "model.embed_tokens.weight", ("norm", "scale"): "model.norm.weight",
            ("head", "kernel"): "lm_head.weight"}
     if keys in top:
-        return top[keys], keys[-1] == "kernel"
+        return top[keys], keys[-1] == "kernel", None
     layer, *rest = keys[1:]
-    module = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm",
-              "q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
-              "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}[rest[-2]]
-    return f"model.layers.{layer}.{module}.{'bias' if rest[-1] == 'bias' else 'weight'}", rest[-1] == "kernel"
+    part, leaf, rows = rest[-2], "bias" if rest[-1] == "bias" else "weight", None
+    module = NORM_MODULES[cfg.norms].get(part) or MODULES[part]
+    if fused and part in FUSED:
+        module, before = FUSED[part]
+        size = {"q": cfg.num_heads, "k": cfg.num_kv_heads, "v": cfg.num_kv_heads}
+        size = {k: n * cfg.head_dim for k, n in size.items()} | {"gate": cfg.mlp_dim, "up": cfg.mlp_dim}
+        start = sum(size[b] for b in before)
+        rows = slice(start, start + size[part])
+    return f"model.layers.{layer}.{module}.{leaf}", rest[-1] == "kernel", rows
 
 
-def place_params(tensors: dict[str, Tensor], abstract, directory: str, tied: bool):
+def place_params(tensors: dict[str, Tensor], abstract, directory: str, cfg, fused: bool = False):
     """The parameters `abstract` describes (ShapeDtypeStructs with shardings), read from
-    `tensors`: each device reads its own slice, converted to the parameter's dtype."""
+    `tensors`: each device reads its own slice, converted to the parameter's dtype. `cfg` is
+    the imported run's model config; `fused` as `hf_name`."""
     used = set()
 
     def place(path, target):
-        name, transpose = hf_name(path)
+        name, transpose, rows = hf_name(path, cfg, fused)
         if name not in tensors:
             raise ValueError(f"missing tensor {name} in {directory}: its config.json describes a model that has it")
         t = tensors[name]
         expected = target.shape[::-1] if transpose else target.shape
-        if t.shape != tuple(expected):
+        shape = t.shape if rows is None else (min(rows.stop, t.shape[0]) - rows.start, *t.shape[1:])
+        if tuple(shape) != tuple(expected):
             raise ValueError(f"tensor {name} in {t.file} has shape {list(t.shape)}; config.json gives "
-                             f"{list(expected)}")
+                             f"{list(expected)}" + ("" if rows is None else f" from its rows {rows.start}.."
+                                                    f"{rows.stop - 1}"))
         used.add(name)
-        source = t.array()
+        source = t.array() if rows is None else t.array()[rows]
 
         def read(index):  # index: slices of the parameter, whose axes are the tensor's reversed if transposed
             part = source[index[::-1]].T if transpose else source[index]
@@ -296,6 +418,7 @@ def place_params(tensors: dict[str, Tensor], abstract, directory: str, tied: boo
         return jax.make_array_from_callback(target.shape, target.sharding, read)
 
     params = jax.tree_util.tree_map_with_path(place, abstract)
+    tied = cfg.tie_embeddings
     extra = sorted(n for n in set(tensors) - used if not IGNORED.search(n) and not (tied and n == "lm_head.weight"))
     if extra:
         raise ValueError(f"tensor {extra[0]} in {tensors[extra[0]].file} has no place in the model config.json "
@@ -390,7 +513,7 @@ def import_checkpoint(source: str, workdir: str, *, seq_len: int = 0, param_dtyp
     placement = ml_collections.ConfigDict(dict(mesh=dict(data=1, fsdp=fsdp, tensor=tensor, sequence=1)))
     mesh = make_mesh(placement)
     _, _, _, _, abstract = init_state(config, config.model.vocab_size, mesh, abstract=True)
-    params = place_params(tensors, abstract["params"], source, config.model.tie_embeddings)
+    params = place_params(tensors, abstract["params"], source, config.model, fused=hf["model_type"] == "phi3")
     step = jax.device_put(jnp.zeros((), jnp.int32), NamedSharding(mesh, P()))
     _write_run(workdir, config, {"params": params, "step": step}, source, files)
     notes = []

@@ -1,5 +1,6 @@
 """The layers of the decoder LM and the Sessa macro-block: the model config, the attention
-layer under any registered position scheme, the SwiGLU MLP and the pre-norm block.
+layer under any registered position scheme, the gated MLP and the block (pre-norm, or the
+norms of OLMo 2 and Gemma: `ModelConfig.norms`).
 
 Layers need not share one attention. Each layer's scheme, scheme options and sliding window
 (`LayerAttention`) are the model's (`scheme`, `scheme_options`, `window`) unless its kind says
@@ -39,6 +40,10 @@ INITS = ("normal", "torch")
 # "head" over each head's D dimensions (Qwen3, Gemma 3), "projection" over the whole projection,
 # H x D or K x D (OLMo 2).
 QK_NORMS = ("none", "head", "projection")
+# Where each block's norms sit: "pre" x + f(norm(x)) (Llama); "post" x + norm(f(x)) (OLMo 2);
+# "sandwich" x + norm'(f(norm(x))), a norm before and after each sublayer (Gemma 2/3).
+NORMS = ("pre", "post", "sandwich")
+MLP_ACTS = {"silu": nnx.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True)}  # the gate's activation
 KIND_FIELDS = ("scheme", "scheme_options", "window")
 REMAT_POLICIES = {"none": None, "block": jax.checkpoint_policies.nothing_saveable,
                   "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
@@ -69,6 +74,13 @@ class ModelConfig:
     qk_norm: str = "none"  # QK_NORMS
     sinks: bool = False  # a learned sink logit per head in every row's softmax normaliser (gpt-oss)
     norm_eps: float = 1e-6  # RMSNorm epsilon
+    norms: str = "pre"  # NORMS
+    norm_offset: float = 0.0  # every RMS norm scales by offset + its learned scale (Gemma: 1, the scale from 0)
+    mlp_act: str = "silu"  # MLP_ACTS: the gated MLP's activation (SwiGLU; GeGLU with tanh's GELU in Gemma)
+    embed_scale: bool = False  # embeddings times sqrt(d_model) on the way in (Gemma)
+    # Attention logits are q.k / sqrt(scale_dim) (0: head_dim), queries scaled before the scheme's
+    # transform (Gemma's query_pre_attn_scalar).
+    scale_dim: int = 0
     # Linear layers: "normal" weights N(0, 1/fan_in) and zero biases; "torch" PyTorch's nn.Linear
     # default, weights and biases U(-1/sqrt(fan_in), 1/sqrt(fan_in)) (the Sessa authors' code).
     init: str = "normal"
@@ -87,7 +99,7 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, d) -> "ModelConfig":
         d = dict(d)
-        d["scheme_options"] = tuple(sorted(dict(d.get("scheme_options", {})).items()))
+        d["scheme_options"] = _options(d.get("scheme_options", {}))
         d["mixer_options"] = tuple(sorted(dict(d.get("mixer_options", {})).items()))
         d["layer_kinds"] = tuple(sorted((name, _kind(name, fields))
                                         for name, fields in dict(d.get("layer_kinds", {})).items()))
@@ -103,6 +115,12 @@ class ModelConfig:
         if self.qk_norm not in QK_NORMS:
             raise ValueError(f"model.qk_norm={self.qk_norm!r}; valid: {', '.join(QK_NORMS)} (an RMS norm of q and k "
                              "per head, or over the whole projection)")
+        for field, value, valid in (("norms", self.norms, NORMS), ("mlp_act", self.mlp_act, MLP_ACTS)):
+            if value not in valid:
+                raise ValueError(f"model.{field}={value!r}; valid: {', '.join(valid)}")
+        if self.scale_dim < 0:
+            raise ValueError(f"model.scale_dim={self.scale_dim} must be >= 0: logits are q.k / sqrt(scale_dim), "
+                             "0 for head_dim")
         if self.mixer == "attention" and self.mixer_options:
             raise ValueError(f"model.mixer_options {dict(self.mixer_options)} set, but model.mixer='attention' "
                              "has none; they configure the Sessa macro-block mixers (models/sessa.py)")
@@ -206,8 +224,14 @@ def _kind(name: str, fields) -> tuple:
         raise ValueError(f"model.layer_kinds.{name} has unknown field(s) {unknown}; a kind sets some of "
                          f"{', '.join(KIND_FIELDS)}")
     if "scheme_options" in fields:
-        fields["scheme_options"] = tuple(sorted(dict(fields["scheme_options"]).items()))
+        fields["scheme_options"] = _options(fields["scheme_options"])
     return tuple(sorted(fields.items()))
+
+
+def _options(options) -> tuple:
+    """Scheme options as sorted (name, value) pairs, hashable: a list value (LongRoPE's factors
+    read back from config.json) as a tuple."""
+    return tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in dict(options).items()))
 
 
 def _pattern(text: str) -> list[str]:
@@ -247,8 +271,24 @@ def linear(din, dout, cfg, rngs, bias: bool = False):
     return nnx.Linear(din, dout, use_bias=bias, dtype=jnp.dtype(cfg.dtype), rngs=rngs, **inits)
 
 
-def rms_norm(cfg: ModelConfig, rngs, size: int = 0) -> nnx.RMSNorm:
-    return nnx.RMSNorm(size or cfg.d_model, epsilon=cfg.norm_eps, dtype=jnp.dtype(cfg.dtype), rngs=rngs)
+def rms_norm(cfg: ModelConfig, rngs, size: int = 0):
+    """An RMS norm over the last `size` (default d_model) dims with a learned scale; with
+    `cfg.norm_offset`, one that scales by offset + scale, the scale starting at 0."""
+    if not cfg.norm_offset:
+        return nnx.RMSNorm(size or cfg.d_model, epsilon=cfg.norm_eps, dtype=jnp.dtype(cfg.dtype), rngs=rngs)
+    return OffsetRMSNorm(size or cfg.d_model, cfg, rngs)
+
+
+class OffsetRMSNorm(nnx.Module):
+    """x / rms(x) * (offset + scale), in float32, cast to the compute dtype (Gemma's norm)."""
+
+    def __init__(self, size: int, cfg: ModelConfig, rngs):
+        self.offset, self.dtype = cfg.norm_offset, jnp.dtype(cfg.dtype)
+        self.norm = nnx.RMSNorm(size, epsilon=cfg.norm_eps, use_scale=False, dtype=jnp.float32, rngs=rngs)
+        self.scale = nnx.Param(jnp.zeros((size,), jnp.float32))
+
+    def __call__(self, x):
+        return (self.norm(x.astype(jnp.float32)) * (self.offset + self.scale[...].astype(jnp.float32))).astype(self.dtype)
 
 
 class Attention(nnx.Module):
@@ -279,6 +319,8 @@ class Attention(nnx.Module):
         k = k.reshape(b, t, self.cfg.resolved_kv_heads, d)
         if self.cfg.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
+        if self.cfg.scale_dim:
+            q = q * (d / self.cfg.scale_dim) ** 0.5
         v = self.v(x).reshape(b, t, self.cfg.resolved_kv_heads, d)
         features = None
         if self.features is not None:
@@ -310,33 +352,57 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-    """SwiGLU: W2 (silu(W1 x) * W3 x)."""
+    """A gated MLP: W2 (act(W1 x) * W3 x), SwiGLU with silu (`ModelConfig.mlp_act`)."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.act = MLP_ACTS[cfg.mlp_act]
         self.gate = linear(cfg.d_model, cfg.resolved_mlp_dim, cfg, rngs)
         self.up = linear(cfg.d_model, cfg.resolved_mlp_dim, cfg, rngs)
         self.down = linear(cfg.resolved_mlp_dim, cfg.d_model, cfg, rngs)
 
     def __call__(self, x):
-        return self.down(nnx.silu(self.gate(x)) * self.up(x))
+        return self.down(self.act(self.gate(x)) * self.up(x))
 
 
 class Block(nnx.Module):
+    """Attention then the MLP, each added to the residual stream, with norms where `cfg.norms`
+    puts them: attn_norm and mlp_norm before each sublayer ("pre", "sandwich") or after it
+    ("post"); "sandwich" adds attn_post_norm and mlp_post_norm after them."""
+
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, layer: int = 0):
+        self.norms = cfg.norms
         self.attn_norm = rms_norm(cfg, rngs)
         self.attn = Attention(cfg, rngs=rngs, layer=layer)
         self.mlp_norm = rms_norm(cfg, rngs)
         self.mlp = MLP(cfg, rngs=rngs)
+        sandwich = cfg.norms == "sandwich"
+        self.attn_post_norm = rms_norm(cfg, rngs) if sandwich else None
+        self.mlp_post_norm = rms_norm(cfg, rngs) if sandwich else None
+
+    def attn_input(self, x):
+        """What the attention sublayer reads of the residual stream x."""
+        return x if self.norms == "post" else self.attn_norm(x)
+
+    def attn_output(self, a):
+        """What the residual stream gains from the attention sublayer's output a."""
+        return self.attn_norm(a) if self.norms == "post" else a if self.attn_post_norm is None else self.attn_post_norm(a)
+
+    def mlp_part(self, x):
+        """The MLP sublayer's addition to the residual stream x."""
+        if self.norms == "post":
+            return self.mlp_norm(self.mlp(x))
+        y = self.mlp(self.mlp_norm(x))
+        return y if self.mlp_post_norm is None else self.mlp_post_norm(y)
 
     def __call__(self, x, **kw):
-        x = x + self.attn(self.attn_norm(x), **kw)
-        return x + self.mlp(self.mlp_norm(x))
+        x = x + self.attn_output(self.attn(self.attn_input(x), **kw))
+        return x + self.mlp_part(x)
 
     def init_cache(self, batch: int, max_len: int) -> dict:
         cfg = self.attn.cfg
         return self.attn.scheme.init_cache(batch, max_len, cfg.resolved_kv_heads, jnp.dtype(cfg.dtype))
 
     def decode(self, x, cache, **kw):
-        a, cache = self.attn.decode(self.attn_norm(x), cache, **kw)
-        x = x + a
-        return x + self.mlp(self.mlp_norm(x)), cache
+        a, cache = self.attn.decode(self.attn_input(x), cache, **kw)
+        x = x + self.attn_output(a)
+        return x + self.mlp_part(x), cache

@@ -1,7 +1,7 @@
 """Decoder-only LM in Flax NNX whose attention takes any registered position scheme.
 
-Pre-norm blocks: x + Attn(RMSNorm(x)), then x + SwiGLU(RMSNorm(x)); final RMSNorm; tied or
-untied output head. The decode path carries an explicit cache pytree (one scheme cache per
+Pre-norm blocks: x + Attn(RMSNorm(x)), then x + SwiGLU(RMSNorm(x)) (or the norms where
+`ModelConfig.norms` puts them); final RMSNorm; tied or untied output head. The decode path carries an explicit cache pytree (one scheme cache per
 layer) and is exact against the parallel forward.
 """
 
@@ -34,6 +34,12 @@ class DecoderLM(nnx.Module):
             self.blocks = nnx.List([MacroBlock(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
         self.norm = rms_norm(cfg, rngs)
         self.head = None if cfg.tie_embeddings else linear(cfg.d_model, cfg.vocab_size, cfg, rngs)
+
+    def embed_tokens(self, tokens) -> jax.Array:
+        """The residual stream's start: the embeddings in the compute dtype (times sqrt(d_model)
+        with `cfg.embed_scale`)."""
+        x = self.embed(tokens).astype(jnp.dtype(self.cfg.dtype))
+        return x * jnp.asarray(self.cfg.d_model ** 0.5, x.dtype) if self.cfg.embed_scale else x
 
     def project(self, x, entries=None):
         """The head on normed hidden states, in the compute dtype: [B, T, vocab], or with `entries`
@@ -72,7 +78,7 @@ class DecoderLM(nnx.Module):
             if self.cfg.mixer != "attention":
                 raise ValueError(f"key_slots moves attention keys; mixer {self.cfg.mixer!r} has none")
             extra = {"key_slots": key_slots}
-        x = self.embed(tokens).astype(jnp.dtype(self.cfg.dtype))
+        x = self.embed_tokens(tokens)
 
         def run(block, x, tokens, positions, segment_ids, rng, extra):  # arrays only: remat traces it
             return block(x, tokens=tokens, positions=positions, segment_ids=segment_ids, impl=impl, rng=rng,
@@ -84,6 +90,13 @@ class DecoderLM(nnx.Module):
             x = constrain(x, ("batch", "sequence", None))
             x = run(block, x, tokens, positions, segment_ids, _layer_key(rng, i), extra)
         return x if hidden else self.logits(x)
+
+    @property
+    def reencode_length(self) -> int | None:
+        """The shortest length past which a layer's scheme changes the angles of tokens already
+        seen (`Scheme.reencode_length`: LongRoPE), where `generate` re-encodes; None: none does."""
+        lengths = [b.attn.scheme.reencode_length for b in self.blocks if hasattr(b, "attn")]
+        return min((n for n in lengths if n is not None), default=None)
 
     def init_cache(self, batch: int, max_len: int) -> list:
         return [blk.init_cache(batch, max_len) for blk in self.blocks]
@@ -99,7 +112,7 @@ class DecoderLM(nnx.Module):
         index = cache[0]["index"]
         if not isinstance(index, jax.core.Tracer):  # under jit the caller checks (see generate)
             check_cache_room(cache_len(cache), int(index), tokens.shape[1])
-        x = self.embed(tokens).astype(jnp.dtype(self.cfg.dtype))
+        x = self.embed_tokens(tokens)
         new_cache = []
         for i, (block, c) in enumerate(zip(self.blocks, cache)):
             x, c = block.decode(x, c, tokens=tokens, rng=_layer_key(rng, i), positions=positions)
@@ -170,7 +183,9 @@ def generate(model: DecoderLM, prompt: jax.Array, max_new_tokens: int, *, rng: j
     attention scores are [prefill_chunk, max_len] per head rather than [P, max_len]: the same
     tokens as the whole prompt at once (None), up to float rounding. Except past
     original_max_len under RoPE's "dynamic" scaling, which rotates each piece, as each decoding
-    step, with the frequencies of its own length.
+    step, with the frequencies of its own length. Where a layer's scheme changes the angles of
+    tokens already seen past some length (LongRoPE: `DecoderLM.reencode_length`), the step that
+    crosses it encodes the whole sequence again, as Hugging Face's generate does.
     """
     b, p = prompt.shape
     max_len = max_len or p + max_new_tokens
@@ -210,8 +225,19 @@ def _generate(graphdef, state, prompt, rng, max_new_tokens, temperature, max_len
 
     keys = jax.random.split(sample_rng, max_new_tokens)
     new_positions = None if positions is None else jnp.moveaxis(positions[:, p:, None], 1, 0)
-    _, tokens = jax.lax.scan(step, (last, cache), (keys, new_positions))
-    return jnp.concatenate([prompt, tokens.T], axis=1)
+    # The step that feeds the token at position `at` takes the sequence past a scheme's
+    # reencode_length: there the whole sequence is encoded again (prefill from an empty cache).
+    at = model.reencode_length
+    cut = max_new_tokens if at is None or not p <= at < p + max_new_tokens else at - p
+    carry, tokens = jax.lax.scan(step, (last, cache), jax.tree.map(lambda x: x[:cut], (keys, new_positions)))
+    if cut == max_new_tokens:
+        return jnp.concatenate([prompt, tokens.T], axis=1)
+    token = pick(carry[0], keys[cut])
+    seen = jnp.concatenate([prompt, tokens.T, token[:, None]], axis=1)
+    last, cache = prefill(model, seen, model.init_cache(prompt.shape[0], max_len), rng=feature_rng,
+                          positions=None if positions is None else positions[:, :at + 1])
+    _, rest = jax.lax.scan(step, (last, cache), jax.tree.map(lambda x: x[cut + 1:], (keys, new_positions)))
+    return jnp.concatenate([seen, rest.T], axis=1)
 
 
 # A vocabulary larger than VOCAB_PER_CHUNK is scored in chunks of about that many entries (a
@@ -309,20 +335,20 @@ def attention_internals(model: DecoderLM, tokens, *, rng=None, maps: bool = True
     """
     b, t = tokens.shape
     index = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    x = model.embed(tokens).astype(jnp.dtype(model.cfg.dtype))
+    x = model.embed_tokens(tokens)
     layers = []
     for i, block in enumerate(model.blocks):
         attn, key = block.attn, _layer_key(rng, i)
-        h = block.attn_norm(x)
+        h = block.attn_input(x)
         q, k, v, features = attn.project(h, tokens, index, None, key)
         layer = {"q": q, "k": k, "v": v, "features": features}
         if maps:  # the weights under the layer's window and sinks
             logits = attn.scheme.logits(q, k, v, features, index)
             weights = causal_softmax(logits, window=attn.scheme.attention_window, sink=sink_in(features))
             layer |= {"logits": logits.reshape(b, -1, t, t), "weights": weights.reshape(b, -1, t, t)}
-        layer["out"] = attn(h, tokens=tokens, positions=index, rng=key)
+        layer["out"] = block.attn_output(attn(h, tokens=tokens, positions=index, rng=key))
         x = x + layer["out"]
-        x = x + block.mlp(block.mlp_norm(x))
+        x = x + block.mlp_part(x)
         layers.append(layer)
     return layers
 

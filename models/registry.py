@@ -184,7 +184,7 @@ register("nope_temperature", Entry(TemperedNoPE, doc="NoPE with Llama 4's query 
                                                      "floor((p + 1) / `floor_scale`)) at the query's position p"))
 register("alibi", Entry(Alibi, doc="linear distance bias, slopes 2^(-8h/H)"))
 register("rope", Entry(Rope, doc="rotary q/k; `layout` `half` or `interleaved`, `scaling` `none`, `pi`, `ntk`, "
-                                 "`yarn`, `llama3` or `dynamic`"))
+                                 "`yarn`, `llama3`, `dynamic` or `longrope`"))
 register("rope_qkv", Entry(Rope, fixed={"rotate_values": True}, doc="rotary q/k/v, head output rotated back"))
 for _steps in ("random", "learned", "hidden"):
     for _qkv in (False, True):

@@ -27,6 +27,13 @@ Extensions (`scaling`, with `factor` s and the pretraining length `original_max_
           ^ (D / (D - 2)) once T > L, plain RoPE up to L. A decoding step rotates its token
           with the frequencies of its own length, so keys cached earlier keep theirs (as in
           Hugging Face's generate); decode then differs from the parallel form past L.
+  "longrope" LongRoPE (Ding et al. 2024; Phi-3's "longrope"/"su"): theta_i / short_factor[i] for
+          calls of length T = max(position) + 1 up to L, theta_i / long_factor[i] past it (the
+          per-pair rescale factors a search found), and q and k times
+          sqrt(1 + ln s / ln L) (`attention_factor` > 0 sets it). A decoding step rotates its
+          token with the factors of its own length, as "dynamic"; `models.lm.generate`
+          re-encodes the whole sequence at the step that crosses L, as Hugging Face's generate
+          does, so that what it decodes past L equals the parallel form.
 
 HF checkpoints (Llama, Mistral, Qwen2) rotate pairs (x[i], x[i + D/2]) ("rotate_half"): the
 "half" layout, with no permutation of their q/k weights.
@@ -49,7 +56,7 @@ import numpy as np
 
 from positional.scheme import Scheme
 
-SCALINGS = ("none", "pi", "ntk", "yarn", "llama3", "dynamic")
+SCALINGS = ("none", "pi", "ntk", "yarn", "llama3", "dynamic", "longrope")
 LAYOUTS = ("half", "interleaved")
 RAMPS = ("ratio", "index", "index_exact")
 
@@ -243,7 +250,9 @@ class Rope(Scheme):
     layout: str = "half"
     rotate_values: bool = False
     ramp: str = "ratio"  # yarn: "ratio", "index" or "index_exact" (see the module docstring)
-    attention_factor: float = 0.0  # yarn: sqrt(1/t) (0: 0.1 ln factor + 1)
+    attention_factor: float = 0.0  # yarn: sqrt(1/t) (0: 0.1 ln factor + 1); longrope: (0: sqrt(1 + ln s / ln L))
+    short_factor: tuple = ()  # longrope: pair i's rescale factor up to original_max_len
+    long_factor: tuple = ()  # longrope: ... past it
     low_freq_factor: float = 1.0  # llama3: ratio L / wavelength below which theta / factor
     high_freq_factor: float = 4.0  # llama3: ... above which theta is kept
     rotary_dim: int = 0  # partial rotary: the first rotary_dim dimensions rotate (0: all of them)
@@ -260,6 +269,15 @@ class Rope(Scheme):
         if not (0 <= self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0):
             raise ValueError(f"rotary_dim={self.rotary_dim} must be an even number from 2 to head_dim="
                              f"{self.head_dim} (the dimensions of each head that rotate), or 0 for all of them")
+        for name in ("short_factor", "long_factor"):  # tuples, hashable (a config file may give lists)
+            object.__setattr__(self, name, tuple(float(f) for f in getattr(self, name)))
+        if self.scaling == "longrope" and self.rotate_values:
+            raise ValueError("longrope RoPE scaling rotates queries and keys only; rotate_values is not supported")
+        if self.scaling == "longrope" and not (len(self.short_factor) == len(self.long_factor) == self.rotary_dims // 2
+                                               and min(self.short_factor + self.long_factor) > 0):
+            raise ValueError(f"longrope RoPE scaling needs short_factor and long_factor of {self.rotary_dims // 2} "
+                             f"positive numbers each (one per rotated pair); got {len(self.short_factor)} and "
+                             f"{len(self.long_factor)}")
         self.theta  # validates the options
 
     @property
@@ -283,14 +301,37 @@ class Rope(Scheme):
         theta = self.theta
         if self.scaling == "dynamic":
             theta = dynamic_frequencies(theta, self.factor, self.original_max_len, jnp.max(positions) + 1)
+        if self.scaling == "longrope":
+            long = jnp.max(positions) + 1 > self.original_max_len
+            theta = jnp.where(long, theta / np.asarray(self.long_factor), theta / np.asarray(self.short_factor))
         return rope_angles(positions, theta)
 
     def transform(self, q, k, v, features, positions):
         angles = self.angles(positions)
-        q, k, v = self.partly(lambda q, k, v: rotate_qkv(q, k, v, angles, self.layout, self.rotate_values), q, k, v)
-        if self.scaling == "yarn":
-            q = q * jnp.asarray(yarn_attention_factor(self.factor, self.attention_factor) ** 2, q.dtype)
-        return q, k, v
+        # YaRN's and LongRoPE's temperature scales the rotated dims only (as Hugging Face's cos and
+        # sin carry it), all of them unless the rotary is partial.
+        scale = self.temperature ** 2 if self.scaling in ("yarn", "longrope") else 1.0
+
+        def turn(q, k, v):
+            q, k, v = rotate_qkv(q, k, v, angles, self.layout, self.rotate_values)
+            return (q if scale == 1.0 else q * jnp.asarray(scale, q.dtype)), k, v
+
+        return self.partly(turn, q, k, v)
+
+    @property
+    def temperature(self) -> float:
+        """The factor YaRN and LongRoPE multiply q and k by (logits by its square)."""
+        if self.scaling == "longrope":
+            if self.attention_factor > 0 or self.factor <= 1:
+                return self.attention_factor or 1.0
+            return math.sqrt(1 + math.log(self.factor) / math.log(self.original_max_len))
+        return yarn_attention_factor(self.factor, self.attention_factor)
+
+    @property
+    def reencode_length(self) -> int | None:
+        """LongRoPE: the length past which every key's angles change (short to long factors);
+        `models.lm.generate` re-encodes the sequence when decoding crosses it."""
+        return self.original_max_len if self.scaling == "longrope" else None
 
     def transform_out(self, out, features, positions):
         angles = self.angles(positions)

@@ -356,6 +356,10 @@ class Scheme:
             cache["positions"] = put(cache["positions"], positions)
         return cache, ({**features, **cached} if cached else features), cache.get("positions")
 
+    # The length past which the scheme changes the angles of tokens already seen (LongRoPE's
+    # switch of factors): `models.lm.generate` re-encodes the sequence there. None: never.
+    reencode_length = None
+
     def decode_step(self, cache: dict, q, k, v, features=None, positions=None):
         """Attend n new tokens (q, k, v: [B, n, ., D]) at positions index..index+n-1.
 

@@ -32,12 +32,13 @@ from lab.lengths import evaluate_runs
 from lab.runs import held_out_stream, load_run
 from lab.training import TrainingError, train
 from models.lm import DecoderLM, ModelConfig, generate
+from models.registry import make_scheme
 from positional.rope import dynamic_frequencies, rope_frequencies
 from helpers.tiny_setup import ROOT, cli
 
 FIXTURES = os.path.join(ROOT, "tests", "data", "hf")
 NAMES = ("llama", "llama_linear", "llama_dynamic", "llama_yarn", "mistral", "qwen2", "llama_bf16", "mistral_window",
-         "qwen2_window")
+         "qwen2_window", "qwen3", "smollm3", "olmo2", "gemma3", "phi3")
 
 
 @pytest.fixture(scope="module")
@@ -113,6 +114,71 @@ def test_sliding_windows_are_imported_per_layer(imported):
         assert np.abs(logits_of(unwindowed, e["tokens_b"]) - e["logits_b"]).max() > 1e-2
 
 
+def test_what_the_families_import(imported):
+    """Each family's block and per-layer attention as the model config says them (the logits
+    test above shows them equal to transformers; the next one that each one matters)."""
+    def model_of(name):
+        return load_run(imported[name])[0].model
+
+    qwen3, smol, olmo, gemma, phi = (model_of(n) for n in ("qwen3", "smollm3", "olmo2", "gemma3", "phi3"))
+    assert (qwen3.qk_norm, qwen3.norms, qwen3.qkv_bias, qwen3.layer_overrides) == ("head", "pre", False, "1=sliding")
+    assert (smol.layer_kinds.to_dict(), smol.layer_overrides, smol.scheme) == ({"nope": {"scheme": "nope"}}, "1=nope",
+                                                                              "rope")
+    assert (olmo.qk_norm, olmo.norms, olmo.norm_offset) == ("projection", "post", 0.0)
+    assert (gemma.norms, gemma.norm_offset, gemma.mlp_act, gemma.embed_scale, gemma.scale_dim, gemma.qk_norm) == (
+        "sandwich", 1.0, "gelu_tanh", True, 24, "head")
+    # The global layer's RoPE (base 100, linear x2) is the model's; the local kind's options whole.
+    assert dict(gemma.scheme_options) == {"base": 100.0, "layout": "half", "scaling": "pi", "factor": 2.0}
+    assert gemma.layer_kinds.to_dict() == {"sliding": {"window": 6, "scheme_options": {
+        "base": 10.0, "layout": "half", "scaling": "none", "factor": 1.0}}} and gemma.layer_overrides == "0=sliding"
+    options = dict(phi.scheme_options)
+    assert (options["scaling"], options["factor"], options["rotary_dim"], options["original_max_len"]) == (
+        "longrope", 4.0, 6, 32)
+    assert tuple(options["long_factor"]) == (1.5, 3.0, 7.0)
+    # A windowed layer decodes from a ring buffer of its window; the fixture's generation (36
+    # tokens, equal to transformers above) passes it.
+    model = load_run(imported["gemma3"])[1]
+    assert [c["k"].shape[1] for c in model.init_cache(1, 36)] == [6, 36]
+
+
+@pytest.mark.parametrize("name,field,wrong", [
+    ("gemma3", "scale_dim", 0), ("gemma3", "mlp_act", "silu"), ("gemma3", "embed_scale", False),
+    ("gemma3", "norm_offset", 0.0), ("gemma3", "layer_overrides", ""), ("smollm3", "layer_overrides", ""),
+    ("qwen3", "layer_overrides", ""), ("phi3", "scheme_options.attention_factor", 1.0),
+    ("phi3", "scheme_options.scaling", "none")])
+def test_the_fixtures_tell_each_mechanism_apart(imported, tmp_path, name, field, wrong):
+    """Without any one of a family's mechanisms (Gemma's query scale, GeGLU, scaled embeddings,
+    norms from 1, its local layers; SmolLM3's NoPE layer; Qwen3's window; Phi-3's LongRoPE and
+    its temperature; Phi-3's partial rotary is the only one its three factors fit) the logits past the window and LongRoPE's switch are far from
+    transformers'."""
+    run = tmp_path / name
+    shutil.copytree(imported[name], run)
+    saved = json.loads((run / "config.json").read_text())
+    *path, last = field.split(".")
+    target = saved["model"]
+    for key in path:
+        target = target[key]
+    target[last] = wrong
+    (run / "config.json").write_text(json.dumps(saved))
+    e = expected(name)
+    assert np.abs(logits_of(load_run(str(run))[1], e["tokens_b"]) - e["logits_b"]).max() > 1e-2
+
+
+def test_longrope_frequencies_by_hand():
+    """Phi-3's LongRoPE: theta_i / short_i up to original_max_len, / long_i past it (by the
+    call's length), q and k scaled by sqrt(1 + ln 4 / ln 32) on the rotated dims."""
+    scheme = make_scheme("rope", num_heads=1, head_dim=8, base=100.0, scaling="longrope", factor=4.0,
+                         original_max_len=32, short_factor=[1.0, 2.0, 4.0, 8.0], long_factor=(3.0, 3.0, 3.0, 3.0))
+    theta = 100.0 ** (-np.arange(4) / 4)
+    for length, factors in ((32, [1.0, 2.0, 4.0, 8.0]), (33, [3.0] * 4)):
+        angles = scheme.angles(jnp.arange(length)[None])
+        np.testing.assert_allclose(angles[0, -1, 0], (length - 1) * theta / np.array(factors), rtol=1e-6)
+    assert scheme.temperature == pytest.approx(math.sqrt(1 + math.log(4) / math.log(32)))
+    with pytest.raises(ValueError, match=r"^longrope RoPE scaling needs short_factor and long_factor of 4 positive "
+                                         r"numbers each \(one per rotated pair\); got 3 and 4$"):
+        make_scheme("rope", num_heads=1, head_dim=8, scaling="longrope", short_factor=(1, 1, 1), long_factor=(1,) * 4)
+
+
 def test_layer_types_the_importer_does_not_know_get_one_line():
     hf = {**PUBLISHED["Qwen2.5-7B-YaRN"], "use_sliding_window": True, "num_hidden_layers": 2,
           "layer_types": ["full_attention", "chunked_attention"]}
@@ -120,6 +186,19 @@ def test_layer_types_the_importer_does_not_know_get_one_line():
                                          r"importer takes one of full_attention, sliding_attention per layer") as err:
         model_fields(hf, "config.json")
     assert "\n" not in str(err.value)
+    gemma = {**PUBLISHED["Mistral-7B-v0.1"], "model_type": "gemma3_text", "num_hidden_layers": 2,
+             "hidden_activation": "gelu_pytorch_tanh"}
+    for change, message in (({"final_logit_softcapping": 30.0}, r"final_logit_softcapping=30.0 \(a tanh cap on the "
+                                                                r"logits, Gemma 2's\) is not supported"),
+                            ({"model_type": "gemma3"}, r"unsupported model_type 'gemma3' \(the multimodal Gemma 3: "
+                                                       r"import a text-only gemma3_text checkpoint\)"),
+                            ({"hidden_activation": "relu"}, r"hidden activation 'relu'; the gated MLP takes silu, "
+                                                            r"gelu_pytorch_tanh"),
+                            ({"rope_parameters": {"chunked_attention": {"rope_theta": 1.0}}},
+                             r"RoPE parameters for the layer type\(s\) \['chunked_attention'\]")):
+        with pytest.raises(ValueError, match="^config.json: " + message) as err:
+            model_fields({**gemma, **change}, "config.json")
+        assert "\n" not in str(err.value)
 
 
 def test_bf16_checkpoints_stay_bf16_and_compute_in_bf16_like_transformers(imported, tmp_path):
@@ -231,11 +310,11 @@ def test_bad_checkpoints_are_named_in_one_line(tmp_path):
     bad = copy_fixture("llama", tmp_path)
     edit_config(bad, model_type="gpt2")
     with pytest.raises(ValueError, match=r"config.json: unsupported model_type 'gpt2'; supported: llama, mistral, "
-                                         r"qwen2"):
+                                         r"qwen2, qwen3, smollm3, olmo2, gemma3_text, phi3$"):
         import_checkpoint(str(bad), run)
-    edit_config(bad, model_type="llama", rope_scaling={"rope_type": "longrope", "factor": 4.0})
-    with pytest.raises(ValueError, match=r"unsupported rope_scaling type 'longrope'; supported: default, linear, "
-                                         r"dynamic, yarn, llama3"):
+    edit_config(bad, model_type="llama", rope_scaling={"rope_type": "mrope", "factor": 4.0})
+    with pytest.raises(ValueError, match=r"unsupported rope_scaling type 'mrope'; supported: default, linear, "
+                                         r"dynamic, yarn, llama3, longrope, su$"):
         import_checkpoint(str(bad), run)
     edit_config(bad, rope_scaling=None, intermediate_size=48)
     with pytest.raises(ValueError, match=r"tensor model\.layers\.0\.mlp\.down_proj\.weight in .*model\.safetensors has "
@@ -350,7 +429,7 @@ def test_a_bad_checkpoint_is_one_line_through_run_cli(tmp_path, capsys):
         run_cli(lambda: import_checkpoint(str(bad), str(tmp_path / "run")))
     assert exit_.value.code == 1
     assert capsys.readouterr().err == (f"error: {bad / 'config.json'}: unsupported model_type 'gpt2'; supported: "
-                                       "llama, mistral, qwen2\n")
+                                       "llama, mistral, qwen2, qwen3, smollm3, olmo2, gemma3_text, phi3\n")
 
 
 def test_command_line_imports_and_eval_py_runs_on_it(tmp_path):

@@ -318,3 +318,56 @@ def test_qk_norm_normalises_queries_and_keys_before_the_scheme(qk_norm):
     np.testing.assert_allclose(jnp.concatenate([logits, last], 1), forward(x)[:, :7], atol=5e-5)
     with pytest.raises(ValueError, match=r"^model.qk_norm='both'; valid: none, head, projection"):
         ModelConfig(qk_norm="both")
+
+
+@pytest.mark.parametrize("norms", ["post", "sandwich"])
+def test_block_norms_offset_geglu_scaled_embeddings_and_query_scale(norms):
+    """OLMo 2's norms after each sublayer and Gemma's before and after, written out by hand from
+    the sublayers; Gemma's norm scale 1 + w (w from 0), GeGLU, embeddings times sqrt(d_model),
+    logits q.k / sqrt(scale_dim); decoding equals the parallel forward, and attention_internals
+    adds to the stream what the block adds."""
+    m = model(norms=norms, norm_offset=1.0, mlp_act="gelu_tanh", embed_scale=True, scale_dim=5, qk_norm="head")
+    blk = m.blocks[0]
+    assert float(jnp.abs(blk.attn_norm.scale[...]).max()) == 0.0  # the offset's scale starts at 0
+    for norm in (blk.attn_norm, blk.mlp_norm, blk.attn_post_norm, blk.mlp_post_norm):
+        if norm is not None:
+            norm.scale[...] = 0.3 * jax.random.normal(jax.random.key(3), norm.scale.shape)
+    x = tokens()
+    stream = m.embed.embedding[...][x] * 32 ** 0.5
+    np.testing.assert_allclose(m.embed_tokens(x), stream, rtol=1e-6)
+
+    def rms(a, scale):
+        return a / jnp.sqrt(jnp.mean(a * a, -1, keepdims=True) + 1e-6) * (1 + scale[...])
+
+    def mlp(h):
+        return blk.mlp.down(jax.nn.gelu(blk.mlp.gate(h), approximate=True) * blk.mlp.up(h))
+
+    def attn(h):
+        return blk.attn(h, tokens=x, positions=jnp.broadcast_to(jnp.arange(14), (2, 14)), impl="reference")
+
+    if norms == "post":
+        h = stream + rms(attn(stream), blk.attn_norm.scale)
+        want = h + rms(mlp(h), blk.mlp_norm.scale)
+    else:
+        h = stream + rms(attn(rms(stream, blk.attn_norm.scale)), blk.attn_post_norm.scale)
+        want = h + rms(mlp(rms(h, blk.mlp_norm.scale)), blk.mlp_post_norm.scale)
+    np.testing.assert_allclose(blk(stream, tokens=x, positions=jnp.broadcast_to(jnp.arange(14), (2, 14)),
+                                   impl="reference"), want, atol=1e-4)
+    np.testing.assert_allclose(lm.attention_internals(m, x)[0]["out"], h - stream, atol=1e-4)
+    # scale_dim 5: the scheme sees queries times sqrt(head_dim / 5) = sqrt(8 / 5).
+    q = blk.attn.project(stream, x, None)[0]
+    np.testing.assert_allclose(q, blk.attn.q_norm(blk.attn.q(stream).reshape(2, 14, 4, 8)) * (8 / 5) ** 0.5,
+                               rtol=1e-5, atol=1e-6)
+    forward, decode = jitted(m)
+    logits, cache = decode(x[:, :6], m.init_cache(2, 20))
+    last, _ = decode(x[:, 6:7], cache)
+    np.testing.assert_allclose(jnp.concatenate([logits, last], 1), forward(x)[:, :7], atol=5e-5)
+
+
+def test_bad_block_fields_get_one_line():
+    for field, value, message in (("norms", "middle", r"model.norms='middle'; valid: pre, post, sandwich"),
+                                  ("mlp_act", "relu", r"model.mlp_act='relu'; valid: silu, gelu_tanh"),
+                                  ("scale_dim", -1, r"model.scale_dim=-1 must be >= 0")):
+        with pytest.raises(ValueError, match="^" + message) as err:
+            ModelConfig(**{field: value})
+        assert "\n" not in str(err.value)

@@ -33,8 +33,10 @@ import sys
 
 import numpy as np
 import torch
-from transformers import (AutoModelForCausalLM, GenerationConfig, LlamaConfig, LlamaForCausalLM, MistralConfig,
-                          MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM)
+from transformers import (AutoModelForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, GenerationConfig, LlamaConfig,
+                          LlamaForCausalLM, MistralConfig, MistralForCausalLM, Olmo2Config, Olmo2ForCausalLM,
+                          Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM,
+                          SmolLM3Config, SmolLM3ForCausalLM)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SMALL = dict(hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
@@ -85,6 +87,40 @@ FIXTURES = {
                                                    use_sliding_window=True, sliding_window=6, max_window_layers=1,
                                                    rope_parameters=dict(rope_theta=100.0)),
                      torch.float32, {}, "new"),
+    # QK-norm per head before RoPE, the second layer in a window of 6.
+    "qwen3": (Qwen3ForCausalLM, Qwen3Config(**SMALL, vocab_size=64, head_dim=16, max_position_embeddings=64,
+                                            use_sliding_window=True, sliding_window=6, max_window_layers=1,
+                                            rope_parameters=dict(rope_theta=100.0)),
+              torch.float32, {}, "new"),
+    # No RoPE in the second layer (no_rope_layers 0), tied embeddings.
+    "smollm3": (SmolLM3ForCausalLM, SmolLM3Config(**SMALL, vocab_size=64, max_position_embeddings=64,
+                                                  no_rope_layers=[1, 0], pad_token_id=0,
+                                                  rope_parameters=dict(rope_theta=100.0)),
+                torch.float32, {}, "rope_type"),
+    # QK-norm over the whole projection, norms after each sublayer.
+    "olmo2": (Olmo2ForCausalLM, Olmo2Config(**SMALL, vocab_size=64, max_position_embeddings=64,
+                                            rope_parameters=dict(rope_theta=100.0)),
+              torch.float32, {}, "new"),
+    # A local layer (window 6, base 10) then a global one (base 100, linear scaling 2), the
+    # sandwich norms, GeGLU, scaled embeddings, queries scaled by 1/sqrt(24) (not head_dim 16).
+    "gemma3": (Gemma3ForCausalLM, Gemma3TextConfig(**SMALL, vocab_size=64, head_dim=16, max_position_embeddings=64,
+                                                   query_pre_attn_scalar=24, sliding_window=6,
+                                                   layer_types=["sliding_attention", "full_attention"],
+                                                   rope_parameters={"sliding_attention": dict(rope_type="default",
+                                                                                              rope_theta=10.0),
+                                                                    "full_attention": dict(rope_type="linear",
+                                                                                           rope_theta=100.0,
+                                                                                           factor=2.0)}),
+               torch.float32, {}, "new"),
+    # Fused q/k/v and gate/up tensors; LongRoPE past 32 tokens (the 40-token input and the
+    # generation cross it); three quarters of each head rotated.
+    "phi3": (Phi3ForCausalLM, Phi3Config(**SMALL, vocab_size=64, max_position_embeddings=128,
+                                         original_max_position_embeddings=32, sliding_window=None, pad_token_id=0,
+                                         rope_parameters=dict(rope_type="longrope", rope_theta=100.0,
+                                                              partial_rotary_factor=0.75,
+                                                              short_factor=[1.0, 1.3, 2.0],
+                                                              long_factor=[1.5, 3.0, 7.0])),
+             torch.float32, {}, "new"),
 }
 
 
