@@ -1,5 +1,5 @@
-"""Import a Hugging Face checkpoint of the Llama family (Llama 2 / 3.x, Mistral, Qwen2 / 2.5) as
-a run directory of this project: config.json and an orbax checkpoint at step 0 with its
+"""Import a Hugging Face checkpoint of the Llama family (Llama 2 / 3.x, Mistral, Qwen2 / 2.5, Qwen3,
+SmolLM3, OLMo 2, Gemma 3's text model, Phi-3) as a run directory of this project: config.json and an orbax checkpoint at step 0 with its
 identity, so `eval.py --workdirs=<dir>`, `lab.runs.load_run` and `train.py
 --config.init_from=<dir>` take it as they take a trained run.
 
@@ -11,16 +11,18 @@ are memory maps, and each device reads only its slice (`jax.make_array_from_call
 shardings of the abstract train state), so a model larger than one device's memory loads
 sharded (`fsdp`, `tensor`).
 
-The mapping: DecoderLM is the same network. Pre-norm RMSNorm blocks with the checkpoint's
-epsilon (`model.norm_eps`), SwiGLU (gate, up, down), grouped-query attention whose query head h
-reads key/value head h // (H / K) as in HF's repeat_kv, q/k/v biases for Qwen2
-(`model.qkv_bias`), an explicit head_dim, the embedding unscaled and a tied head unscaled
-(`model.scale_tied_logits=False`). RoPE pairs (x[i], x[i + D/2]) like HF's rotate_half: the
-"half" layout, with no permutation of the q/k weights. HF Linear weights [out, in] become
-kernels [in, out] (transposed). rope_scaling types: linear -> "pi", dynamic -> "dynamic",
-yarn -> "yarn" with HF's index ramp and attention factor, llama3 -> "llama3"
-(positional/rope.py). bf16 checkpoints stay bf16 (`train.param_dtype`), others load as fp32;
-compute is fp32 (`model.dtype`, not part of a run's identity, so config.json may change it).
+The mapping: DecoderLM is the same network. RMSNorm blocks with the checkpoint's epsilon
+(`model.norm_eps`), a gated MLP (gate, up, down), grouped-query attention whose query head h
+reads key/value head h // (H / K) as in HF's repeat_kv, what each family adds
+(`FAMILY_FIELDS`: Qwen2's q/k/v biases, QK-norm, OLMo 2's and Gemma's norms, Gemma's GeGLU and
+scales), each layer's attention (`layer_attention`: windows, RoPE per layer type, SmolLM3's NoPE
+layers), Phi-3's fused tensors read in parts (`FUSED`), an explicit head_dim, the embedding
+unscaled (but Gemma's) and a tied head unscaled (`model.scale_tied_logits=False`). RoPE pairs
+(x[i], x[i + D/2]) like HF's rotate_half: the "half" layout, with no permutation of the q/k
+weights. HF Linear weights [out, in] become kernels [in, out] (transposed). rope_scaling types:
+linear -> "pi", dynamic -> "dynamic", yarn -> "yarn" with HF's index ramp and attention factor,
+llama3 -> "llama3", longrope / su -> "longrope" (positional/rope.py); partial_rotary_factor ->
+rotary_dim. bf16 checkpoints stay bf16 (`train.param_dtype`), others load as fp32; compute is fp32 (`model.dtype`, not part of a run's identity, so config.json may change it).
 
 The checkpoint's tokenizer (tokenizer.json, else tokenizer.model, else *.tiktoken, with the files
 that name its special tokens: `data.tokenizers.tokenizer_files`) is copied into <workdir>/tokenizer
