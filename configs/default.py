@@ -32,6 +32,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         scheme=scheme,
         scheme_options=ml_collections.ConfigDict({}),  # e.g. {'base': 5e5, 'scaling': 'yarn'}
         window=0,  # every layer's sliding window (0: none)
+        chunk=0,  # every layer's attention chunk (0: none): Llama 4's chunked local attention
         # Per-layer attention (models/layers.py): kinds {name: {scheme, scheme_options, window}}, a
         # pattern of them repeated over the layers ("local*5,global"), single layers ("0=global").
         layer_kinds=ml_collections.ConfigDict({}), layer_pattern="", layer_overrides="",

@@ -65,16 +65,17 @@ def check_config(config) -> None:
 
 
 def check_windows(config) -> None:
-    """For training: raise naming the first layer whose sliding window holds its whole training
-    context (seq_len), where the window would never act (an imported or evaluated run may have
-    one: it acts past seq_len there)."""
+    """For training: raise naming the first layer whose sliding window or attention chunk holds
+    its whole training context (seq_len), where it would never act (an imported or evaluated run
+    may have one: it acts past seq_len there)."""
     cfg = ModelConfig.from_dict(config.model.to_dict())
     for i, layer in enumerate(cfg.layers):
-        if layer.window >= config.seq_len:
-            where = f"model.layer_kinds.{cfg.layer_kind(i)}" if cfg.layer_kind(i) else "model"
-            raise ValueError(f"{where}.window={layer.window} (layer {i}) is not below seq_len={config.seq_len}: "
-                             f"every query's window holds its whole context, so training sees no window; "
-                             f"set a window below {config.seq_len}, or 0 for none")
+        for field, size in (("window", layer.window), ("chunk", layer.chunk)):
+            if size >= config.seq_len:
+                where = f"model.layer_kinds.{cfg.layer_kind(i)}" if cfg.layer_kind(i) else "model"
+                raise ValueError(f"{where}.{field}={size} (layer {i}) is not below seq_len={config.seq_len}: every "
+                                 f"query's {field} holds its whole context, so training sees none; set a {field} "
+                                 f"below {config.seq_len}, or 0 for none")
 
 
 def model_config(config, vocab_size: int) -> ModelConfig:

@@ -2,9 +2,10 @@
 layer under any registered position scheme, the gated MLP and the block (pre-norm, or the
 norms of OLMo 2 and Gemma: `ModelConfig.norms`).
 
-Layers need not share one attention. Each layer's scheme, scheme options and sliding window
-(`LayerAttention`) are the model's (`scheme`, `scheme_options`, `window`) unless its kind says
-otherwise: `layer_kinds` names kinds, each a dict of some of those three fields (a kind naming
+Layers need not share one attention. Each layer's scheme, scheme options, sliding window and
+attention chunk (`LayerAttention`; a layer takes a window or a chunk, Llama 4's chunked local
+attention) are the model's (`scheme`, `scheme_options`, `window`, `chunk`) unless its kind says
+otherwise: `layer_kinds` names kinds, each a dict of some of those four fields (a kind naming
 another scheme drops the model's scheme options; one naming the same scheme updates them);
 `layer_pattern` gives the kinds of the first layers, "local*5,global" (a kind n times), and
 repeats over the layers, cut where they end (Gemma 3's 26 layers: four whole patterns of six and
@@ -44,7 +45,7 @@ QK_NORMS = ("none", "head", "projection")
 # "sandwich" x + norm'(f(norm(x))), a norm before and after each sublayer (Gemma 2/3).
 NORMS = ("pre", "post", "sandwich")
 MLP_ACTS = {"silu": nnx.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True)}  # the gate's activation
-KIND_FIELDS = ("scheme", "scheme_options", "window")
+KIND_FIELDS = ("scheme", "scheme_options", "window", "chunk")
 REMAT_POLICIES = {"none": None, "block": jax.checkpoint_policies.nothing_saveable,
                   "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
 
@@ -61,6 +62,7 @@ class ModelConfig:
     scheme: str = "rope"
     scheme_options: tuple = ()  # (name, value) pairs, hashable; see `from_dict`
     window: int = 0  # every layer's sliding window (0: none) unless its kind sets one
+    chunk: int = 0  # every layer's attention chunk (0: none; Llama 4's chunked local attention) unless its kind sets one
     # Per-layer attention (the module doc): a pattern of kinds, single layers' kinds, and the kinds
     # as (kind, ((field, value), ...)) pairs, hashable (`from_dict` takes {kind: {field: value}}).
     layer_pattern: str = ""
@@ -137,9 +139,11 @@ class ModelConfig:
         if (self.layer_pattern or self.layer_overrides) and self.mixer != "attention":
             raise ValueError(f"model.layer_pattern / layer_overrides set the attention of each layer, and "
                              f"model.mixer={self.mixer!r} has one attention for every block; leave them empty")
-        if self.window and self.mixer != "attention":
-            raise ValueError(f"model.window={self.window}: the sliding window is the attention blocks', and "
-                             f"model.mixer={self.mixer!r} has none; set window 0")
+        for field in ("window", "chunk"):
+            if getattr(self, field) and self.mixer != "attention":
+                what = "sliding window" if field == "window" else "attention chunk"
+                raise ValueError(f"model.{field}={getattr(self, field)}: the {what} is the attention blocks', and "
+                                 f"model.mixer={self.mixer!r} has none; set {field} 0")
         for field, kind in [("layer_pattern", k) for k in _pattern(self.layer_pattern)] + [
                 ("layer_overrides", k) for k in _overrides(self.layer_overrides, self.num_layers).values()]:
             if kind not in kinds:
@@ -181,21 +185,28 @@ class ModelConfig:
         options = dict(self.scheme_options) if scheme == self.scheme else {}
         options.update(dict(fields.get("scheme_options", ())))
         where = f"model.layer_kinds.{kind}" if fields else "model"
-        window = fields.get("window", self.window)
+        window, chunk = fields.get("window", self.window), fields.get("chunk", self.chunk)
         if isinstance(window, bool) or not isinstance(window, int) or window < 0:
             raise ValueError(f"{where}.window={window!r} (layer {i}) must be an int >= 0: 0 for none, W for a "
                              "sliding window of W tokens (each query and the W - 1 before it)")
+        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0:
+            raise ValueError(f"{where}.chunk={chunk!r} (layer {i}) must be an int >= 0: 0 for none, C for chunked "
+                             "local attention (each query sees its own chunk of C tokens, up to itself)")
+        if window and chunk:
+            raise ValueError(f"{where} (layer {i}): window={window} and chunk={chunk}; a layer takes one of the two "
+                             "(set the other 0 in its kind)")
         try:
             entry = get_entry(scheme)
         except ValueError as e:
             raise ValueError(f"{where}.scheme (layer {i}): {e}") from None
-        if window and not entry.scheme_cls.generic_attention:
-            raise ValueError(f"{where}.window={window} (layer {i}): scheme {scheme!r} brings its own attention, which "
-                             "takes no sliding window; set window 0 for its layers")
+        if (window or chunk) and not entry.scheme_cls.generic_attention:
+            raise ValueError(f"{where}.{'window' if window else 'chunk'}={window or chunk} (layer {i}): scheme "
+                             f"{scheme!r} brings its own attention, which takes no sliding window or chunks; set it 0 "
+                             "for its layers")
         if self.sinks and not entry.scheme_cls.generic_attention:
             raise ValueError(f"model.sinks (layer {i}): scheme {scheme!r} brings its own attention, which takes no "
                              "sink logits; set model.sinks=False or use another scheme")
-        return LayerAttention(scheme, tuple(sorted(options.items())), window)
+        return LayerAttention(scheme, tuple(sorted(options.items())), window, chunk)
 
     @property
     def layers(self) -> tuple:
@@ -206,14 +217,15 @@ class ModelConfig:
 @dataclasses.dataclass(frozen=True)
 class LayerAttention:
     """One layer's attention (the module doc): a registered scheme name, its options as sorted
-    (name, value) pairs, its sliding window (0: none)."""
+    (name, value) pairs, its sliding window and its attention chunk (0: none)."""
     scheme: str
     scheme_options: tuple = ()
     window: int = 0
+    chunk: int = 0
 
     def make_scheme(self, num_heads: int, head_dim: int):
         return make_scheme(self.scheme, num_heads=num_heads, head_dim=head_dim, sliding_window=self.window,
-                           **dict(self.scheme_options))
+                           attention_chunk=self.chunk, **dict(self.scheme_options))
 
 
 def _kind(name: str, fields) -> tuple:

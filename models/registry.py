@@ -49,7 +49,7 @@ class Entry:
 
 REGISTRY: dict[str, Entry] = {}
 # The Scheme fields the layer sets, not the scheme's options.
-LAYER_FIELDS = ("num_heads", "head_dim", "biases", "sliding_window")
+LAYER_FIELDS = ("num_heads", "head_dim", "biases", "sliding_window", "attention_chunk")
 
 
 def register(name: str, entry: Entry) -> None:
@@ -124,11 +124,13 @@ def table_row(name: str) -> str:
     return f"| {' | '.join(cells)} |"
 
 
-def make_scheme(name: str, *, num_heads: int, head_dim: int, sliding_window: int = 0, **options) -> Scheme:
+def make_scheme(name: str, *, num_heads: int, head_dim: int, sliding_window: int = 0, attention_chunk: int = 0,
+                **options) -> Scheme:
     """Build the named scheme with user options (e.g. RoPE's base, scaling, factor). An option
     that the first part lacks goes to the added score-bias parts that have it ("path_fox" with
     gate_bias sets FoX's). `sliding_window` > 0: its attention within a sliding window of that
-    many tokens (positional/scheme.py), the layer's choice, not an option."""
+    many tokens; `attention_chunk` > 0: within chunks of that many (positional/scheme.py); the
+    layer's choices, not options."""
     first, *added = name.split("+")
     entry = get_entry(first)
     added = [*entry.compose, *added]
@@ -163,7 +165,7 @@ def make_scheme(name: str, *, num_heads: int, head_dim: int, sliding_window: int
         mine.update(entry.compose_fixed.get(part, {}))
         biases.append(make_scheme(part, num_heads=num_heads, head_dim=head_dim, **mine))
     return entry.scheme_cls(num_heads=num_heads, head_dim=head_dim, biases=tuple(biases), sliding_window=sliding_window,
-                            **entry.fixed, **{k: v for k, v in options.items() if k in fields})
+                            attention_chunk=attention_chunk, **entry.fixed, **{k: v for k, v in options.items() if k in fields})
 
 
 def make_features(scheme: Scheme, cfg, *, rngs):

@@ -5,7 +5,9 @@
 Implementations (same arguments, same semantics; see positional/softmax.py for the shapes and
 the bias and score hooks, and the sliding `window`, which every implementation takes and
 skips the work outside of: blocks, tiles, shards; a `sink` [H], gpt-oss's logit per head in
-every row's normaliser, reference, blockwise and pallas take, the others refuse in one line):
+every row's normaliser, reference, blockwise and pallas take, the others refuse in one line;
+a chunked window, `Chunk(C)` (Llama 4's chunked local attention), reference and blockwise take,
+and auto runs them by length on every platform):
   "reference"  materialises the [B, H, T, S] scores (positional/softmax.py);
   "blockwise"  online softmax over key blocks, O(T * block) memory (positional/softmax.py);
   "ring"       the sequence split over the `sequence` axis of the enclosing `ring_mesh`, keys
@@ -44,7 +46,7 @@ from positional.kernels.flash import fused_attention
 from positional.kernels.flash import refusal as fused_refusal
 from positional.logits import Bias
 from positional.ring import dividing, enclosing_mesh, mesh_ring_attention, ring_active
-from positional.softmax import blockwise_attention, check_window, reference_attention
+from positional.softmax import Chunk, blockwise_attention, check_window, reference_attention
 from positional.vendor import (CHANNEL_BOUND, PACKED_SEGMENTS, cudnn_attention, cudnn_call, cudnn_hopper, cudnn_present, static_int,
                                cudnn_refusal, splash_attention, splash_call, splash_refusal, widened_head_dim)
 
@@ -52,6 +54,7 @@ IMPLEMENTATIONS = {"reference": reference_attention, "blockwise": blockwise_atte
                    "ring": mesh_ring_attention, "pallas": fused_attention, "cudnn": cudnn_attention,
                    "splash": splash_attention}
 SINKS = ("reference", "blockwise", "pallas")  # the implementations that take sink logits
+CHUNKED = ("reference", "blockwise")  # ... and a chunked window
 REFERENCE_MAX = 2048  # "auto" on CPU: reference attention up to this many keys, blockwise past it
 LOG = logging.getLogger("positional.attention")
 _LOGGED: set = set()
@@ -155,6 +158,14 @@ def auto_attention(q, k, v, *, label: str = "", bias_fn=None, score_fn=None, seg
     window = check_window(window)
     kwargs = dict(bias_fn=bias_fn, score_fn=score_fn, segment_ids=segment_ids, q_offset=q_offset, scale=scale,
                   window=window, **({} if sink is None else {"sink": sink}))
+    if isinstance(window, Chunk):  # no fused form takes it yet: the same program on every platform
+        if ring_active():
+            raise ValueError("chunked local attention on a sequence mesh: the ring takes no chunks yet; split the "
+                             "mesh by data, fsdp or tensor instead (mesh.sequence=1)")
+        impl, why = by_length(k.shape[1])
+        for platform in ("cpu", "cuda", "tpu"):
+            log_choice(platform, impl, f"chunked local attention (reference and blockwise only), {why}", label)
+        return attention(q, k, v, impl=impl, block_size=block_size, **kwargs)
     if ring_active():
         if sink is not None:
             raise ValueError("sink logits on a sequence mesh: the ring takes none yet; split the mesh by data, fsdp "
@@ -253,6 +264,8 @@ def attention(q, k, v, *, impl: str = "reference", **kwargs) -> jax.Array:
         raise ValueError(f"unknown attention impl {impl!r}; valid: auto, {', '.join(sorted(IMPLEMENTATIONS))}")
     if kwargs.get("sink") is not None and impl not in SINKS:
         raise ValueError(f"impl {impl!r} takes no sink logits; use one of {', '.join(SINKS)} (or auto)")
+    if isinstance(kwargs.get("window"), Chunk) and impl not in CHUNKED:
+        raise ValueError(f"impl {impl!r} takes no chunked window; use one of {', '.join(CHUNKED)} (or auto)")
     kwargs = {name: x for name, x in kwargs.items() if not (name == "sink" and x is None)}
     if impl == "reference":
         kwargs.pop("block_size", None)

@@ -37,7 +37,8 @@ check sees an absolute bias. The decode cache keeps the positions of the cached 
 
 `sliding_window` W > 0 makes every form of the scheme attend within a sliding window: query i
 sees key j iff i - W < j <= i (the attention implementations' `window`, which skip the work
-outside it). It is the layer's, not an option of the scheme (models/registry.py `make_scheme`
+outside it); `attention_chunk` C > 0, Llama 4's chunked local attention: i sees j iff
+C floor(i / C) <= j <= i (the reference and blockwise forms, and decode). It is the layer's, not an option of the scheme (models/registry.py `make_scheme`
 takes it apart from the options); a scheme that brings its own attention takes none unless it
 declares `generic_attention`. So with sink logits: where the features hold "sink" [H] (the
 layer's learned per-head sinks, models/layers.py), every form's softmax has that one more logit
@@ -87,10 +88,10 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from positional.attention import IMPLEMENTATIONS, attention, by_length, log_ring
+from positional.attention import CHUNKED, IMPLEMENTATIONS, attention, by_length, log_ring
 from positional.ring import ring_active
 from positional.logits import Bias, Score, sum_of
-from positional.softmax import BiasFn, attention_logits, causal_softmax
+from positional.softmax import BiasFn, Chunk, attention_logits, causal_softmax
 
 Features = dict | None
 # Implementations of the generic `Scheme.transformed_attention` alone.
@@ -108,6 +109,7 @@ class Scheme:
     head_dim: int
     biases: tuple = ()  # bias-only schemes whose logit biases are added to this one's
     sliding_window: int = 0  # > 0: attend within a sliding window of this many tokens (the module doc)
+    attention_chunk: int = 0  # > 0: attend within chunks of this many tokens (the module doc)
 
     #: rotary schemes rotate pairs of dimensions and need an even head_dim.
     needs_even_head_dim = False
@@ -155,6 +157,17 @@ class Scheme:
         if isinstance(w, bool) or not isinstance(w, int) or w < 0:
             raise ValueError(f"sliding_window={w!r} must be an int >= 0 (0: no window; W: each query sees itself "
                              "and the W - 1 tokens before it)")
+        c = self.attention_chunk
+        if isinstance(c, bool) or not isinstance(c, int) or c < 0:
+            raise ValueError(f"attention_chunk={c!r} must be an int >= 0 (0: none; C: each query sees the tokens of "
+                             "its own chunk of C, up to itself)")
+        if c and w:
+            raise ValueError(f"sliding_window={w} and attention_chunk={c}: a layer takes one of the two")
+        if c and not self.generic_attention:
+            raise ValueError(f"{type(self).__name__} brings its own attention, which takes no chunks "
+                             f"(attention_chunk={c}); use chunk 0 for this layer, or another scheme")
+        if c:  # the forms that take a chunked window (positional/attention.py CHUNKED)
+            object.__setattr__(self, "impls", tuple(i for i in self.impls if i in ("auto", *CHUNKED)))
         if w and not self.generic_attention:
             raise ValueError(f"{type(self).__name__} brings its own attention, which takes no sliding window "
                              f"(sliding_window={w}); use window 0 for this layer, or a scheme with a window")
@@ -193,9 +206,9 @@ class Scheme:
 
     # ---- derived -----------------------------------------------------------------------------
     @property
-    def attention_window(self) -> int | None:
-        """The sliding window as the attention implementations take it (None: none)."""
-        return self.sliding_window or None
+    def attention_window(self) -> "int | Chunk | None":
+        """The window as the attention implementations take it: W, Chunk(C), or None."""
+        return Chunk(self.attention_chunk) if self.attention_chunk else self.sliding_window or None
 
     @property
     def adds_bias(self) -> bool:

@@ -6,7 +6,9 @@ positional/attention.py is the dispatcher that picks an implementation by name.
 Shapes: q [B, T, H, D]; k, v [B, S, K, D] with H % K == 0 (grouped-query attention: query head
 h reads key/value head h // (H // K)). Query t sits at absolute index `q_offset + t`, key s at
 index s, and query i sees key j iff j <= i (and, with segment ids, both are in the same
-segment; with a sliding `window` W, also i - j < W: the query and the W - 1 keys before it).
+segment; with a sliding `window` W, also i - j < W: the query and the W - 1 keys before it;
+with a `Chunk(C)` window, Llama 4's chunked local attention, also j >= C floor(i / C): the keys
+of the query's own chunk of C tokens, up to it).
 A `sink` [H] (fp32 logits, one per query head: gpt-oss's learned sinks) is one more logit in
 every row's softmax normaliser, with no value: the weights of a row sum to less than 1.
 `q_offset` lets the same function serve decoding, where S is the cache length.
@@ -24,6 +26,7 @@ einsums.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Callable
 
@@ -123,22 +126,51 @@ def merged(o1, lse1, o2, lse2):
     return o1 * jnp.exp(lse1 - lse)[..., None] + o2 * jnp.exp(lse2 - lse)[..., None], lse
 
 
-def check_window(window) -> int | None:
-    """A sliding window as the implementations take it: None (every earlier key) or an int >= 1;
-    ValueError, one line, otherwise. 0 means None (a config's "no window")."""
+@dataclasses.dataclass(frozen=True)
+class Chunk:
+    """Chunked local attention as a `window`: query i sees the keys j <= i of its own chunk,
+    j >= C floor(i / C) (Llama 4's attention_chunk_size). Like a sliding window of C, a query's
+    keys lie within C - 1 before it, so the blockwise form loops over as many key blocks; only
+    the reference and blockwise forms take it (`CHUNKED` in positional/attention.py)."""
+    size: int
+
+    def __post_init__(self):
+        if isinstance(self.size, bool) or not isinstance(self.size, int) or self.size < 1:
+            raise ValueError(f"chunk size {self.size!r} must be an int >= 1 (each query sees the keys of its own "
+                             "chunk of that many tokens, up to itself)")
+
+
+def window_size(window) -> int | None:
+    """How far before a query its keys can lie, plus one: W, or a chunk's C; None for no window."""
+    return window.size if isinstance(window, Chunk) else window
+
+
+def first_key(window, i):
+    """The first key query index `i` sees (before masking by segments): i - W + 1, or its
+    chunk's start."""
+    return i // window.size * window.size if isinstance(window, Chunk) else i - window + 1
+
+
+def check_window(window) -> "int | Chunk | None":
+    """A window as the implementations take it: None (every earlier key), an int >= 1 (a
+    sliding window) or a `Chunk`; ValueError, one line, otherwise. 0 means None (a config's "no
+    window")."""
     if window is None or (isinstance(window, int) and not isinstance(window, bool) and window == 0):
         return None
+    if isinstance(window, Chunk):
+        return window
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
         raise ValueError(f"window={window!r} must be an int >= 1 (each query sees itself and the window - 1 keys "
                          "before it) or None / 0 (every earlier key)")
     return window
 
 
-def causal_mask(qi, kj, seg_q, seg_k, window: int | None = None):
-    """Boolean [B or 1, 1, tq, tk]: causal, same-segment and, with a window W, i - j < W."""
+def causal_mask(qi, kj, seg_q, seg_k, window: "int | Chunk | None" = None):
+    """Boolean [B or 1, 1, tq, tk]: causal, same-segment and, with a window W, i - j < W (with a
+    `Chunk`, j at or after the start of i's chunk)."""
     m = kj[None, :] <= qi[:, None]
     if window is not None:
-        m = m & (qi[:, None] - kj[None, :] < window)
+        m = m & (kj[None, :] >= first_key(window, qi)[:, None])
     m = m[None, None]
     if seg_q is not None:
         m = m & (seg_q[:, None, :, None] == seg_k[:, None, None, :])
@@ -268,14 +300,14 @@ def blockwise_lse(q, k, v, *, bias_fn: BiasFn | None = None, segment_ids=None, k
     # Key blocks a query block loops over: all of them, or with a window those from the one
     # holding its first row's first key on (a span of (W - 1 + bq) / bk blocks, rounded up, plus
     # one for a span that does not start at a block's edge).
-    span = nk if window is None else min(nk, -(-(window - 1 + bq) // bk) + 1)
+    span = nk if window is None else min(nk, -(-(window_size(window) - 1 + bq) // bk) + 1)
 
     def query_block(iq):
         q0 = iq * bq
         qb = jax.lax.dynamic_slice_in_dim(qg, q0, bq, axis=1)
         sq = jax.lax.dynamic_slice_in_dim(seg_q, q0, bq, axis=1)
         qi = q_offset + q0 + jnp.arange(bq)
-        first = 0 if window is None else jnp.clip((q_offset + q0 - window + 1 - k_offset) // bk, 0, nk - span)
+        first = 0 if window is None else jnp.clip((first_key(window, q_offset + q0) - k_offset) // bk, 0, nk - span)
 
         def key_block(carry, ik):
             ik = first + ik

@@ -371,3 +371,28 @@ def test_bad_block_fields_get_one_line():
         with pytest.raises(ValueError, match="^" + message) as err:
             ModelConfig(**{field: value})
         assert "\n" not in str(err.value)
+
+
+def test_llama4_irope_chunked_rope_layers_and_a_tempered_nope_layer():
+    """Llama 4's pattern as a config: three RoPE layers in chunks of 4 tokens, then a global NoPE
+    layer with the position-dependent query temperature; decoding (a full cache: a chunk's keys
+    lie before the query in the chunk) equals the parallel forward past two chunk boundaries, and
+    a layer cannot take a window and a chunk at once."""
+    kinds = {"local": {"chunk": 4}, "global": {"scheme": "nope_temperature",
+                                               "scheme_options": {"floor_scale": 4, "attn_scale": 0.5}}}
+    cfg = ModelConfig.from_dict(dict(vocab_size=V, d_model=32, num_layers=4, num_heads=4, num_kv_heads=2, block_size=8,
+                                     layer_kinds=kinds, layer_pattern="local*3,global"))
+    m = DecoderLM(cfg, rngs=nnx.Rngs(0))
+    assert [(b.attn.scheme.attention_chunk, type(b.attn.scheme).__name__) for b in m.blocks] == [
+        (4, "Rope")] * 3 + [(0, "TemperedNoPE")]
+    forward, decode = jitted(m)
+    x = tokens()
+    logits, cache = decode(x[:, :3], m.init_cache(2, 14))
+    steps = [logits]
+    for t in range(3, 14):
+        logits, cache = decode(x[:, t:t + 1], cache)
+        steps.append(logits)
+    np.testing.assert_allclose(jnp.concatenate(steps, 1), forward(x), atol=5e-5)
+    with pytest.raises(ValueError, match=r"^model.layer_kinds.local \(layer 0\): window=3 and chunk=4; a layer takes "
+                                         r"one of the two"):
+        ModelConfig.from_dict(dict(layer_kinds={"local": {"chunk": 4, "window": 3}}, layer_pattern="local"))

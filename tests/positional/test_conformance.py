@@ -21,6 +21,7 @@ from positional import attention as dispatch
 from positional import vendor
 from positional.logits import Bias
 from positional.scheme import Scheme, position_values
+from positional.softmax import Chunk
 
 SCHEMES = sorted(REGISTRY) + ["rope+alibi", "so2_learned_qkv+alibi"]  # and composed with a bias
 T = 12
@@ -35,9 +36,9 @@ def tokens_of(x):
     return (jnp.abs(x[..., 0]) * 1000).astype(jnp.int32) % 16
 
 
-def make_layer(scheme, dtype="float32", window=0, sinks=False):
+def make_layer(scheme, dtype="float32", window=0, sinks=False, chunk=0):
     cfg = ModelConfig(vocab_size=16, d_model=32, num_heads=4, num_kv_heads=2, scheme=scheme,
-                      block_size=4, dtype=dtype, window=window, sinks=sinks)
+                      block_size=4, dtype=dtype, window=window, sinks=sinks, chunk=chunk)
     return Attention(cfg, rngs=nnx.Rngs(0))
 
 
@@ -52,10 +53,10 @@ def perturbed(params):
 
 
 @functools.lru_cache(maxsize=None)
-def forward(scheme, dtype="float32", window=0, sinks=False):
+def forward(scheme, dtype="float32", window=0, sinks=False, chunk=0):
     """Perturbed parameters (`perturbed`: sink logits too) and a jitted (params, x, positions,
     segment_ids, impl) -> out."""
-    graphdef, params = nnx.split(make_layer(scheme, dtype, window, sinks))
+    graphdef, params = nnx.split(make_layer(scheme, dtype, window, sinks, chunk))
     params = perturbed(params)
 
     @functools.partial(jax.jit, static_argnames="impl")
@@ -115,10 +116,20 @@ SINK_CASES = [pytest.param(s, 0, True, marks=() if s in FAST_SINKS else pytest.m
 SINK_CASES.append(pytest.param("rope", W, True))
 
 
+# Chunked local attention (Llama 4's): chunks of C = 5 over T = 12 tokens (a query sees 1 to 5
+# keys; blocks of 4 straddle chunks). In `make test` one scheme of each kind of logit.
+C = 5
+FAST_CHUNKED = {"rope", "alibi", "fox", "tapa"}
+CHUNK_CASES = [pytest.param(s, C, marks=() if s in FAST_CHUNKED else pytest.mark.slow) for s in WINDOWED]
+
+
 @pytest.mark.parametrize("scheme,window,sinks", [(s, 0, False) for s in SCHEMES] + [(s, W, False) for s in WINDOWED]
-                         + SINK_CASES)
+                         + SINK_CASES + [pytest.param(s, -C, False) for s in ("rope", "fox")])
 def test_decode_equals_parallel(scheme, window, sinks):
-    params, apply = forward(scheme, window=window, sinks=sinks)
+    """Decoding (a prefill of 5, then token by token) equals the parallel form; a negative window
+    here is a chunk of that size."""
+    window, chunk = max(window, 0), max(-window, 0)
+    params, apply = forward(scheme, window=window, sinks=sinks, chunk=chunk)
     x, pos = example()
     layer = nnx.merge(apply.graphdef, params)
     cache = layer.scheme.init_cache(2, T + 3, layer.cfg.resolved_kv_heads)
@@ -218,6 +229,33 @@ def test_implementations_agree_values_and_gradients(scheme, window, sinks, monke
         np.testing.assert_allclose(out, ref_out, atol=2e-5 * scale, rtol=RTOL)
         for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):  # per parameter, in norm
             assert np.linalg.norm(a - b) <= 1e-4 * np.linalg.norm(b) + 1e-6, (a, b)
+
+
+@pytest.mark.parametrize("scheme,chunk", CHUNK_CASES)
+def test_chunked_attention_values_and_gradients(scheme, chunk):
+    """Chunked local attention: blockwise (whose query blocks of 4 straddle chunks of 5, two
+    segments in a row) against the reference in values and gradients; each output reads its own
+    chunk up to itself and nothing before the chunk; the fused forms refuse in one line."""
+    params, apply = forward(scheme, chunk=chunk)
+    assert apply.impls == ("reference", "blockwise")  # auto, ring and the vendors left out here
+    x, pos = example(t=T + 1)
+    seg = jnp.asarray([[1] * 6 + [2] * 7, [1] * (T + 1)])
+    (_, ref_out), ref_grads = apply.value_and_grads(params, x, pos, seg, impl="reference")
+    (_, out), grads = apply.value_and_grads(params, x, pos, seg, impl="blockwise")
+    scale = max(1.0, float(np.abs(ref_out).max()))
+    np.testing.assert_allclose(out, ref_out, atol=2e-5 * scale, rtol=RTOL)
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
+        assert np.linalg.norm(a - b) <= 1e-4 * np.linalg.norm(b) + 1e-6, (a, b)
+    x, pos = example()
+    for changed_upto in (3, 7):  # tokens 0..changed_upto-1 changed: chunks [0, 5), [5, 10), [10, 12)
+        changed = x.at[:, :changed_upto].set(normal(jax.random.key(9), x[:, :changed_upto].shape))
+        a, b = apply(params, x, pos), apply(params, changed, pos)
+        first_free = -(-changed_upto // C) * C  # the first chunk wholly after the change
+        np.testing.assert_allclose(a[:, first_free:], b[:, first_free:], atol=2e-5, rtol=RTOL)
+        assert not np.allclose(a[:, changed_upto:first_free], b[:, changed_upto:first_free])
+    with pytest.raises(ValueError, match=r"^impl 'pallas' takes no chunked window; use one of reference, blockwise"):
+        dispatch.attention(x.reshape(2, T, 4, 8), x.reshape(2, T, 4, 8), x.reshape(2, T, 4, 8), impl="pallas",
+                           window=Chunk(C))
 
 
 @pytest.mark.parametrize("scheme", WINDOWED)
