@@ -323,7 +323,9 @@ class Scheme:
                   block_size=512, **decoding) -> jax.Array:
         """Attention on transformed q, k, v with this scheme's score and bias; positions [B, S] of
         the key slots (the bias reads them; None: the slot indices). `decoding`: the reference's
-        key_segment_ids, which a decode step on a ring buffer passes (`ring_step`)."""
+        key_segment_ids, which a decode step on a ring buffer passes (`ring_step`), and a window
+        other than the layer's (None: a chunked layer's ring, whose segments are its chunks)."""
+        window = decoding.pop("window", self.attention_window)
         if impl == "auto" and ring_active():
             impl = "ring"
             log_ring(type(self).__name__)
@@ -334,16 +336,18 @@ class Scheme:
         label = {"label": type(self).__name__} if impl == "auto" else {}
         sink = {} if sink_in(features) is None else {"sink": sink_in(features)}
         return attention(q, k, v, segment_ids=segment_ids, q_offset=q_offset, impl=impl,
-                         block_size=block_size, window=self.attention_window, **hooks, **label, **decoding, **sink)
+                         block_size=block_size, window=window, **hooks, **label, **decoding, **sink)
 
     # ---- decode form -------------------------------------------------------------------------
     def init_cache(self, batch: int, max_len: int, num_kv_heads: int, dtype=jnp.float32) -> dict:
         """The decode cache of up to max_len tokens: every token's key and value (and cached
-        features, and positions where a bias reads them); with a sliding window W < max_len a
-        ring buffer of the last W tokens (`ring_step`: no earlier key can reach a query), marked
-        by its entry "ring", which holds no more than W tokens whatever the sequence's length."""
-        ring = bool(self.sliding_window) and self.sliding_window < max_len
-        slots = self.sliding_window if ring else max_len
+        features, and positions where a bias reads them); with a sliding window W < max_len (or
+        an attention chunk C < max_len) a ring buffer of the last W (C) tokens (`ring_step`: no
+        earlier key can reach a query), marked by its entry "ring", which holds no more than W
+        (C) tokens whatever the sequence's length."""
+        span = self.sliding_window or self.attention_chunk
+        ring = bool(span) and span < max_len
+        slots = span if ring else max_len
         shape = (batch, slots, num_kv_heads, self.head_dim)
         cached = {}
         for part in (self, *self.biases):
@@ -398,7 +402,9 @@ class Scheme:
         """`decode_step` on a ring buffer of the last C tokens (q, k, v transformed): the cached
         keys in token order, then the n new ones, the queries at slots C .. C + n - 1 (so slots
         differ as positions do), the slots no token has been written to yet masked (key segment
-        -1); then the last min(n, C) new tokens overwrite the oldest."""
+        -1); then the last min(n, C) new tokens overwrite the oldest. A chunked layer's keys and
+        queries have their chunk's number as their segment (the chunk mask is not the same at every
+        slot, as a window's is)."""
         b, n = q.shape[:2]
         index, c = cache["index"], cache["k"].shape[1]
         order = (index - c + jnp.arange(c)) % c  # the ring slots of tokens index - C .. index - 1
@@ -413,10 +419,16 @@ class Scheme:
 
         cached = {name: view(buf, features[name]) for name, buf in cache["features"].items()}
         key_positions = view(cache["positions"], positions) if "positions" in cache else None
-        written = jnp.where(jnp.arange(c + n) >= c - index, 0, -1)
+        slots = jnp.arange(c + n)
+        written = jnp.where(slots >= c - index, 0, -1)
+        masks = {}
+        if self.attention_chunk:  # the tokens at slots: index - c + slot
+            chunk = self.attention_chunk
+            written = jnp.where(written == 0, (index - c + slots) // chunk, -1)
+            masks = {"window": None, "segment_ids": jnp.broadcast_to((index + jnp.arange(n)) // chunk, (b, n))}
         out = self.transformed_attention(q, view(cache["k"], k), view(cache["v"], v),
                                          {**features, **cached} if cached else features, positions=key_positions,
-                                         q_offset=c, key_segment_ids=jnp.broadcast_to(written, (b, c + n)))
+                                         q_offset=c, key_segment_ids=jnp.broadcast_to(written, (b, c + n)), **masks)
         new = {**cache, "k": put(cache["k"], k), "v": put(cache["v"], v), "index": index + n,
                "features": {name: put(buf, features[name]) for name, buf in cache["features"].items()}}
         if "positions" in cache:

@@ -47,7 +47,7 @@ def segment_starts(segment_ids, shape=None) -> jax.Array:
                             segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
 
 
-def check_shapes(q, k, v, segment_ids):
+def check_shapes(q, k, v, segment_ids, key_segment_ids=None):
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
         raise ValueError(f"attention expects [B, T, H, D] arrays, got q{q.shape} k{k.shape} v{v.shape}")
     if k.shape != v.shape[:3] + (k.shape[3],) or q.shape[-1] != k.shape[-1]:
@@ -55,7 +55,11 @@ def check_shapes(q, k, v, segment_ids):
                          "and query/key head_dim must match")
     if q.shape[2] % k.shape[2]:
         raise ValueError(f"num query heads {q.shape[2]} is not a multiple of num kv heads {k.shape[2]}")
-    if segment_ids is not None and (segment_ids.shape != q.shape[:2] or q.shape[1] != k.shape[1]):
+    if key_segment_ids is not None:  # the keys' own: segment_ids are the queries'
+        if key_segment_ids.shape[1] != k.shape[1] or (segment_ids is not None and segment_ids.shape[1] != q.shape[1]):
+            raise ValueError(f"key_segment_ids {key_segment_ids.shape} must be [B, S] and segment_ids "
+                             f"{None if segment_ids is None else segment_ids.shape} [B, T] (q{q.shape}, k{k.shape})")
+    elif segment_ids is not None and (segment_ids.shape != q.shape[:2] or q.shape[1] != k.shape[1]):
         raise ValueError(f"segment_ids {segment_ids.shape} must be [B, T] with T = key length "
                          f"(q{q.shape}, k{k.shape})")
 
@@ -239,7 +243,7 @@ def reference_attention(q, k, v, *, bias_fn: BiasFn | None = None, segment_ids=N
                         window: int | None = None, key_segment_ids=None, sink=None) -> jax.Array:
     """Obviously correct causal attention; materialises the [B, H, T, S] score matrix.
     key_segment_ids [B, S]: the keys' segment ids where they are not `segment_ids` (`causal_softmax`)."""
-    check_shapes(q, k, v, segment_ids)
+    check_shapes(q, k, v, segment_ids, key_segment_ids)
     p = attention_weights(q, k, bias_fn=bias_fn, segment_ids=segment_ids, q_offset=q_offset, scale=scale,
                           score_fn=score_fn, window=window, key_segment_ids=key_segment_ids, sink=sink)
     o = matmul("bkgts,bskd->btkgd", p, v, v.dtype)

@@ -375,9 +375,9 @@ def test_bad_block_fields_get_one_line():
 
 def test_llama4_irope_chunked_rope_layers_and_a_tempered_nope_layer():
     """Llama 4's pattern as a config: three RoPE layers in chunks of 4 tokens, then a global NoPE
-    layer with the position-dependent query temperature; decoding (a full cache: a chunk's keys
-    lie before the query in the chunk) equals the parallel forward past two chunk boundaries, and
-    a layer cannot take a window and a chunk at once."""
+    layer with the position-dependent query temperature; decoding (a ring buffer of 4 slots in
+    the chunked layers) equals the parallel forward past two chunk boundaries, with a prefill
+    that ends inside a chunk, and a layer cannot take a window and a chunk at once."""
     kinds = {"local": {"chunk": 4}, "global": {"scheme": "nope_temperature",
                                                "scheme_options": {"floor_scale": 4, "attn_scale": 0.5}}}
     cfg = ModelConfig.from_dict(dict(vocab_size=V, d_model=32, num_layers=4, num_heads=4, num_kv_heads=2, block_size=8,
@@ -387,6 +387,7 @@ def test_llama4_irope_chunked_rope_layers_and_a_tempered_nope_layer():
         (4, "Rope")] * 3 + [(0, "TemperedNoPE")]
     forward, decode = jitted(m)
     x = tokens()
+    assert [c["k"].shape[1] for c in m.init_cache(2, 14)] == [4, 4, 4, 14]
     logits, cache = decode(x[:, :3], m.init_cache(2, 14))
     steps = [logits]
     for t in range(3, 14):

@@ -152,6 +152,7 @@ FAST_PREFILL = {("rope", "attention"), ("path_fox", "attention"), ("so2_random_q
 PREFILL_CASES = [pytest.param(*case, 0, marks=() if case in FAST_PREFILL else pytest.mark.slow)
                  for case in [(scheme, "attention") for scheme in SCHEMES] + [("rope", "sessa"), ("rope", "mamba2")]]
 PREFILL_CASES.append(pytest.param("fox", "attention", W))  # a ring buffer of W slots (with cached features)
+PREFILL_CASES.append(pytest.param("rope", "attention", -C))  # (negative: a chunk) a ring of C slots, chunks as segments
 PROMPT = 11
 
 
@@ -161,7 +162,7 @@ def test_chunked_prefill_equals_the_whole_prompt(scheme, mixer, window):
     of 2) give the last prompt token's logits and every cache entry of the one-call prefill,
     and generate the same greedy tokens; a piece longer than the prompt is the one call."""
     cfg = ModelConfig(vocab_size=16, d_model=32, num_layers=1, num_heads=4, num_kv_heads=2, scheme=scheme,
-                      block_size=4, mixer=mixer, window=window)
+                      block_size=4, mixer=mixer, window=max(window, 0), chunk=max(-window, 0))
     graphdef, params = nnx.split(DecoderLM(cfg, rngs=nnx.Rngs(0)))
     params = perturbed(params)
     prompt = jax.random.randint(jax.random.key(3), (2, PROMPT), 0, 16)
