@@ -3,9 +3,14 @@ model, same budget, trained at 128 tokens and evaluated to 64x (perplexity) and 
 
     python train.py --config configs/layers.py:rnope_swa
     python sweep.py --config configs/layers.py --seeds=0,1,2,3,4 --out=runs/layers --evals=
-    python eval.py --workdirs=<the 25 runs> --out=runs/layers/eval --evals=lengths,retrieval \
-        --within_documents=true --retrieval_tasks=passkey,single \
-        --retrieval_lengths=64,128,256,512,1024,2048 --decode_max_length=512
+    python eval.py --workdirs=<the five arms' runs of a seed> --out=runs/layers/eval/seed<seed> \
+        --config.evals=lengths,retrieval "--config.eval_options.lengths.multipliers=(1,4,16,64)" \
+        --config.eval_options.lengths.documents=4 --config.eval_options.lengths.within_documents=True \
+        --config.eval_options.retrieval.tasks=passkey \
+        "--config.eval_options.retrieval.lengths=(128,256,512,1024,2048)" \
+        --config.eval_options.retrieval.decode_max_length=256
+
+(docs/results/layers.md: the results and how its tables were made.)
 
 Every training row is a passkey example whose haystack is the row's own text, each answer digit
 weighted 20x in the loss (the recipe that teaches a small model to copy, docs/results/
