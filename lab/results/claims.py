@@ -159,22 +159,22 @@ CLAIMS = [
      "accurate than the Transformer", "sessa_symbolsoup_curriculum.json", "sessa_scratch", "transformer_scratch", "acc",
      "all", None, "positive"),
     ("layers.md", "layers-rnope-rope-passkey-16x", "RNoPE-SWA retrieves the passkey more often than RoPE at 16x (the "
-     "hybrid paper's lead claim; 4 seeds)", "layers_passkey_seeds.json", "rnope_swa passkey", "rope passkey", "acc", 2048,
+     "hybrid paper's lead claim; 5 seeds)", "layers_passkey_seeds.json", "rnope_swa passkey", "rope passkey", "acc", 2048,
      None, "positive"),
     ("layers.md", "layers-rnope-swa-passkey-4x", "RNoPE-SWA retrieves the passkey more often than RoPE in a sliding "
-     "window at 4x (its global NoPE layers reach past the window; 4 seeds)", "layers_passkey_seeds.json",
+     "window at 4x (its global NoPE layers reach past the window; 5 seeds)", "layers_passkey_seeds.json",
      "rnope_swa passkey", "rope_swa passkey", "acc", 512, None, "positive"),
-    ("layers.md", "layers-rnope-rope-train", "RNoPE-SWA: lower perplexity than RoPE at the training length (4 seeds, 4 "
+    ("layers.md", "layers-rnope-rope-train", "RNoPE-SWA: lower perplexity than RoPE at the training length (5 seeds, 4 "
      "documents)", "layers_seeds.json", "rnope_swa", "rope", "ppl", 128, None, "negative"),
-    ("layers.md", "layers-rnope-rope-64x", "RNoPE-SWA degrades less than RoPE at 64x (4 seeds, 4 documents)",
+    ("layers.md", "layers-rnope-rope-64x", "RNoPE-SWA degrades less than RoPE at 64x (5 seeds, 4 documents)",
      "layers_seeds.json", "rnope_swa", "rope", "ratio", 8192, 128, "negative"),
-    ("layers.md", "layers-swa-rope-64x", "RoPE in a sliding window degrades less than RoPE at 64x (4 seeds, 4 documents)",
+    ("layers.md", "layers-swa-rope-64x", "RoPE in a sliding window degrades less than RoPE at 64x (5 seeds, 4 documents)",
      "layers_seeds.json", "rope_swa", "rope", "ratio", 8192, 128, "negative"),
-    ("layers.md", "layers-local-global-rope-64x", "Gemma-style local/global RoPE degrades less than RoPE at 64x (4 seeds, "
+    ("layers.md", "layers-local-global-rope-64x", "Gemma-style local/global RoPE degrades less than RoPE at 64x (5 seeds, "
      "4 documents)", "layers_seeds.json", "local_global", "rope", "ratio", 8192, 128, "negative"),
-    ("layers.md", "layers-nope-rope-64x", "NoPE degrades less than RoPE at 64x (4 seeds, 4 documents)",
+    ("layers.md", "layers-nope-rope-64x", "NoPE degrades less than RoPE at 64x (5 seeds, 4 documents)",
      "layers_seeds.json", "nope", "rope", "ratio", 8192, 128, "negative"),
-    ("layers.md", "layers-rnope-swa-64x", "RNoPE-SWA: lower perplexity than RoPE in a sliding window at 64x (4 seeds, 4 "
+    ("layers.md", "layers-rnope-swa-64x", "RNoPE-SWA: lower perplexity than RoPE in a sliding window at 64x (5 seeds, 4 "
      "documents)", "layers_seeds.json", "rnope_swa", "rope_swa", "ppl", 8192, None, "negative"),
 ]
 
